@@ -1,0 +1,13 @@
+"""shardfn: MindSpore-style functional operator sharding for PyTorch.
+
+    import shardfn as sf
+    y = sf.shard(dense_relu, in_strategy=((4, 2), None, None))(x, weight, bias)
+"""
+
+from .api import ShardedFunction, ShardedModule, explain, shard
+from .capture import CaptureError
+from .layout import Layout
+from .runtime import init
+from .strategy_search import Plan
+
+__all__ = ["CaptureError", "Layout", "Plan", "ShardedFunction", "ShardedModule", "explain", "init", "shard"]

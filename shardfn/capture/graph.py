@@ -1,0 +1,49 @@
+"""CapturedGraph: what capture hands to strategy_search."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils._pytree import TreeSpec
+
+__all__ = ["CapturedGraph", "GraphInput"]
+
+
+@dataclass(frozen=True)
+class GraphInput:
+    """One placeholder of the captured graph: a module parameter, a module buffer, or a positional tensor input."""
+
+    kind: str  # "param" | "buffer" | "input"
+    name: str  # parameter/buffer path, or "input {i}"
+    index: int  # position among the module's params/buffers, or among the positional args
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclass
+class CapturedGraph:
+    """An aten-level fx graph of ``fn`` on fake tensors of the global shapes.
+
+    Placeholders are ``inputs`` in order (parameters, buffers, then positional tensor inputs); every node carries
+    ``meta["val"]``, the fake value of its global result. The graph is forward only: backward is derived at
+    lowering. ``out_spec`` rebuilds the user's output structure from the flat list of graph outputs.
+    """
+
+    gm: torch.fx.GraphModule
+    inputs: list[GraphInput]
+    out_spec: TreeSpec
+    # positions (in the flat output list) that are tensors; the rest are constants returned as is
+    constant_outputs: dict[int, Any] = field(default_factory=dict)
+
+    @property
+    def placeholders(self) -> list[torch.fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+    @property
+    def output_nodes(self) -> list[torch.fx.Node | Any]:
+        (out,) = [n for n in self.gm.graph.nodes if n.op == "output"]
+        return list(out.args[0])

@@ -1,0 +1,323 @@
+"""Strategies <-> device mesh + DTensor placements: the one conversion shardfn uses everywhere.
+
+A *strategy* says how one tensor lies on the world's ranks. Users write it two ways (MindSpore's):
+
+* a tuple of split counts, one per tensor dim. On a world of W ranks, ``(s0, s1, ...)`` means the device
+  matrix ``(repeat, s0, s1, ...)`` in row-major rank order, ``repeat = W / prod(s)`` outermost, the tensor
+  replicated along ``repeat``. ``(4, 2)`` on 8 ranks splits dim 0 in 4 and dim 1 in 2.
+* a :class:`TensorLayout`, made by calling a :class:`Layout`: ``Layout((2, 4), ("dp", "mp"))("dp", "None")``.
+
+Both normalise to a :class:`TensorSpec`: for each tensor dim, the device-matrix *axes* that split it, outer
+split first. An axis is named by ``(size, stride)`` in row-major rank space: rank ``r`` sits at coordinate
+``(r // stride) % size`` on it. All tensors of one shard call live on one DeviceMesh, the common refinement of
+every axis they use (:func:`common_mesh`); a TensorSpec then becomes DTensor placements on that mesh
+(:func:`to_placements`) and back (:func:`from_placements`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = [
+    "Axis",
+    "Layout",
+    "MeshSpec",
+    "TensorLayout",
+    "TensorSpec",
+    "common_mesh",
+    "from_placements",
+    "normalize_strategy",
+    "spec_of_dtensor",
+    "to_placements",
+]
+
+
+@dataclass(frozen=True, order=True)
+class Axis:
+    """One device-matrix axis: ``size`` ranks, consecutive coordinates ``stride`` ranks apart."""
+
+    size: int
+    stride: int
+
+    @property
+    def span(self) -> int:
+        return self.size * self.stride
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """How one tensor lies on the world: split axes per dim (outer first) and pending-sum axes."""
+
+    dims: tuple[tuple[Axis, ...], ...]
+    partial: tuple[Axis, ...] = ()
+
+    def axes(self) -> tuple[Axis, ...]:
+        return tuple(a for d in self.dims for a in d) + self.partial
+
+    @classmethod
+    def replicated(cls, ndim: int) -> "TensorSpec":
+        return cls(((),) * ndim)
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A row-major device mesh over the whole world: axes outer first, with their names."""
+
+    axes: tuple[Axis, ...]
+    names: tuple[str, ...]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(a.size for a in self.axes)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+
+class Layout:
+    """MindSpore's Layout: a device matrix with a name per axis, called to lay out one tensor.
+
+    ``Layout((2, 4), ("dp", "mp"))`` is 8 ranks as a 2 x 4 matrix in row-major order. Calling it maps each tensor
+    dim to an axis name, ``"None"`` (not split), or a tuple of names (split over several axes, outer first):
+    ``layout("dp", "mp")``, ``layout("dp", "None")``, ``layout(("dp", "mp"), "None")``.
+    """
+
+    def __init__(self, device_matrix: Sequence[int], alias_name: Sequence[str]):
+        if not isinstance(device_matrix, (tuple, list)) or not device_matrix:
+            raise TypeError(f"Layout: device_matrix must be a non-empty tuple of ints, got {device_matrix!r}")
+        for size in device_matrix:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise TypeError(f"Layout: device_matrix entries must be positive ints, got {device_matrix!r}")
+        if not isinstance(alias_name, (tuple, list)) or len(alias_name) != len(device_matrix):
+            raise ValueError(
+                f"Layout: alias_name must name each of the {len(device_matrix)} device_matrix axes, "
+                f"got {alias_name!r}"
+            )
+        for name in alias_name:
+            if not isinstance(name, str) or not name or name == "None":
+                raise ValueError(f"Layout: alias names must be non-empty strings other than 'None', got {name!r}")
+        if len(set(alias_name)) != len(alias_name):
+            raise ValueError(f"Layout: alias_name has a repeated name: {tuple(alias_name)!r}")
+        self.device_matrix = tuple(device_matrix)
+        self.alias_name = tuple(alias_name)
+
+    def __call__(self, *tensor_map: str | tuple[str, ...]) -> "TensorLayout":
+        used: set[str] = set()
+        dims = []
+        for entry in tensor_map:
+            names = entry if isinstance(entry, tuple) else (entry,)
+            names = tuple(n for n in names if n != "None")
+            for name in names:
+                if name not in self.alias_name:
+                    raise ValueError(
+                        f"Layout{self.alias_name!r}: unknown alias {name!r} in {tensor_map!r}; "
+                        f"use one of {self.alias_name!r} or 'None'"
+                    )
+                if name in used:
+                    raise ValueError(
+                        f"Layout{self.alias_name!r}: alias {name!r} is used twice in {tensor_map!r}; "
+                        "each device axis can split a tensor at most once"
+                    )
+                used.add(name)
+            dims.append(names)
+        return TensorLayout(self.device_matrix, self.alias_name, tuple(dims))
+
+    def __repr__(self) -> str:
+        return f"Layout({self.device_matrix!r}, {self.alias_name!r})"
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """One tensor's layout on a :class:`Layout`'s device matrix: the axis names splitting each dim."""
+
+    device_matrix: tuple[int, ...]
+    alias_name: tuple[str, ...]
+    tensor_map: tuple[tuple[str, ...], ...]
+
+    def axis(self, name: str) -> Axis:
+        i = self.alias_name.index(name)
+        return Axis(self.device_matrix[i], math.prod(self.device_matrix[i + 1 :]))
+
+    def __repr__(self) -> str:
+        entries = ", ".join(repr(d[0]) if len(d) == 1 else (repr(d) if d else "'None'") for d in self.tensor_map)
+        return f"Layout({self.device_matrix!r}, {self.alias_name!r})({entries})"
+
+
+def _where(arg: str, tensor: str) -> str:
+    return f"{arg} (for {tensor})" if tensor else arg
+
+
+def normalize_strategy(
+    strategy: tuple | TensorLayout, shape: Sequence[int] | None, world_size: int, arg: str, tensor: str = ""
+) -> TensorSpec:
+    """Check one user strategy against its tensor's global shape and the world; return its TensorSpec.
+
+    ``arg`` names the argument (``"in_strategy[0]"``) and ``tensor`` the tensor, so every error says where and
+    what to change. Pure local checks: safe to run on every rank before any communication. With ``shape`` None
+    (not known yet) only the checks that do not need it run.
+    """
+    where = _where(arg, tensor)
+    if shape is None:
+        n = len(strategy.tensor_map) if isinstance(strategy, TensorLayout) else \
+            len(strategy) if isinstance(strategy, (tuple, list)) else 0
+        shape = (0,) * n  # 0 is divisible by every split count
+    shape = tuple(shape)
+    if isinstance(strategy, TensorLayout):
+        return _layout_spec(strategy, shape, world_size, where)
+    if not isinstance(strategy, (tuple, list)):
+        raise TypeError(
+            f"{where} must be a tuple of split counts (one int per tensor dim), an sf.Layout(...)(...) or None; "
+            f"got {type(strategy).__name__} {strategy!r}"
+        )
+    for s in strategy:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"{where} = {tuple(strategy)!r}: every entry must be an int split count, got {s!r}")
+        if s < 1:
+            raise ValueError(f"{where} = {tuple(strategy)!r}: split counts must be >= 1, got {s}")
+    if len(strategy) != len(shape):
+        raise ValueError(
+            f"{where} = {tuple(strategy)!r} has {len(strategy)} entries but the tensor has {len(shape)} dims "
+            f"(shape {shape}); give one split count per dim, e.g. {(1,) * len(shape)!r}"
+        )
+    total = math.prod(strategy)
+    if world_size % total:
+        raise ValueError(
+            f"{where} = {tuple(strategy)!r} splits over {total} devices, which does not divide the world size "
+            f"{world_size}; choose split counts whose product divides {world_size}"
+        )
+    dims = []
+    for d, (size, split) in enumerate(zip(shape, strategy)):
+        if size % split:
+            raise ValueError(
+                f"{where} = {tuple(strategy)!r}: dim {d} has size {size}, which cannot be split in {split}; "
+                f"use a split count that divides {size}"
+            )
+        stride = math.prod(strategy[d + 1 :])
+        dims.append((Axis(split, stride),) if split > 1 else ())
+    return TensorSpec(tuple(dims))
+
+
+def _layout_spec(layout: TensorLayout, shape: tuple[int, ...], world_size: int, where: str) -> TensorSpec:
+    total = math.prod(layout.device_matrix)
+    if world_size % total:
+        raise ValueError(
+            f"{where}: device_matrix {layout.device_matrix!r} holds {total} devices, which does not divide the "
+            f"world size {world_size}; use a device matrix whose product divides {world_size}"
+        )
+    if len(layout.tensor_map) != len(shape):
+        raise ValueError(
+            f"{where} = {layout!r} maps {len(layout.tensor_map)} dims but the tensor has {len(shape)} dims "
+            f"(shape {shape}); give one alias (or 'None') per dim"
+        )
+    dims = []
+    for d, names in enumerate(layout.tensor_map):
+        axes = tuple(layout.axis(n) for n in names if layout.axis(n).size > 1)
+        split = math.prod(a.size for a in axes)
+        if shape[d] % split:
+            raise ValueError(
+                f"{where} = {layout!r}: dim {d} has size {shape[d]}, which cannot be split in {split} "
+                f"({' x '.join(names)}); use axes whose sizes divide {shape[d]}"
+            )
+        if any(a.stride < b.stride for a, b in zip(axes, axes[1:])):
+            ordered = tuple(sorted(names, key=layout.alias_name.index))
+            raise ValueError(
+                f"{where} = {layout!r}: dim {d} is split over {names!r} with an inner device axis outermost; "
+                f"list the axes in device-matrix order: {ordered!r}"
+            )
+        dims.append(axes)
+    return TensorSpec(tuple(dims))
+
+
+def spec_of_dtensor(dt: DTensor, world_size: int, where: str) -> TensorSpec:
+    """The TensorSpec of a DTensor input, whose mesh must cover the world in row-major order."""
+    mesh = dt.device_mesh
+    ranks = mesh.mesh.flatten().tolist()
+    if ranks != list(range(world_size)):
+        raise ValueError(
+            f"{where}: a DTensor on mesh {mesh} is not laid over all {world_size} ranks in row-major order; "
+            f"build its DeviceMesh from torch.arange({world_size}).reshape(...)"
+        )
+    axes = mesh_axes(tuple(mesh.shape))
+    return from_placements(axes, tuple(dt.placements), dt.ndim, where)
+
+
+def mesh_axes(shape: tuple[int, ...]) -> tuple[Axis, ...]:
+    return tuple(Axis(size, math.prod(shape[i + 1 :])) for i, size in enumerate(shape))
+
+
+def common_mesh(specs: Sequence[TensorSpec], world_size: int, names: dict[Axis, str] | None = None) -> MeshSpec:
+    """The coarsest row-major mesh over the world on which every spec's axes are unions of mesh dims.
+
+    Every axis cuts rank space at its stride and at stride * size; those cuts must form a divisibility chain
+    (1 | c1 | c2 | ... | world) for one mesh to serve all. ``names`` names a mesh dim after the user's alias when
+    a user axis maps onto exactly one mesh dim.
+    """
+    cuts = {1, world_size}
+    for spec in specs:
+        for axis in spec.axes():
+            cuts.update((axis.stride, axis.span))
+    chain = sorted(cuts)
+    for lo, hi in zip(chain, chain[1:]):
+        if hi % lo:
+            raise ValueError(
+                f"the strategies given cannot share one device mesh of {world_size} ranks: device-matrix axes cut "
+                f"rank space at {lo} and {hi}, and {lo} does not divide {hi}; use split counts whose device "
+                "matrices nest (e.g. all powers of two)"
+            )
+    axes = tuple(Axis(hi // lo, lo) for lo, hi in reversed(list(zip(chain, chain[1:]))))
+    if not axes:
+        axes = (Axis(1, 1),)
+    names = names or {}
+    labels = tuple(names.get(a, f"d{i}") for i, a in enumerate(axes))
+    if len(set(labels)) != len(labels):
+        labels = tuple(f"d{i}" for i in range(len(axes)))
+    return MeshSpec(axes, labels)
+
+
+def _mesh_dims_of(axis: Axis, mesh: MeshSpec) -> list[int]:
+    dims = [k for k, m in enumerate(mesh.axes) if axis.stride <= m.stride < axis.span and m.size > 1]
+    if math.prod(mesh.axes[k].size for k in dims) != axis.size:
+        raise ValueError(f"axis {axis} is not a union of the dims of mesh {mesh.shape}")
+    return dims
+
+
+def to_placements(spec: TensorSpec, mesh: MeshSpec) -> tuple[Placement, ...]:
+    """DTensor placements of ``spec`` on ``mesh`` (a refinement of every axis the spec uses)."""
+    placements: list[Placement] = [Replicate()] * len(mesh.axes)
+    for d, axes in enumerate(spec.dims):
+        for axis in axes:
+            for k in _mesh_dims_of(axis, mesh):
+                placements[k] = Shard(d)
+    for axis in spec.partial:
+        for k in _mesh_dims_of(axis, mesh):
+            placements[k] = Partial()
+    return tuple(placements)
+
+
+def from_placements(
+    axes: tuple[Axis, ...], placements: tuple[Placement, ...], ndim: int, where: str = "placements"
+) -> TensorSpec:
+    """The TensorSpec of DTensor placements on a row-major mesh with these axes (mesh dims outer first)."""
+    dims: list[list[Axis]] = [[] for _ in range(ndim)]
+    partial = []
+    for axis, p in zip(axes, placements):
+        if type(p) is Shard:
+            dims[p.dim % ndim].append(axis)
+        elif p.is_partial():
+            if getattr(p, "reduce_op", "sum") != "sum":
+                raise ValueError(f"{where}: only Partial('sum') is supported, got {p}")
+            partial.append(axis)
+        elif not p.is_replicate():
+            raise ValueError(f"{where}: placement {p} is not supported; use Shard, Replicate or Partial")
+    return TensorSpec(tuple(tuple(d) for d in dims), tuple(partial))
+
+
+def local_shape(shape: Sequence[int], spec: TensorSpec) -> tuple[int, ...]:
+    """The per-rank shape of a tensor of global ``shape`` laid out as ``spec`` (splits divide evenly)."""
+    return tuple(n // math.prod(a.size for a in axes) for n, axes in zip(shape, spec.dims))

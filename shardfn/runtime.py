@@ -1,0 +1,192 @@
+"""The world shardfn runs in: launcher detection, the process group, device meshes, simulated worlds.
+
+``init()`` reads rank and world size from whichever launcher started the process:
+
+=================  ======================================  ==========================================
+launcher           rank / world size                       local rank
+=================  ======================================  ==========================================
+torchrun           RANK, WORLD_SIZE                        LOCAL_RANK
+Open MPI mpirun    OMPI_COMM_WORLD_RANK / _SIZE            OMPI_COMM_WORLD_LOCAL_RANK
+MPICH, Intel MPI   PMI_RANK, PMI_SIZE                      MPI_LOCALRANKID, PMI_LOCAL_RANK
+Slurm srun         SLURM_PROCID, SLURM_NTASKS              SLURM_LOCALID
+=================  ======================================  ==========================================
+
+With none of them, the process is a world of one. The rendezvous is torch's TCP store at MASTER_ADDR:MASTER_PORT,
+defaulting to 127.0.0.1:29500 (:data:`DEFAULT_MASTER_PORT`) when the launcher sets neither (mpirun and srun on
+one host). A rendezvous that does not complete within SHARDFN_INIT_TIMEOUT seconds (default 300, see
+:data:`DEFAULT_INIT_TIMEOUT_S`) raises a RuntimeError that says what was waited for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from .layout import MeshSpec
+
+__all__ = ["DEFAULT_INIT_TIMEOUT_S", "DEFAULT_MASTER_PORT", "Launch", "detect_launch", "init", "simulated_world"]
+
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_INIT_TIMEOUT_S = 300.0
+
+# (launcher, rank var, world var, local-rank vars), in priority order.
+_LAUNCHERS = (
+    ("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",)),
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),
+    ("MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK")),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",)),
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Who started this process: the launcher's name, this rank, the world size and the rank on this host."""
+
+    launcher: str
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def detect_launch(environ: dict[str, str] | None = None) -> Launch:
+    env = os.environ if environ is None else environ
+    for name, rank_var, world_var, local_vars in _LAUNCHERS:
+        if rank_var in env and world_var in env:
+            try:
+                rank, world = int(env[rank_var]), int(env[world_var])
+                local = next((int(env[v]) for v in local_vars if v in env), rank)
+            except ValueError as e:
+                raise RuntimeError(f"shardfn.init: {name} set a non-integer rank variable: {e}") from None
+            if not 0 <= rank < world:
+                raise RuntimeError(f"shardfn.init: {name} says rank {rank} of a world of {world}")
+            return Launch(name, rank, world, local)
+    return Launch("none", 0, 1, 0)
+
+
+def _default_backend(device: str) -> str:
+    return "nccl" if device == "cuda" else "gloo"
+
+
+def resolve_device(device: str | None) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or None (cuda when available), got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but CUDA is not available; use device='cpu' or None")
+    return device
+
+
+def init(backend: str | None = None, device: str | None = None) -> DeviceMesh:
+    """Join (or form) the process group of this launch and return the world's 1-D DeviceMesh. Idempotent."""
+    device = resolve_device(device)
+    if not dist.is_initialized():
+        launch = detect_launch()
+        backend = backend or _default_backend(device)
+        if device == "cuda":
+            torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
+        timeout_s = float(os.environ.get("SHARDFN_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if launch.world_size == 1:
+            # A world of one needs no rendezvous: an in-process store, no port to collide on.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            os.environ.setdefault("MASTER_ADDR", DEFAULT_MASTER_ADDR)
+            os.environ.setdefault("MASTER_PORT", str(DEFAULT_MASTER_PORT))
+            try:
+                dist.init_process_group(
+                    backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout
+                )
+            except Exception as e:  # torch raises DistStoreError / RuntimeError / TimeoutError variously
+                raise RuntimeError(
+                    f"shardfn.init: rank {launch.rank} of {launch.world_size} ({launch.launcher}) could not "
+                    f"rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout_s:g} s "
+                    f"(SHARDFN_INIT_TIMEOUT): check that every rank started and that MASTER_ADDR/MASTER_PORT "
+                    f"name a reachable host and a free port. Cause: {type(e).__name__}: {e}"
+                ) from e
+    elif backend is not None and dist.get_backend() != backend:
+        raise ValueError(
+            f"shardfn.init(backend={backend!r}): the process group already runs {dist.get_backend()!r}; "
+            "call init() with backend=None or the same backend"
+        )
+    return world_mesh(device)
+
+
+def world_mesh(device: str) -> DeviceMesh:
+    world = dist.get_world_size()
+    return _cached_mesh(device, (world,), ("world",))
+
+
+_MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def _cached_mesh(device: str, shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    # DeviceMesh construction creates sub-groups (a collective on real worlds): build each shape once per
+    # process group, on every rank in the same order.
+    key = (id(dist.group.WORLD), device, shape, names)
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = DeviceMesh(device, torch.arange(int(torch.tensor(shape).prod())).reshape(shape), mesh_dim_names=names)
+        _MESHES[key] = mesh
+    return mesh
+
+
+def device_mesh(spec: MeshSpec, device: str) -> DeviceMesh:
+    """The DeviceMesh of a MeshSpec on the current process group (built once, then reused)."""
+    return _cached_mesh(device, spec.shape, spec.names)
+
+
+def planning_mesh(spec: MeshSpec, device: str) -> DeviceMesh:
+    """A DeviceMesh for planning only: no process group, no communication; rank 0's view."""
+    return DeviceMesh(
+        device, torch.arange(spec.world_size).reshape(spec.shape), mesh_dim_names=spec.names,
+        _init_backend=False, _rank=0,
+    )
+
+
+@contextlib.contextmanager
+def simulated_world(world_size: int, local_tensors: bool = True) -> Iterator[None]:
+    """Run ``world_size`` ranks inside this process.
+
+    The fake process group stands in for the world; with ``local_tensors`` every tensor created inside holds one
+    value per rank (torch's LocalTensorMode) and collectives compute their true result, so a sharded program's
+    numerics can be checked in one process. Without it, collectives are no-ops: enough for planning.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("simulated_world: a process group is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        if local_tensors:
+            from torch.distributed._local_tensor import LocalTensorMode
+
+            with LocalTensorMode(world_size):
+                yield
+        else:
+            yield
+    finally:
+        _MESHES.clear()
+        dist.destroy_process_group()
+
+
+def is_simulated() -> bool:
+    """True inside :func:`simulated_world` with per-rank local tensors."""
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    return local_tensor_mode() is not None
+
+
+def outside_simulation():
+    """A context where tensors are ordinary again (capture and planning work on fake tensors, not per-rank ones)."""
+    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
+
+    return maybe_disable_local_tensor_mode()

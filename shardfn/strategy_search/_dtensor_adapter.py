@@ -1,0 +1,225 @@
+"""The one place that reads DTensor's private sharding-rule registries (torch 2.13).
+
+DTensor registers, per aten op, either a single-mesh-dim rule (expanded over the mesh), a whole-mesh strategy
+function, or a decomposition it propagates through. :func:`dtensor_strategies` asks them, in the propagator's own
+order (``ShardingPropagator.propagate_op_sharding_non_cached``), for every valid (inputs -> outputs) placement
+combination of one node, given fake tensors of the global shapes. Every tensor input is offered every
+Replicate/Shard placement valid for its shape, as meta-pytorch/autoparallel does, so rules that follow their
+input (views, reductions, softmax) emit one strategy per input placement.
+
+Nothing here runs an op on data; nothing outside this module imports torch.distributed.tensor._* .
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._decompositions import DecompShardingStrategy
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, RuntimeSchemaInfo, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import (
+    _fill_single_dim_strategy_placeholders,
+    _get_num_tensor_inputs,
+    _insert_single_dim_replication_strategy,
+)
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+__all__ = ["dtensor_strategies", "is_local_from_replicate", "valid_placements"]
+
+Placements = tuple[Placement, ...]
+# (output placements: one tuple, or one per output with None for non-tensor outputs; input placements)
+Strategy = tuple[Any, tuple[Placements, ...]]
+
+_MAX_COMBOS = 4096
+
+
+def _propagator():
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(shape=t.shape, stride=t.stride(), dtype=t.dtype)
+
+
+def valid_placements(shape: torch.Size | tuple[int, ...], mesh: DeviceMesh) -> list[Placements]:
+    """Every Replicate/Shard(d) combination over the mesh dims that DTensor can lay this shape out as."""
+    meta = TensorMeta(shape=torch.Size(shape), stride=(), dtype=torch.float32)
+    per_dim: list[Placement] = [Replicate()] + [Shard(d) for d in range(len(shape))]
+    return [
+        combo
+        for combo in itertools.product(per_dim, repeat=mesh.ndim)
+        if is_tensor_shardable(meta.shape, DTensorSpec(mesh, combo, tensor_meta=meta))
+    ]
+
+
+def is_local_from_replicate(p: Placement) -> bool:
+    """Placements DTensor reaches from Replicate without communication inside an op (embedding's mask)."""
+    return type(p).__name__ == "_MaskPartial"
+
+
+def _schemas(op, args, kwargs, mesh):
+    options: list[list[Placements]] = []
+
+    def to_strategy(x):
+        if isinstance(x, torch.Tensor):
+            opts = valid_placements(x.shape, mesh)
+            options.append(opts)
+            return OpStrategy([OpSpec(DTensorSpec(mesh, p, tensor_meta=_meta(x))) for p in opts])
+        if isinstance(x, (list, tuple)) and x and all(isinstance(t, torch.Tensor) for t in x):
+            kids = [to_strategy(t) for t in x]
+            return TupleStrategy(tuple(kids) if isinstance(x, tuple) else kids)
+        if isinstance(x, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in x):
+            return [to_strategy(t) if t is not None else None for t in x]
+        return x
+
+    s_args = tuple(to_strategy(a) for a in args)
+    s_kwargs = {k: to_strategy(v) for k, v in kwargs.items()}
+    replicate = (Replicate(),) * mesh.ndim
+    p_args, p_kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: DTensorSpec(mesh, replicate, tensor_meta=_meta(t)), (tuple(args), dict(kwargs))
+    )
+    sp = _propagator()
+    info = sp.op_to_schema_info.get(op) or sp.op_to_schema_info_for_single_dim_strategy.get(op)
+    if info is None and any(isinstance(a, (TupleStrategy, list)) for a in s_args):
+        info = RuntimeSchemaInfo(needs_pytree=True)  # so args_strategy flattens tensor lists
+    return OpSchema(op, s_args, s_kwargs, schema_info=info), OpSchema(op, p_args, p_kwargs, schema_info=info), options
+
+
+def _input_strategies(schema: OpSchema) -> list[OpStrategy]:
+    return list(schema.args_strategy) + list(schema.kwargs_strategy)
+
+
+def _with_single_options(schema: OpSchema, chosen) -> OpSchema:
+    """``schema`` with each input OpStrategy replaced by a one-option strategy, in flat input order."""
+    it = iter(chosen)
+    swap = lambda x: OpStrategy([next(it)]) if isinstance(x, OpStrategy) else x  # noqa: E731
+    a, k = pytree.tree_map_only(OpStrategy, swap, (schema.args_schema, schema.kwargs_schema))
+    return OpSchema(schema.op, a, k, schema_info=schema.schema_info)
+
+
+def _single_dim(op, schema: OpSchema, out_meta, mesh, options) -> OpStrategy:
+    # Mirrors _expand_single_dim_strategy_to_mesh, which asserts one option per input; we offer many.
+    info = _propagator().op_single_dim_strategy_funcs[op]
+    rules = info.func(op, schema.args_meta, schema.kwargs_meta)
+    n_in = _get_num_tensor_inputs(schema)
+    if rules:
+        n_out = len(rules[0]) - n_in
+    else:
+        n_out = 0 if out_meta is None else (1 if isinstance(out_meta, TensorMeta) else len(out_meta))
+    rules = _insert_single_dim_replication_strategy(list(rules), n_out, n_in, out_meta)
+    shard_kinds = {Shard(0)} | {p for opts in options for combo in opts for p in combo if isinstance(p, Shard)}
+    rules = _fill_single_dim_strategy_placeholders(shard_kinds, rules)
+    inplace = op._schema.name.endswith("_")
+
+    def expand(s: OpSchema) -> OpStrategy:
+        return expand_to_full_mesh_op_strategy(
+            mesh, s, rules, output_tensor_meta=out_meta, input_index=n_out, inplace_op=inplace,
+            allow_unbacked_sharding=info.allow_unbacked_sharding, allow_uneven_sharding=info.allow_uneven_sharding,
+        )
+
+    if not inplace:
+        return expand(schema)
+    # in-place rules keep only strategies whose self placement equals self's first option: expand per option
+    specs: list[OpSpec] = []
+    for self_opt in _input_strategies(schema)[0].strategies:
+        sub = OpSchema(op, (OpStrategy([self_opt]),) + schema.args_schema[1:], schema.kwargs_schema,
+                       schema_info=schema.schema_info)
+        try:
+            specs.extend(expand(sub).strategies)
+        except RuntimeError:  # this self placement needs a placement change: not an in-place strategy
+            continue
+    return OpStrategy(specs)
+
+
+def _per_combination(fn, schema: OpSchema) -> OpStrategy:
+    # Some strategy functions are written for eager dispatch (one current placement per input: cat, stack,
+    # nll_loss): call them once per combination of single input placements.
+    specs: list[OpSpec] = []
+    for n, chosen in enumerate(itertools.product(*[s.strategies for s in _input_strategies(schema)])):
+        if n >= _MAX_COMBOS:
+            break
+        try:
+            specs.extend(fn(_with_single_options(schema, chosen)).strategies)
+        except Exception:  # noqa: BLE001 - an invalid combination, skip it
+            continue
+    return OpStrategy(specs)
+
+
+def _decomposition(op, schema: OpSchema, spec_schema: OpSchema, out_meta, mesh) -> OpStrategy | None:
+    # DecompShardingStrategy only tries placements already on the inputs: try each single-dim combination.
+    ds = _propagator().decomp_strategy
+    ds.ensure_schema_info(op)
+    flat, _ = pytree.tree_flatten(list(spec_schema.args_schema) + list(spec_schema.kwargs_schema.values()))
+    per_leaf = [
+        [Replicate()] + [Shard(d) for d in range(leaf.ndim)] if isinstance(leaf, DTensorSpec) else [None]
+        for leaf in flat
+    ]
+    fake_mesh = ds._get_fake_mesh(mesh.device_type)
+    rules = []
+    for combo in itertools.product(*per_leaf):
+        try:
+            out = ds._propagate_through_decomp(spec_schema, combo, fake_mesh)
+        except NotImplementedError:
+            return None  # an op inside the decomposition has no rule
+        except Exception:  # noqa: BLE001 - this combination needs redistribution: not a strategy
+            continue
+        rules.append((list(out) if isinstance(out, tuple) else [out]) + [c for c in combo if c is not None])
+    if not rules:
+        return None
+    n_in = sum(isinstance(leaf, DTensorSpec) for leaf in flat)
+    return expand_to_full_mesh_op_strategy(
+        mesh, schema, rules, output_tensor_meta=out_meta, input_index=len(rules[0]) - n_in
+    )
+
+
+def _placements(spec):
+    if spec is None:
+        return None
+    if isinstance(spec, DTensorSpec):
+        return tuple(spec.placements)
+    return tuple(_placements(s) for s in spec)
+
+
+def dtensor_strategies(op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[Strategy] | None:
+    """Every (output placements, input placements) DTensor allows for ``op`` on ``mesh``; None: no rule.
+
+    ``args``/``kwargs`` hold fake tensors of the global shapes where the node has tensors. Input placements are
+    listed for the flat tensor inputs (args then kwargs, lists flattened) in order.
+    """
+    sp = _propagator()
+    if not (op in sp.op_single_dim_strategy_funcs or op in sp.op_strategy_funcs
+            or DecompShardingStrategy.has_decomp(op)):
+        return None
+    schema, spec_schema, options = _schemas(op, args, kwargs or {}, mesh)
+    out_meta = sp._propagate_tensor_meta_non_cached(spec_schema)
+    if op in sp.op_single_dim_strategy_funcs:
+        strategy = _single_dim(op, schema, out_meta, mesh, options)
+    elif op in sp.op_strategy_funcs:
+        fn = sp.op_strategy_funcs[op]
+        try:
+            strategy = fn(schema)
+            collapsed = isinstance(strategy, OpStrategy) and len(options) > 1 and \
+                len(strategy.strategies) < len(options[0])
+        except Exception:  # noqa: BLE001 - an eager-only rule that indexes per input
+            strategy, collapsed = None, True
+        if collapsed:
+            strategy = _per_combination(fn, schema)
+    else:
+        strategy = _decomposition(op, schema, spec_schema, out_meta, mesh)
+        if strategy is None:
+            return None
+    children = strategy.children if isinstance(strategy, TupleStrategy) else [strategy]
+    found: dict = {}
+    for child in children:
+        for s in child.strategies:
+            out = _placements(s.output_specs)
+            ins = (tuple(tuple(x.placements) for x in s.input_specs) if s.input_specs is not None
+                   else (out,) * len(options))
+            found.setdefault((out, ins), None)
+    return list(found)

@@ -1,0 +1,183 @@
+"""Per-node candidate placements.
+
+Where they come from, first match wins:
+
+1. shardfn's own rules, registered with :func:`register_rule` below (ops DTensor has no rule for);
+2. DTensor's registered op strategies, through :mod:`._dtensor_adapter`;
+3. the replicated fallback (Paddle's replicated SPMD rule): every input and output replicated, the op run on
+   whole tensors by every rank. Correct for any op, never parallel; the ops that use it are named in one warning.
+
+A candidate's ``rule`` tells exec how to run it: ``"dtensor"`` through DTensor dispatch, ``"local"`` by running
+the op on each rank's local shards (own rules and the fallback), ``"input"``/``"factory"`` for values that are
+laid out, not computed from other tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
+
+__all__ = ["Candidate", "node_candidates", "register_rule", "tensor_inputs", "warn_fallbacks"]
+
+aten = torch.ops.aten
+Placements = tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run a node: the placement of each output and the placement each tensor input must have."""
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+    rule: str
+
+
+def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The node's tensor-valued fx inputs in flat order (args then kwargs, lists flattened)."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _outputs_of(val: Any) -> list[torch.Tensor | None]:
+    if isinstance(val, torch.Tensor):
+        return [val]
+    if isinstance(val, (list, tuple)):
+        return [v if isinstance(v, torch.Tensor) else None for v in val]
+    return [None]
+
+
+# --- own rules ----------------------------------------------------------------------------------------------
+
+_RULES: dict[Any, Callable[[torch.fx.Node, DeviceMesh], list[Candidate]]] = {}
+
+
+def register_rule(*ops):
+    """Register ``fn(node, mesh) -> list[Candidate]`` as the rule for ``ops`` (checked before DTensor's)."""
+
+    def deco(fn):
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+
+    return deco
+
+
+def _per_mesh_dim(mesh: DeviceMesh, choices: list[tuple[Placements | None, tuple[Placement, ...]]], rule: str):
+    """Expand single-mesh-dim choices (outputs, inputs) to every combination over the mesh dims."""
+    out = []
+    for combo in itertools.product(choices, repeat=mesh.ndim):
+        n_out, n_in = len(combo[0][0]), len(combo[0][1])
+        outs = tuple(tuple(c[0][i] for c in combo) if combo[0][0][i] is not None else None for i in range(n_out))
+        ins = tuple(tuple(c[1][i] for c in combo) for i in range(n_in))
+        out.append(Candidate(outs, ins, rule))
+    return out
+
+
+@register_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _sdpa_cpu(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    # Attention is independent per (batch, head): q, k, v and both outputs split together on dim 0 or 1.
+    n_in = len(tensor_inputs(node))
+    choices = [((Replicate(), Replicate()), (Replicate(),) * n_in)]
+    for d in (0, 1):
+        choices.append(((Shard(d), Shard(d)), (Shard(d),) * n_in))
+    return _per_mesh_dim(mesh, choices, "local")
+
+
+# --- assembling ---------------------------------------------------------------------------------------------
+
+_CACHE: dict[Any, list[Candidate] | None] = {}
+
+
+def _key(node: torch.fx.Node, mesh: DeviceMesh):
+    def meta(x):
+        if isinstance(x, torch.fx.Node):
+            v = x.meta.get("val")
+            return ("T", tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else ("N", repr(v))
+        return x
+
+    args = pytree.tree_map(meta, (node.args, node.kwargs))
+    return (node.target, repr(args), tuple(mesh.shape))
+
+
+def _val(x):
+    return x.meta["val"] if isinstance(x, torch.fx.Node) else x
+
+
+def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
+    args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
+    found = dtensor_strategies(node.target, args, kwargs, mesh)
+    if found is None:
+        return None
+    n_out = len(_outputs_of(node.meta["val"]))
+    cands = []
+    for out, ins in found:
+        # Inputs are never asked to arrive as pending sums: producers resolve them. Embedding's mask placement
+        # is reached from Replicate inside DTensor's dispatch, so it stays (as Replicate on the edge).
+        if any(p.is_partial() and not is_local_from_replicate(p) for pl in ins for p in pl):
+            continue
+        ins = tuple(tuple(Replicate() if is_local_from_replicate(p) else p for p in pl) for pl in ins)
+        outs = (out,) if n_out == 1 and (out is None or isinstance(out[0], Placement)) else tuple(out)
+        cands.append(Candidate(outs, ins, "dtensor"))
+    return cands or None
+
+
+def _replicated(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    rep = (Replicate(),) * mesh.ndim
+    outs = tuple(rep if v is not None else None for v in _outputs_of(node.meta["val"]))
+    return [Candidate(outs, (rep,) * len(tensor_inputs(node)), "local")]
+
+
+def node_candidates(node: torch.fx.Node, mesh: DeviceMesh, fallbacks: set[str]) -> list[Candidate]:
+    """Candidates of a call_function node. Ops that fall back to replication are added to ``fallbacks``."""
+    key = _key(node, mesh)
+    if key in _CACHE:
+        cands = _CACHE[key]
+    else:
+        if node.target in _RULES:
+            cands = _RULES[node.target](node, mesh)
+        elif not tensor_inputs(node):
+            # factory ops (zeros, arange, ...): made whole on every rank and sliced to any layout
+            val = node.meta["val"]
+            outs = valid_placements(val.shape, mesh) if isinstance(val, torch.Tensor) else [None]
+            cands = [Candidate((o,), (), "factory") for o in outs]
+        else:
+            try:
+                cands = _from_dtensor(node, mesh) if isinstance(node.target, torch._ops.OpOverload) else None
+            except Exception:  # noqa: BLE001 - a rule that fails on these shapes: treat as no rule
+                cands = None
+        _CACHE[key] = cands
+    if cands is None:
+        fallbacks.add(str(node.target))
+        return _replicated(node, mesh)
+    return cands
+
+
+def input_candidates(shape: tuple[int, ...], mesh: DeviceMesh) -> list[Candidate]:
+    """A graph input the user left open: any Replicate/Shard layout of its shape."""
+    return [Candidate((p,), (), "input") for p in valid_placements(shape, mesh)]
+
+
+def warn_fallbacks(fallbacks: set[str]) -> None:
+    if fallbacks:
+        warnings.warn(
+            "shardfn: no sharding rule for " + ", ".join(sorted(fallbacks)) + "; these ops run replicated on "
+            "every rank (correct, not parallel). Register a rule with "
+            "shardfn.strategy_search.candidates.register_rule to shard them.",
+            stacklevel=3,
+        )
+
+
+def is_alias(node: torch.fx.Node) -> bool:
+    """getitem on a multi-output node: takes its producer's placement, no decision of its own."""
+    return node.op == "call_function" and node.target is operator.getitem

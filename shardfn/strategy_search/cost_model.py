@@ -1,0 +1,211 @@
+"""Cost model: compute (FLOPs / roofline), communication (alpha-beta ring formulas per mesh dim), memory.
+
+Communication on a mesh dim of ``n`` ranks moving a logical operand of ``B`` bytes (the full operand within
+the group, as Plan.collectives reports it), with latency ``alpha`` and inverse bandwidth ``beta``:
+
+=================  =========================================
+all_reduce         2 (n-1) alpha + 2 (n-1)/n B beta
+all_gather         (n-1) alpha + (n-1)/n B beta      (B = gathered output)
+reduce_scatter     (n-1) alpha + (n-1)/n B beta      (B = input before scattering)
+all_to_all         (n-1) alpha + (n-1)/n^2 B beta    (B = input)
+=================  =========================================
+
+A redistribution is lowered per mesh dim (:func:`redistribute_collectives`); its backward is the dual
+(:func:`backward_collectives`): the gradient flows from the consumer's placement back to the producer's, and a
+gradient that the consumer left as a pending sum (it used a replicated input in work split over that dim) is
+reduced on the way (all_reduce to a replicated producer, reduce_scatter to a sharded one).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = [
+    "CPU",
+    "H100",
+    "CommOp",
+    "DeviceProfile",
+    "backward_collectives",
+    "collective_seconds",
+    "local_numel",
+    "redistribute_collectives",
+]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """Roofline and link constants of one device kind. Override by building your own profile."""
+
+    name: str
+    flops_per_s: float  # sustained matmul throughput, fp32
+    mem_bytes_per_s: float  # memory bandwidth, for memory-bound (elementwise) ops
+    alpha_s: float  # per-hop collective latency
+    beta_s_per_byte: float  # inverse link bandwidth
+    memory_bytes: float  # per-device memory, the budget of level 2
+
+
+# A CPU rank with gloo over loopback/TCP, and an H100 SXM with NVLink (NCCL). Order-of-magnitude constants:
+# they rank plans, they do not predict wall time to the percent.
+CPU = DeviceProfile("cpu", 5e10, 2e10, 5e-5, 1 / 2e9, 16e9)
+H100 = DeviceProfile("h100", 4e14, 3e12, 1e-5, 1 / 4.5e11, 80e9)
+
+
+@dataclass(frozen=True)
+class CommOp:
+    """One collective of a redistribution: kind, the mesh dim it runs over, the logical operand bytes."""
+
+    kind: str
+    mesh_dim: int
+    nbytes: int
+
+
+def collective_seconds(op: CommOp, mesh_shape: Sequence[int], profile: DeviceProfile) -> float:
+    n = mesh_shape[op.mesh_dim]
+    if n <= 1:
+        return 0.0
+    a, b, B = profile.alpha_s, profile.beta_s_per_byte, op.nbytes
+    if op.kind == "all_reduce":
+        return 2 * (n - 1) * a + 2 * (n - 1) / n * B * b
+    if op.kind in ("all_gather", "reduce_scatter"):
+        return (n - 1) * a + (n - 1) / n * B * b
+    if op.kind == "all_to_all":
+        return (n - 1) * a + (n - 1) / (n * n) * B * b
+    raise ValueError(f"unknown collective {op.kind!r}")
+
+
+def local_numel(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> int:
+    """Elements one rank holds of a tensor of global ``shape`` (ceil division, as torch.chunk)."""
+    sizes = list(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard) and sizes:
+            d = p.dim % len(sizes)
+            sizes[d] = -(-sizes[d] // n)
+    return math.prod(sizes)
+
+
+def redistribute_collectives(
+    shape: Sequence[int],
+    itemsize: int,
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    mesh_shape: Sequence[int],
+) -> list[CommOp]:
+    """The collectives that turn ``src`` placements into ``dst``, one mesh dim at a time.
+
+    Pending sums are resolved first, then gathers, then scatters, so operand sizes are the ones DTensor moves.
+    Going to a Shard or Partial from Replicate is local (a slice, or zeros on all but one rank) and free.
+    """
+    cur = list(src)
+    ops: list[CommOp] = []
+
+    def nbytes(placements) -> int:
+        return local_numel(shape, placements, mesh_shape) * itemsize
+
+    def step(d: int, new: Placement, kind: str | None, size_from) -> None:
+        if kind is not None and mesh_shape[d] > 1:
+            ops.append(CommOp(kind, d, size_from))
+        cur[d] = new
+
+    order = sorted(range(len(cur)), key=lambda d: (not cur[d].is_partial(), not isinstance(cur[d], Shard)))
+    for d in order:
+        s, t = cur[d], dst[d]
+        if s == t:
+            continue
+        if s.is_partial():
+            if isinstance(t, Shard):
+                step(d, t, "reduce_scatter", nbytes(cur))
+            else:  # to Replicate
+                step(d, Replicate(), "all_reduce", nbytes(cur))
+        elif isinstance(s, Shard):
+            if isinstance(t, Shard):
+                step(d, t, "all_to_all", nbytes(cur))
+            else:
+                gathered = cur.copy()
+                gathered[d] = Replicate()
+                step(d, Replicate(), "all_gather", nbytes(gathered))
+    for d in range(len(cur)):
+        if cur[d] != dst[d]:  # Replicate -> Shard / Partial: local
+            cur[d] = dst[d]
+    return ops
+
+
+def backward_collectives(
+    shape: Sequence[int],
+    itemsize: int,
+    src: Sequence[Placement],
+    dst: Sequence[Placement],
+    pending: Sequence[bool],
+    mesh_shape: Sequence[int],
+) -> list[CommOp]:
+    """Collectives of the gradient of an edge: from the consumer side (``dst``) back to the producer (``src``).
+
+    ``pending[d]``: the consumer left this gradient as a pending sum on mesh dim ``d`` (it read the tensor
+    replicated there while splitting its work there). A producer that was Partial receives a replicated gradient.
+    """
+    grad_at_consumer = [Partial() if pend else p for p, pend in zip(dst, pending)]
+    grad_at_consumer = [Replicate() if (p.is_partial() and not pend) else p
+                        for p, pend in zip(grad_at_consumer, pending)]
+    want = [Replicate() if p.is_partial() else p for p in src]
+    return redistribute_collectives(shape, itemsize, grad_at_consumer, want, mesh_shape)
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+_FLOPS: dict = {}
+
+
+def node_flops(node) -> int:
+    """FLOPs of one fx node at its global shapes (torch.utils.flop_counter; 0 for ops it does not count)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    import torch.utils._pytree as pytree
+    import torch.fx
+
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return 0
+    key = (node.target, repr(pytree.tree_map(
+        lambda x: (tuple(x.meta["val"].shape), x.meta["val"].dtype) if isinstance(x, torch.fx.Node)
+        and isinstance(x.meta.get("val"), torch.Tensor) else repr(x), (node.args, node.kwargs))))
+    if key not in _FLOPS:
+        from torch.utils.flop_counter import flop_registry
+
+        packet = node.target.overloadpacket
+        if packet not in flop_registry:
+            _FLOPS[key] = 0
+        else:
+            args, kwargs = pytree.tree_map(
+                lambda x: x.meta["val"] if isinstance(x, torch.fx.Node) else x, (node.args, node.kwargs))
+            out = node.meta.get("val")
+            try:
+                _FLOPS[key] = int(flop_registry[packet](*args, **kwargs, out_val=out))
+            except TypeError:
+                _FLOPS[key] = int(flop_registry[packet](*args, **kwargs))
+    return _FLOPS[key]
+
+
+def node_bytes(node) -> int:
+    """Bytes an op reads and writes at its global shapes: the memory-bound side of the roofline."""
+    import torch.utils._pytree as pytree
+    import torch.fx
+
+    total = 0
+    for x in pytree.tree_leaves((node.args, node.kwargs)):
+        if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
+            v = x.meta["val"]
+            total += v.numel() * v.element_size()
+    for v in pytree.tree_leaves(node.meta.get("val")):
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+    return total
+
+
+def compute_seconds(flops: int, nbytes: int, split: int, profile: DeviceProfile) -> float:
+    """Roofline time of one op whose work is split ``split`` ways."""
+    return max(flops / profile.flops_per_s, nbytes / profile.mem_bytes_per_s) / max(split, 1)

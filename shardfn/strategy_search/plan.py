@@ -1,0 +1,130 @@
+"""Plan: the chosen placements, the collectives they imply, and their estimated cost."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from torch.distributed.tensor.placement_types import Placement
+
+from ..layout import MeshSpec
+
+__all__ = ["Collective", "Cost", "NodePlan", "Plan"]
+
+Placements = tuple[Placement, ...]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective the program runs.
+
+    ``nbytes`` is the logical size of the collective's full operand within its group: all_reduce the reduced
+    tensor, all_gather the gathered output, reduce_scatter the input before scattering, all_to_all the input.
+    """
+
+    kind: str  # all_reduce | all_gather | reduce_scatter | all_to_all | broadcast | send_recv
+    phase: str  # forward | backward
+    mesh_dims: tuple[int, ...]
+    nbytes: int
+    where: str  # the tensor it moves: "producer -> consumer"
+
+
+@dataclass(frozen=True)
+class Cost:
+    compute_s: float
+    comm_s: float
+    peak_bytes: int
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What runs at one graph node: its op, how (rule), where each input must be, where each output lands."""
+
+    name: str
+    op: str
+    rule: str
+    inputs: tuple[Placements, ...]
+    outputs: tuple[Placements | None, ...]
+
+
+@dataclass
+class Plan:
+    """The partitioned program ``shard()`` runs and ``explain()`` shows.
+
+    ``nodes`` maps each fx node name (placeholders and ops) to its NodePlan; ``outputs`` gives the placements
+    the results are returned in. ``collectives`` lists forward and backward collectives in program order.
+    """
+
+    mesh: MeshSpec
+    level: int
+    nodes: dict[str, NodePlan]
+    outputs: list[Placements | None]
+    collectives: list[Collective]
+    cost: Cost
+    optimal: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    def count(self, kind: str | None = None, phase: str | None = None) -> int:
+        return sum((kind is None or c.kind == kind) and (phase is None or c.phase == phase) for c in self.collectives)
+
+    def __str__(self) -> str:
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.shape))
+        lines = [
+            f"shardfn plan  mesh [{mesh}]  level {self.level}  "
+            f"compute {self.cost.compute_s * 1e3:.3f} ms  comm {self.cost.comm_s * 1e3:.3f} ms  "
+            f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank" + ("" if self.optimal else "  (time limit: best found)"),
+            f"{'node':<28} {'op':<36} {'inputs':<40} outputs",
+        ]
+        for n in self.nodes.values():
+            ins = ", ".join(_fmt(p) for p in n.inputs) or "-"
+            outs = ", ".join(_fmt(p) for p in n.outputs)
+            lines.append(f"{n.name:<28} {n.op:<36} {ins:<40} {outs}")
+        lines.append(f"returns {', '.join(_fmt(p) for p in self.outputs)}")
+        if self.collectives:
+            lines.append(f"{'collective':<16} {'phase':<9} {'mesh dims':<10} {'bytes':>12}  tensor")
+            for c in self.collectives:
+                lines.append(f"{c.kind:<16} {c.phase:<9} {str(c.mesh_dims):<10} {c.nbytes:>12}  {c.where}")
+        else:
+            lines.append("no collectives")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        def enc(x: Any):
+            if isinstance(x, Placement):
+                return str(x)
+            if isinstance(x, (list, tuple)):
+                return [enc(v) for v in x]
+            if isinstance(x, dict):
+                return {k: enc(v) for k, v in x.items()}
+            return x
+
+        return json.dumps(
+            {
+                "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
+                "level": self.level,
+                "nodes": [enc(asdict(n)) for n in self.nodes.values()],
+                "outputs": enc(self.outputs),
+                "collectives": [asdict(c) for c in self.collectives],
+                "cost": asdict(self.cost),
+                "optimal": self.optimal,
+                "notes": self.notes,
+            },
+            default=str,
+        )
+
+
+def _fmt(p: Placements | None) -> str:
+    if p is None:
+        return "-"
+    short = []
+    for x in p:
+        s = str(x)
+        s = s.replace("Replicate()", "R").replace("Shard(dim=", "S(").replace("Partial(sum)", "P")
+        short.append(s)
+    return "(" + ",".join(short) + ")"
