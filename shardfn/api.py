@@ -318,13 +318,13 @@ class _Engine:
         placeholders = compiled.captured.placeholders
         for k, name in enumerate(compiled.param_names):
             want = compiled.plan.nodes[placeholders[k].name].outputs[0]
-            p = self.module.get_parameter(name)
+            p = dict(self.module.named_parameters())[name]
             if isinstance(p, DTensor) and p.device_mesh == mesh and tuple(p.placements) == want:
                 continue
             whole = p.full_tensor() if isinstance(p, DTensor) else p
             new = nn.Parameter(distribute_tensor(whole.detach(), mesh, want, src_data_rank=None),
                                requires_grad=p.requires_grad)
-            torch.utils.swap_tensors(p, new)
+            _replace_parameter(self.module, name, new)
 
     def __call__(self, *args, **kwargs):
         if capturing():
@@ -367,6 +367,18 @@ class _Engine:
             else:
                 flat.append(node)
         return pytree.tree_unflatten(flat, compiled.captured.out_spec)
+
+
+def _replace_parameter(module: nn.Module, name: str, new: nn.Parameter) -> None:
+    """Put ``new`` where parameter ``name`` is. A DTensor parameter is swapped in place (the same Parameter object,
+    so optimizers built on it keep working); a plain one is replaced, as FSDP2's fully_shard does."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    old = owner._parameters[leaf]
+    if isinstance(old, DTensor) and isinstance(old, nn.Parameter):
+        torch.utils.swap_tensors(old, new)
+    else:
+        owner._parameters[leaf] = new
 
 
 def _whole_dtensor(t: torch.Tensor, mesh) -> DTensor:
@@ -440,10 +452,20 @@ def _shard_module(module: nn.Module, engine: _Engine) -> nn.Module:
         whole = p.full_tensor() if isinstance(p, DTensor) else p
         new = nn.Parameter(distribute_tensor(whole.detach().to(device), mesh, to_placements(spec, mesh_spec),
                                              src_data_rank=None), requires_grad=p.requires_grad)
-        torch.utils.swap_tensors(p, new)
+        _replace_parameter(module, name, new)
     module.__class__ = _SHARDED_CLASSES[cls]
     module.__dict__["_shardfn_engine"] = engine
+    module._register_load_state_dict_pre_hook(_lay_out_loaded_tensors, with_module=True)
     return module
+
+
+def _lay_out_loaded_tensors(module, state_dict, prefix, *_):
+    """A state_dict of whole tensors (from the unsharded module) loads: each is laid out like its parameter."""
+    for name, p in module.named_parameters():
+        value = state_dict.get(prefix + name)
+        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            state_dict[prefix + name] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements,
+                                                          src_data_rank=None)
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, device=None,

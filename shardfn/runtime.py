@@ -19,9 +19,12 @@ one host). A rendezvous that does not complete within SHARDFN_INIT_TIMEOUT secon
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
+import sys
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -112,12 +115,45 @@ def init(backend: str | None = None, device: str | None = None) -> DeviceMesh:
                     f"(SHARDFN_INIT_TIMEOUT): check that every rank started and that MASTER_ADDR/MASTER_PORT "
                     f"name a reachable host and a free port. Cause: {type(e).__name__}: {e}"
                 ) from e
+        atexit.register(_shutdown)
+        sys.excepthook = _note_crash(sys.excepthook)
     elif backend is not None and dist.get_backend() != backend:
         raise ValueError(
             f"shardfn.init(backend={backend!r}): the process group already runs {dist.get_backend()!r}; "
             "call init() with backend=None or the same backend"
         )
     return world_mesh(device)
+
+
+_CRASHED = False
+
+
+def _note_crash(previous_hook):
+    def hook(*exc_info):
+        global _CRASHED
+        _CRASHED = True
+        previous_hook(*exc_info)
+
+    return hook
+
+
+def _shutdown() -> None:
+    # Tear the group down before the interpreter does: gloo's threads dying with the process abort some ranks
+    # ("terminate called without an active exception"). Every rank first checks in at the store and waits for
+    # all others, then a barrier drains the transport; after an uncaught exception this is skipped (the peers
+    # may never arrive).
+    if not dist.is_initialized() or dist.get_backend() == "fake":
+        return
+    _MESHES.clear()
+    if not _CRASHED and dist.get_world_size() > 1:
+        with contextlib.suppress(Exception):
+            store = dist.distributed_c10d._get_default_store()
+            store.add("shardfn/exit", 1)
+            deadline = time.monotonic() + 60
+            while store.add("shardfn/exit", 0) < dist.get_world_size() and time.monotonic() < deadline:
+                time.sleep(0.005)
+            dist.barrier()
+    dist.destroy_process_group()
 
 
 def world_mesh(device: str) -> DeviceMesh:

@@ -111,7 +111,8 @@ def capture(
         fakes = [torch.empty(gi.shape, dtype=gi.dtype, device=device) for gi in inputs]
     try:
         with _capture_scope(), torch.no_grad(), fake_mode:
-            gm = make_fx(flat_fn, tracing_mode="real")(*fakes)
+            # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
+            gm = make_fx(torch.func.functionalize(flat_fn), tracing_mode="real")(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise CaptureError(
             f"shardfn could not trace {getattr(fn, '__qualname__', fn)}: its control flow or output shape depends "

@@ -26,14 +26,6 @@ __all__ = ["ParallelProgram", "lower"]
 
 aten = torch.ops.aten
 
-# In-place random fills: drawn whole on every rank from the shared generator state, then sliced, so a seed gives
-# the same numbers whatever the layout (and the same as single-device eager).
-_RANDOM_FILLS = {
-    aten.bernoulli_.float, aten.bernoulli_.Tensor, aten.uniform_.default, aten.normal_.default,
-    aten.exponential_.default, aten.random_.default, getattr(aten.random_, "from"), aten.random_.to,
-}
-
-
 def _conform(x: Any, placements: tuple[Placement, ...] | None):
     """Put an op result in its planned placement (a pending sum the op resolved early stays resolved)."""
     if placements is None or not isinstance(x, DTensor) or tuple(x.placements) == placements:
@@ -44,7 +36,8 @@ def _conform(x: Any, placements: tuple[Placement, ...] | None):
 
 def _to(x: Any, placements: tuple[Placement, ...], mesh: DeviceMesh):
     if isinstance(x, DTensor):
-        return x if tuple(x.placements) == placements else x.redistribute(mesh, placements)
+        # views later in the graph assume the layout the whole tensor had; collectives may leave shards strided
+        return x if tuple(x.placements) == placements else x.redistribute(mesh, placements).contiguous()
     if isinstance(x, torch.Tensor):  # a whole value (graph constant): every rank slices its part
         return distribute_tensor(x, mesh, placements, src_data_rank=None)
     return x
@@ -82,11 +75,10 @@ class ParallelProgram:
 
         if np_.rule == "factory":
             return _to(node.target(*args, **kwargs), np_.outputs[0], self.mesh)
-        if node.target in _RANDOM_FILLS:
-            target = args[0]
-            whole = torch.empty(target.shape, dtype=target.dtype, device=target.device)
-            whole = node.target(whole, *args[1:], **kwargs)
-            return distribute_tensor(whole, self.mesh, target.placements, src_data_rank=None)
+        if np_.rule == "random":
+            shape_of = args[0]
+            whole = torch.empty(shape_of.shape, dtype=shape_of.dtype, device=self.mesh.device_type)
+            return _to(node.target(whole, *args[1:], **kwargs), np_.outputs[0], self.mesh)
         if np_.rule == "local":
             local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda t: t.to_local(), (args, kwargs))
             out = node.target(*local_args, **local_kwargs)
@@ -109,11 +101,6 @@ class ParallelProgram:
                 env[node] = next(it)
             elif node.op == "call_function":
                 env[node] = self._run_node(node, env)
-                if node.target in _RANDOM_FILLS or (
-                    isinstance(node.target, torch._ops.OpOverload) and node.target._schema.name.endswith("_")
-                    and node.args and isinstance(node.args[0], torch.fx.Node)
-                ):
-                    env[node.args[0]] = env[node]  # in place: later readers of the input see the result
             elif node.op == "get_attr":
                 env[node] = getattr(self.captured.gm, node.target)
             elif node.op == "output":

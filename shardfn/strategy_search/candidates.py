@@ -8,8 +8,8 @@ Where they come from, first match wins:
    whole tensors by every rank. Correct for any op, never parallel; the ops that use it are named in one warning.
 
 A candidate's ``rule`` tells exec how to run it: ``"dtensor"`` through DTensor dispatch, ``"local"`` by running
-the op on each rank's local shards (own rules and the fallback), ``"input"``/``"factory"`` for values that are
-laid out, not computed from other tensors.
+the op on each rank's local shards (own rules and the fallback), ``"random"`` drawn whole and sliced,
+``"input"``/``"factory"`` for values that are laid out, not computed from other tensors.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
 
-__all__ = ["Candidate", "node_candidates", "register_rule", "tensor_inputs", "warn_fallbacks"]
+__all__ = ["RANDOM_FILLS", "Candidate", "node_candidates", "register_rule", "tensor_inputs", "warn_fallbacks"]
 
 aten = torch.ops.aten
 Placements = tuple[Placement, ...]
@@ -55,6 +55,20 @@ def _outputs_of(val: Any) -> list[torch.Tensor | None]:
     if isinstance(val, (list, tuple)):
         return [v if isinstance(v, torch.Tensor) else None for v in val]
     return [None]
+
+
+# Random fills that read only their input's shape. exec draws them whole on every rank from the shared generator
+# state and slices, so a seed gives the same numbers whatever the layout (and the same as single-device eager).
+# Other seeded random ops (they read values) run replicated.
+RANDOM_FILLS = {
+    aten.bernoulli.p, aten.uniform.default, aten.normal_functional.default, aten.rand_like.default,
+    aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype, aten.exponential.default,
+    aten.random.default, aten.random.to,
+}
+
+
+def _seeded(op) -> bool:
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
 
 
 # --- own rules ----------------------------------------------------------------------------------------------
@@ -94,6 +108,13 @@ def _sdpa_cpu(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     return _per_mesh_dim(mesh, choices, "local")
 
 
+@register_rule(*RANDOM_FILLS)
+def _random_fill(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    # drawn whole and sliced: any layout, the shape-carrying input in the same layout (no communication)
+    n_in = len(tensor_inputs(node))
+    return [Candidate((p,), (p,) * n_in, "random") for p in valid_placements(node.meta["val"].shape, mesh)]
+
+
 # --- assembling ---------------------------------------------------------------------------------------------
 
 _CACHE: dict[Any, list[Candidate] | None] = {}
@@ -126,6 +147,10 @@ def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | No
         # is reached from Replicate inside DTensor's dispatch, so it stays (as Replicate on the edge).
         if any(p.is_partial() and not is_local_from_replicate(p) for pl in ins for p in pl):
             continue
+        # strided shards (a merged dim split over several mesh dims out of order) are not carried through plans
+        if any(type(p).__name__ == "_StridedShard" for pl in (*ins, *(o for o in (out if out and not
+               isinstance(out[0], Placement) else (out,)) if o)) for p in pl):
+            continue
         ins = tuple(tuple(Replicate() if is_local_from_replicate(p) else p for p in pl) for pl in ins)
         outs = (out,) if n_out == 1 and (out is None or isinstance(out[0], Placement)) else tuple(out)
         cands.append(Candidate(outs, ins, "dtensor"))
@@ -146,6 +171,8 @@ def node_candidates(node: torch.fx.Node, mesh: DeviceMesh, fallbacks: set[str]) 
     else:
         if node.target in _RULES:
             cands = _RULES[node.target](node, mesh)
+        elif _seeded(node.target) and node.target not in RANDOM_FILLS:
+            cands = _replicated(node, mesh)
         elif not tensor_inputs(node):
             # factory ops (zeros, arange, ...): made whole on every rank and sliced to any layout
             val = node.meta["val"]

@@ -112,7 +112,7 @@ def make_plan(
         cands = [Candidate((fixed,), (), "input")] if fixed is not None else input_candidates(_val(node).shape, mesh)
         index[node] = len(decisions)
         producer[node] = (len(decisions), 0)
-        decisions.append(_Decision(node, node.name, cands, []))
+        decisions.append(_Decision(node, captured.inputs[i].name, cands, []))
 
     for node in captured.gm.graph.nodes:
         if node.op != "call_function":
@@ -185,7 +185,7 @@ def make_plan(
     for d, c in zip(decisions, chosen):
         if d.node is not None:
             op = "input" if d.node.op == "placeholder" else str(d.node.target)
-            nodes[d.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs)
+            nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs)
     fwd_colls, bwd_colls = [], []
     comm_s = 0.0
     for d, c in zip(decisions, chosen):
@@ -195,7 +195,7 @@ def make_plan(
             args = (val, src, c.inputs[slot], _pending(c, slot), value_node in needs_grad)
             fwd, bwd = edge_comm(*args)
             comm_s += edge_seconds(*args)
-            where = f"{value_node.name} -> {d.name}"
+            where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
             fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
             bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where) for o in bwd]
     compute_s = float(sum(costs[v][k] for v, k in enumerate(solution.choice)))

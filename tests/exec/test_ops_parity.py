@@ -1,0 +1,76 @@
+"""Every operator family of the shard() issue: sharded outputs and gradients equal single-device eager."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardfn as sf
+from tests.parity import check_parity
+
+
+def rand(*shape, grad=True):
+    return torch.randn(*shape).requires_grad_(grad)
+
+
+L = sf.Layout((2, 2), ("dp", "mp"))
+
+CASES = {
+    # name: (fn, make_args, in_strategy)
+    "linear": (lambda x, w, b: F.linear(x, w, b), lambda: (rand(8, 6), rand(10, 6), rand(10)), ((4, 1), None, None)),
+    "linear_column": (lambda x, w: F.linear(x, w), lambda: (rand(8, 6), rand(12, 6)), (None, (4, 1))),
+    "linear_row": (lambda x, w: F.linear(x, w), lambda: (rand(8, 8), rand(6, 8)), ((1, 4), (1, 4))),
+    "addmm": (lambda b, x, w: torch.addmm(b, x, w), lambda: (rand(6), rand(8, 4), rand(4, 6)), (None, (2, 2), None)),
+    "mm": (torch.mm, lambda: (rand(8, 4), rand(4, 12)), ((4, 1), (1, 1))),
+    "bmm": (torch.bmm, lambda: (rand(4, 3, 5), rand(4, 5, 2)), ((4, 1, 1), None)),
+    "matmul_3d": (torch.matmul, lambda: (rand(4, 6, 8), rand(8, 4)), ((2, 1, 2), None)),
+    "einsum": (lambda a, b: torch.einsum("bij,bjk->bik", a, b), lambda: (rand(4, 3, 8), rand(4, 8, 2)),
+               ((2, 1, 2), None)),
+    "broadcast_add_mul": (lambda x, y, z: x * y + z, lambda: (rand(8, 1, 6), rand(4, 6), rand(6)),
+                          ((4, 1, 1), None, None)),
+    "relu_gelu_silu_tanh": (lambda x: F.relu(x) + F.gelu(x) + F.silu(x) + torch.tanh(x), lambda: (rand(8, 12),),
+                            ((2, 2),)),
+    "softmax": (lambda x: F.softmax(x, dim=-1), lambda: (rand(8, 12),), ((4, 1),)),
+    "softmax_split_dim": (lambda x: F.softmax(x, dim=-1), lambda: (rand(8, 12),), ((1, 4),)),
+    "log_softmax": (lambda x: F.log_softmax(x, dim=1), lambda: (rand(8, 12),), ((2, 2),)),
+    "layer_norm": (lambda x, w, b: F.layer_norm(x, (12,), w, b), lambda: (rand(4, 8, 12), rand(12), rand(12)),
+                   ((4, 1, 1), None, None)),
+    "rms_norm": (lambda x, w: F.rms_norm(x, (12,), w), lambda: (rand(4, 8, 12), rand(12)), ((2, 2, 1), None)),
+    "embedding": (lambda i, w: F.embedding(i, w), lambda: (torch.randint(0, 16, (8, 4)), rand(16, 6)),
+                  ((4, 1), None)),
+    "embedding_vocab_parallel": (lambda i, w: F.embedding(i, w), lambda: (torch.randint(0, 16, (8, 4)), rand(16, 6)),
+                                 (None, (4, 1))),
+    "views": (lambda x: x.view(4, 2, 12).transpose(1, 2).permute(2, 0, 1).reshape(8, 12).flatten(),
+              lambda: (rand(8, 12),), ((4, 1),)),
+    "split_cat_stack": (lambda x: torch.cat([torch.stack(x.split(3, dim=1), 0).sum(0), x[:, :3]], dim=0),
+                        lambda: (rand(8, 12),), ((4, 1),)),
+    "reductions": (lambda x: (x.sum(1), x.mean(0), x.amax(1)), lambda: (rand(8, 12),), ((2, 2),)),
+    "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v),
+             lambda: (rand(2, 4, 8, 6), rand(2, 4, 8, 6), rand(2, 4, 8, 6)), ((2, 2, 1, 1), None, None)),
+    "sdpa_causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                    lambda: (rand(2, 4, 8, 6), rand(2, 4, 8, 6), rand(2, 4, 8, 6)), ((1, 4, 1, 1), None, None)),
+    "cross_entropy": (lambda x, t: F.cross_entropy(x, t), lambda: (rand(8, 10), torch.randint(0, 10, (8,))),
+                      ((4, 1), None)),
+    "mse_loss": (lambda x, y: F.mse_loss(x, y), lambda: (rand(8, 6), rand(8, 6, grad=False)), ((2, 2), None)),
+    "layout_2d": (lambda x, w: torch.relu(x @ w), lambda: (rand(8, 6), rand(6, 4)), (L("dp", "None"), L("None", "mp"))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_op_parity(name):
+    fn, make_args, in_strategy = CASES[name]
+    check_parity(fn, make_args, in_strategy, world=4)
+
+
+def test_dropout_same_numbers_whatever_the_layout():
+    def f(x):
+        return F.dropout(x, p=0.3, training=True) * 2
+
+    for strategy in [(1, 1), (4, 1), (1, 4), (2, 2)]:
+        check_parity(f, lambda: (rand(8, 12),), (strategy,), world=4)
+
+
+def test_vmap_inside_fn():
+    def f(x, w):
+        return torch.func.vmap(lambda row: torch.tanh(row @ w))(x)
+
+    check_parity(f, lambda: (rand(8, 6), rand(6, 4)), ((4, 1), None), world=4)

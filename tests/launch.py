@@ -1,0 +1,60 @@
+"""Running scripts the way users do: plain python, torchrun, mpirun."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+def run_python(script: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300):
+    return subprocess.run([sys.executable, str(ROOT / script), *args], capture_output=True, text=True,
+                          env=_env(env), timeout=timeout, cwd=ROOT)
+
+
+def run_torchrun(script: str, nproc: int, *args: str, timeout: float = 600):
+    from tests.harness import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-port", str(free_port()), str(ROOT / script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
+
+
+def mpirun_or_skip() -> str:
+    path = shutil.which("mpirun")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("mpirun is missing on CI: .ci/run must install Debian's openmpi-bin")
+        pytest.skip("mpirun not installed (apt-get install openmpi-bin)")
+    return path
+
+
+def run_mpirun(script: str, nproc: int, *args: str, timeout: float = 600):
+    from tests.harness import free_port
+
+    cmd = [mpirun_or_skip(), "-n", str(nproc), "--oversubscribe"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["-x", "PYTHONPATH", "-x", "MASTER_PORT", "-x", "OMP_NUM_THREADS",
+            sys.executable, str(ROOT / script), *args]
+    env = _env({"MASTER_PORT": str(free_port())})
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def check(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-6000:]}"
+    return result.stdout

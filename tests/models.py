@@ -1,0 +1,55 @@
+"""Small models written for the tests: a GPT-style transformer block and MindSpore's BasicBlock net."""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        # k has no bias: its gradient is zero in exact arithmetic, and AdamW would amplify rounding noise
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        split = lambda y: y.view(b, t, self.heads, c // self.heads).transpose(1, 2)  # noqa: E731
+        y = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(x)), split(self.v(x)), is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, dim: int = 16, heads: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.dropout(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class BasicBlock(nn.Module):
+    """MindSpore's shard example cell: Dense - GELU - Dense."""
+
+    def __init__(self, dim: int = 32, hidden: int = 64):
+        super().__init__()
+        self.dense1 = nn.Linear(dim, hidden)
+        self.gelu = nn.GELU()
+        self.dense2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.dense2(self.gelu(self.dense1(x)))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = 32):
+        super().__init__()
+        self.block1, self.block2, self.block3 = BasicBlock(dim), BasicBlock(dim), BasicBlock(dim)
+
+    def forward(self, x):
+        return self.block3(self.block2(self.block1(x)))
