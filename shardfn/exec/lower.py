@@ -27,10 +27,11 @@ __all__ = ["ParallelProgram", "lower"]
 aten = torch.ops.aten
 
 def _conform(x: Any, placements: tuple[Placement, ...] | None):
-    """Put an op result in its planned placement (a pending sum the op resolved early stays resolved)."""
+    """Put an op result in its planned placement. A pending sum stays as the op left it: one the op resolved
+    early stays resolved, and DTensor's own kinds (embedding's masked sum) are not re-labelled."""
     if placements is None or not isinstance(x, DTensor) or tuple(x.placements) == placements:
         return x
-    target = tuple(q if not (q.is_partial() and not p.is_partial()) else p for p, q in zip(x.placements, placements))
+    target = tuple(p if q.is_partial() else q for p, q in zip(x.placements, placements))
     return x if tuple(x.placements) == target else x.redistribute(x.device_mesh, target)
 
 

@@ -135,6 +135,14 @@ def _val(x):
     return x.meta["val"] if isinstance(x, torch.fx.Node) else x
 
 
+def _plannable(p: Placement) -> bool:
+    # Strided shards (a merged dim split over mesh dims out of order) are not carried through plans, and pending
+    # averages/maxima lose their scaling in DTensor's backward: plans use sums (and embedding's masked sum).
+    if type(p).__name__ == "_StridedShard":
+        return False
+    return not p.is_partial() or is_local_from_replicate(p) or getattr(p, "reduce_op", "sum") == "sum"
+
+
 def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
     args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
     found = dtensor_strategies(node.target, args, kwargs, mesh)
@@ -147,12 +155,10 @@ def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | No
         # is reached from Replicate inside DTensor's dispatch, so it stays (as Replicate on the edge).
         if any(p.is_partial() and not is_local_from_replicate(p) for pl in ins for p in pl):
             continue
-        # strided shards (a merged dim split over several mesh dims out of order) are not carried through plans
-        if any(type(p).__name__ == "_StridedShard" for pl in (*ins, *(o for o in (out if out and not
-               isinstance(out[0], Placement) else (out,)) if o)) for p in pl):
+        outs = (out,) if n_out == 1 and (out is None or isinstance(out[0], Placement)) else tuple(out)
+        if not all(_plannable(p) for pl in (*ins, *(o for o in outs if o)) for p in pl):
             continue
         ins = tuple(tuple(Replicate() if is_local_from_replicate(p) else p for p in pl) for pl in ins)
-        outs = (out,) if n_out == 1 and (out is None or isinstance(out[0], Placement)) else tuple(out)
         cands.append(Candidate(outs, ins, "dtensor"))
     return cands or None
 

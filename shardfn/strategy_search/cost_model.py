@@ -209,3 +209,9 @@ def node_bytes(node) -> int:
 def compute_seconds(flops: int, nbytes: int, split: int, profile: DeviceProfile) -> float:
     """Roofline time of one op whose work is split ``split`` ways."""
     return max(flops / profile.flops_per_s, nbytes / profile.mem_bytes_per_s) / max(split, 1)
+
+
+def is_alias_op(node) -> bool:
+    """Ops whose result is a view of an input: they hold no memory of their own."""
+    target = getattr(node, "target", None)
+    return isinstance(target, torch._ops.OpOverload) and target.is_view

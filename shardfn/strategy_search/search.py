@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from ..layout import MeshSpec
 from . import cost_model as cm
 from .candidates import Candidate, input_candidates, is_alias, node_candidates, tensor_inputs, warn_fallbacks
 from .plan import Collective, Cost, NodePlan, Plan
-from .solver import Problem, solve
+from .solver import Infeasible, Problem, solve
 
 __all__ = ["Constraints", "make_plan"]
 
@@ -138,46 +138,9 @@ def make_plan(
     warn_fallbacks(fallbacks)
 
     needs_grad = _needs_grad(captured, constraints.grad)
-    bwd_factor = 3.0 if needs_grad else 1.0
-
-    # --- costs --------------------------------------------------------------------------------------------
-    costs = []
-    for d in decisions:
-        if d.node is None or d.node.op == "placeholder":
-            costs.append(np.zeros(len(d.candidates)))
-            continue
-        flops, nbytes = cm.node_flops(d.node), cm.node_bytes(d.node)
-        factor = bwd_factor if d.node in needs_grad else 1.0
-        costs.append(np.array([factor * cm.compute_seconds(flops, nbytes, _split(c, mesh_shape), profile)
-                               for c in d.candidates]))
-
-    comm_memo: dict = {}
-
-    def edge_comm(val: torch.Tensor, src: Placements, dst: Placements, pending, grad: bool):
-        key = (tuple(val.shape), val.dtype, src, dst, pending, grad)
-        if key not in comm_memo:
-            item = val.element_size()
-            fwd = cm.redistribute_collectives(val.shape, item, src, dst, mesh_shape)
-            bwd = cm.backward_collectives(val.shape, item, src, dst, pending, mesh_shape) if grad else []
-            comm_memo[key] = (fwd, bwd)
-        return comm_memo[key]
-
-    def edge_seconds(*args) -> float:
-        fwd, bwd = edge_comm(*args)
-        return sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd + bwd)
-
-    edges = []
-    for v, d in enumerate(decisions):
-        for slot, (u, out_idx, value_node) in enumerate(d.sources):
-            val = _val(value_node)
-            grad = value_node in needs_grad
-            # distinct producer placements x distinct (consumer placement, pending) pairs, then expanded
-            src_keys, src_idx = _distinct([sc.outputs[out_idx] for sc in decisions[u].candidates])
-            dst_keys, dst_idx = _distinct([(c.inputs[slot], _pending(c, slot)) for c in d.candidates])
-            small = np.array([[edge_seconds(val, s, t, pend, grad) for t, pend in dst_keys] for s in src_keys])
-            edges.append((u, v, small[np.ix_(src_idx, dst_idx)]))
-
-    solution = solve(Problem(costs, edges), time_limit_s)
+    trainable = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param" and n in needs_grad}
+    terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile)
+    solution = _solve_level(level, terms, profile, time_limit_s)
 
     # --- read the plan off the solution -------------------------------------------------------------------
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
@@ -187,24 +150,20 @@ def make_plan(
             op = "input" if d.node.op == "placeholder" else str(d.node.target)
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs)
     fwd_colls, bwd_colls = [], []
-    comm_s = 0.0
     for d, c in zip(decisions, chosen):
         for slot, (u, out_idx, value_node) in enumerate(d.sources):
             val = _val(value_node)
             src = chosen[u].outputs[out_idx]
-            args = (val, src, c.inputs[slot], _pending(c, slot), value_node in needs_grad)
-            fwd, bwd = edge_comm(*args)
-            comm_s += edge_seconds(*args)
+            fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], _pending(c, slot), value_node in needs_grad)
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
             fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
             bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where) for o in bwd]
-    compute_s = float(sum(costs[v][k] for v, k in enumerate(solution.choice)))
-    peak = _peak_bytes(decisions, chosen, mesh_shape, needs_grad)
-    notes = []
+    compute_s = terms.compute_of(solution.choice)
+    comm_s = terms.comm_of(solution.choice)
+    peak = _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable)
+    notes = [solution.message] if solution.message not in ("optimal", "") else []
     if fallbacks:
         notes.append("replicated fallback for: " + ", ".join(sorted(fallbacks)))
-    if not solution.optimal:
-        notes.append(f"solver stopped early: {solution.message}")
     return Plan(
         mesh=mesh_spec,
         level=level,
@@ -217,19 +176,165 @@ def make_plan(
     )
 
 
-def _peak_bytes(decisions, chosen, mesh_shape, needs_grad) -> int:
-    """Per-rank bytes of every placeholder and kept activation, plus gradients of trainable inputs.
+def _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable) -> int:
+    """Per-rank peak bytes of the chosen plan, with liveness.
 
-    A liveness-free upper bound: values needed by backward stay alive through the forward anyway.
+    Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
+    optimizer states) are alive throughout; a value needed by backward stays alive once made; any other value
+    lives until its last reader. The peak is the largest total seen.
     """
-    total = 0
-    for d, c in zip(decisions, chosen):
+    by_node = {d.node: c for d, c in zip(decisions, chosen) if d.node is not None}
+    last_use: dict[torch.fx.Node, int] = {}
+    order = list(captured.gm.graph.nodes)
+    for i, node in enumerate(order):
+        for a in node.all_input_nodes:
+            last_use[a] = i
+
+    def local_bytes(node) -> int:
+        c = by_node.get(node)
+        if c is None:  # getitem: its producer holds the value
+            return 0
+        vals = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        return sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
+                   for v, pl in zip(vals, c.outputs) if pl is not None)
+
+    live, peak = 0, 0
+    transient: dict[torch.fx.Node, int] = {}
+    for i, node in enumerate(order):
+        if node.op == "placeholder":
+            live += local_bytes(node) * (4 if node in trainable else 1)
+        elif node.op == "call_function":
+            nbytes = 0 if cm.is_alias_op(node) else local_bytes(node)
+            live += nbytes
+            if node not in needs_grad:
+                transient[node] = nbytes
+        peak = max(peak, live)
+        for a in node.all_input_nodes:
+            if last_use.get(a) == i and a in transient:
+                live -= transient.pop(a)
+    return int(peak)
+
+
+@dataclass
+class _Terms:
+    """The cost model's terms for one problem: per-decision compute, memory and savings, edge communication."""
+
+    decisions: list[_Decision]
+    compute: list[np.ndarray]  # per-rank compute seconds (forward, plus backward where needed)
+    savings: list[np.ndarray]  # compute seconds saved against running the node whole on one rank
+    memory: list[np.ndarray]  # per-rank bytes held at the peak of a training step (the level-1/2 model)
+    edges: list[tuple[int, int, np.ndarray]]  # communication seconds, forward and backward
+    comm_ops: Any  # (value, src, dst, pending, grad) -> (forward CommOps, backward CommOps)
+
+    def compute_of(self, choice) -> float:
+        return float(sum(self.compute[v][k] for v, k in enumerate(choice)))
+
+    def comm_of(self, choice) -> float:
+        return float(sum(m[choice[u], choice[v]] for u, v, m in self.edges))
+
+    def memory_of(self, choice) -> float:
+        return float(sum(self.memory[v][k] for v, k in enumerate(choice)))
+
+    def savings_of(self, choice) -> float:
+        return float(sum(self.savings[v][k] for v, k in enumerate(choice)))
+
+
+_EDGE_MEMO: dict = {}
+_COMM_MEMO: dict = {}
+
+
+def _terms(decisions, mesh_shape, needs_grad, trainable, profile) -> _Terms:
+    bwd_factor = 3.0  # backward ~ twice the forward's work
+    compute, savings, memory = [], [], []
+    for d in decisions:
+        n = len(d.candidates)
         if d.node is None:
+            compute.append(np.zeros(n)), savings.append(np.zeros(n)), memory.append(np.zeros(n))
             continue
         vals = [v for v in torch.utils._pytree.tree_leaves(d.node.meta.get("val")) if isinstance(v, torch.Tensor)]
-        for v, pl in zip(vals, c.outputs):
-            if pl is None:
-                continue
-            nbytes = cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
-            total += nbytes * (2 if d.node.op == "placeholder" and d.node in needs_grad else 1)
-    return int(total)
+        if d.node.op == "placeholder":
+            compute.append(np.zeros(n)), savings.append(np.zeros(n))
+            keep = 4 if d.node in trainable else 1  # value, gradient, two optimizer states
+        else:
+            flops, nbytes = cm.node_flops(d.node), cm.node_bytes(d.node)
+            factor = bwd_factor if d.node in needs_grad else 1.0
+            whole = factor * cm.compute_seconds(flops, nbytes, 1, profile)
+            per = np.array([factor * cm.compute_seconds(flops, nbytes, _split(c, mesh_shape), profile)
+                            for c in d.candidates])
+            compute.append(per), savings.append(whole - per)
+            keep = 1 if d.node in needs_grad and not cm.is_alias_op(d.node) else 0
+        memory.append(np.array([
+            keep * sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
+                       for v, pl in zip(vals, c.outputs) if pl is not None)
+            for c in d.candidates], dtype=float))
+
+    def comm_ops(val, src, dst, pending, grad):
+        key = (tuple(val.shape), val.dtype, src, dst, pending, grad, mesh_shape)
+        if key not in _COMM_MEMO:
+            item = val.element_size()
+            fwd = cm.redistribute_collectives(val.shape, item, src, dst, mesh_shape)
+            bwd = cm.backward_collectives(val.shape, item, src, dst, pending, mesh_shape) if grad else []
+            secs = sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd + bwd)
+            _COMM_MEMO[key] = (fwd, bwd, secs)
+        return _COMM_MEMO[key]
+
+    edges = []
+    for v, d in enumerate(decisions):
+        for slot, (u, out_idx, value_node) in enumerate(d.sources):
+            val = _val(value_node)
+            grad = value_node in needs_grad
+            src_cands = decisions[u].candidates
+            # identical layers share candidate lists: their edge matrices are built once
+            key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, grad,
+                   mesh_shape, profile)
+            m = _EDGE_MEMO.get(key)
+            if m is None or m[0] is not src_cands or m[1] is not d.candidates:
+                src_keys, src_idx = _distinct([sc.outputs[out_idx] for sc in src_cands])
+                dst_keys, dst_idx = _distinct([(c.inputs[slot], _pending(c, slot)) for c in d.candidates])
+                small = np.array([[comm_ops(val, s, t, pend, grad)[2] for t, pend in dst_keys] for s in src_keys])
+                m = (src_cands, d.candidates, small[np.ix_(src_idx, dst_idx)])
+                _EDGE_MEMO[key] = m
+            edges.append((u, v, m[2]))
+    return _Terms(decisions, compute, savings, memory, edges,
+                  lambda *a: comm_ops(*a)[:2])
+
+
+def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s: float):
+    """Choose candidates for the level's objective (see the README's *Search* section).
+
+    0: maximise the ratio of compute saved by sharding to communication time (Dinkelbach's method: each round
+       an exact solve of max savings - lambda * comm, lambda the best ratio so far), then least time on ties;
+    1: minimise per-rank memory, then time;
+    2: minimise step time (compute + communication) within the device's memory.
+    """
+    time_problem = Problem([c.copy() for c in t.compute], t.edges)
+    if level == 2:
+        sol = solve(time_problem, time_limit_s)
+        if t.memory_of(sol.choice) <= profile.memory_bytes:
+            return sol
+        try:
+            sol = solve(Problem(time_problem.costs, t.edges, (t.memory, profile.memory_bytes)), time_limit_s)
+        except Infeasible:
+            raise ValueError(
+                f"level=2: no plan fits the per-rank memory of the {profile.name} profile "
+                f"({profile.memory_bytes / 2**30:.1f} GiB); use level=1 (least memory) or more ranks"
+            ) from None
+        sol.message = sol.message if sol.message != "optimal" else "memory limit binding"
+        return sol
+    upper_time = sum(float(c.max()) for c in t.compute) + sum(float(m.max()) for _, _, m in t.edges) + 1e-12
+    if level == 1:
+        eps = 1e-3 / upper_time  # all time together is worth less than a thousandth of a byte
+        costs = [mem + eps * c for mem, c in zip(t.memory, t.compute)]
+        return solve(Problem(costs, [(u, v, eps * m) for u, v, m in t.edges]), time_limit_s)
+    eps = 1e-6 * max(sum(float(s.max()) for s in t.savings), 1e-12) / upper_time
+    lam, best = 0.0, None
+    for _ in range(50):
+        costs = [-s + eps * c for s, c in zip(t.savings, t.compute)]
+        sol = solve(Problem(costs, [(u, v, (lam + eps) * m) for u, v, m in t.edges]), time_limit_s)
+        saved, comm = t.savings_of(sol.choice), t.comm_of(sol.choice)
+        best = sol
+        if comm <= 0 or saved - lam * comm <= 1e-9 * max(saved, 1e-12):
+            break
+        lam = saved / comm
+    best.message = best.message if best.message != "optimal" else ""
+    return best
