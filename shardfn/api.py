@@ -34,7 +34,7 @@ from .layout import (
     spec_of_dtensor,
     to_placements,
 )
-from .strategy_search import Constraints, Plan, make_plan
+from .strategy_search import Constraints, Plan, make_plan, profile_for
 
 __all__ = ["ShardedFunction", "ShardedModule", "explain", "shard"]
 
@@ -268,8 +268,10 @@ class _Engine:
                  for n, t in {**params, **buffers}.items()}
         p_meta = {n: state[n] for n in params}
         b_meta = {n: state[n] for n in buffers}
+        # planning for CUDA on a machine without it (explain) traces on the CPU: only shapes matter
+        trace_device = device if device != "cuda" or torch.cuda.is_available() else "cpu"
         captured = capture(self.fn, example, kwargs, p_meta, b_meta,
-                           call=self._call_module if self.module is not None else None, device=device)
+                           call=self._call_module if self.module is not None else None, device=trace_device)
 
         n_out = len([a for a in captured.output_nodes if isinstance(a, torch.fx.Node)])
         out_vals = [a.meta["val"] for a in captured.output_nodes if isinstance(a, torch.fx.Node)]
@@ -301,7 +303,7 @@ class _Engine:
         for j, spec in enumerate(fixed):
             if spec is not None:
                 constraints.inputs[n_state + j] = to_placements(spec, mesh_spec)
-        plan = make_plan(captured, mesh, mesh_spec, constraints, level=self.level)
+        plan = make_plan(captured, mesh, mesh_spec, constraints, level=self.level, profile=profile_for(device))
         placeholders = captured.placeholders
         planned = [plan.nodes[placeholders[n_state + j].name].outputs[0] for j in range(len(shapes))]
         return _Compiled(
@@ -496,7 +498,8 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, **shard
     """The plan ``shard(fn, **shard_kwargs)(*example_args)`` runs, made without running anything.
 
     ``world_size`` plans for that many ranks with no processes; example args (and module parameters) may be
-    meta tensors. Keyword arguments of fn cannot be passed here; bind them with functools.partial.
+    meta tensors; ``device="cuda"`` plans with the GPU cost profile even where CUDA is absent. Keyword
+    arguments of fn cannot be passed here; bind them with functools.partial.
     """
     if isinstance(fn_or_sharded, ShardedFunction):
         engine = fn_or_sharded._engine

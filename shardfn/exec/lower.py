@@ -16,7 +16,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..capture.graph import CapturedGraph
@@ -36,11 +36,22 @@ def _conform(x: Any, placements: tuple[Placement, ...] | None):
 
 
 def _to(x: Any, placements: tuple[Placement, ...], mesh: DeviceMesh):
+    """Bring an input to the placement its consumer's strategy reads it in.
+
+    Going to a pending sum from a whole value is left to the op's DTensor dispatch (which may split a value into
+    a pending sum; the public redistribute may not): those dims are brought to Replicate here.
+    """
     if isinstance(x, DTensor):
+        current = tuple(x.placements)
+        target = tuple(Replicate() if q.is_partial() and not p.is_partial() else q
+                       for p, q in zip(current, placements))
+        if current == target:
+            return x
         # views later in the graph assume the layout the whole tensor had; collectives may leave shards strided
-        return x if tuple(x.placements) == placements else x.redistribute(mesh, placements).contiguous()
+        return x.redistribute(mesh, target).contiguous()
     if isinstance(x, torch.Tensor):  # a whole value (graph constant): every rank slices its part
-        return distribute_tensor(x, mesh, placements, src_data_rank=None)
+        return distribute_tensor(x, mesh, tuple(Replicate() if q.is_partial() else q for q in placements),
+                                 src_data_rank=None)
     return x
 
 

@@ -151,10 +151,9 @@ def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | No
     n_out = len(_outputs_of(node.meta["val"]))
     cands = []
     for out, ins in found:
-        # Inputs are never asked to arrive as pending sums: producers resolve them. Embedding's mask placement
-        # is reached from Replicate inside DTensor's dispatch, so it stays (as Replicate on the edge).
-        if any(p.is_partial() and not is_local_from_replicate(p) for pl in ins for p in pl):
-            continue
+        # Embedding's mask placement is reached from Replicate inside DTensor's dispatch: on the edge it is
+        # Replicate. A pending-sum input (a bias added once to a row-parallel matmul) is reached from Replicate
+        # inside the dispatch too, or arrives pending from its producer.
         outs = (out,) if n_out == 1 and (out is None or isinstance(out[0], Placement)) else tuple(out)
         if not all(_plannable(p) for pl in (*ins, *(o for o in outs if o)) for p in pl):
             continue

@@ -1,14 +1,16 @@
 """Cost model: compute (FLOPs / roofline), communication (alpha-beta ring formulas per mesh dim), memory.
 
 Communication on a mesh dim of ``n`` ranks moving a logical operand of ``B`` bytes (the full operand within
-the group, as Plan.collectives reports it), with latency ``alpha`` and inverse bandwidth ``beta``:
+the group, as Plan.collectives reports it), with per-hop latency ``alpha``, inverse bandwidth ``beta`` and a
+fixed cost ``c`` per collective issued (so of two plans that move the same bytes, the one with fewer
+collectives wins: a reduce_scatter + all_gather pair costs an all_reduce plus one more launch):
 
-=================  =========================================
-all_reduce         2 (n-1) alpha + 2 (n-1)/n B beta
-all_gather         (n-1) alpha + (n-1)/n B beta      (B = gathered output)
-reduce_scatter     (n-1) alpha + (n-1)/n B beta      (B = input before scattering)
-all_to_all         (n-1) alpha + (n-1)/n^2 B beta    (B = input)
-=================  =========================================
+=================  ==============================================
+all_reduce         c + 2 (n-1) alpha + 2 (n-1)/n B beta
+all_gather         c + (n-1) alpha + (n-1)/n B beta      (B = gathered output)
+reduce_scatter     c + (n-1) alpha + (n-1)/n B beta      (B = input before scattering)
+all_to_all         c + (n-1) alpha + (n-1)/n^2 B beta    (B = input)
+=================  ==============================================
 
 A redistribution is lowered per mesh dim (:func:`redistribute_collectives`); its backward is the dual
 (:func:`backward_collectives`): the gradient flows from the consumer's placement back to the producer's, and a
@@ -29,6 +31,7 @@ from torch.distributed.tensor.placement_types import Placement
 __all__ = [
     "CPU",
     "H100",
+    "profile_for",
     "CommOp",
     "DeviceProfile",
     "backward_collectives",
@@ -46,14 +49,20 @@ class DeviceProfile:
     flops_per_s: float  # sustained matmul throughput, fp32
     mem_bytes_per_s: float  # memory bandwidth, for memory-bound (elementwise) ops
     alpha_s: float  # per-hop collective latency
+    launch_s: float  # fixed cost of issuing one collective (software, kernel launch)
     beta_s_per_byte: float  # inverse link bandwidth
     memory_bytes: float  # per-device memory, the budget of level 2
 
 
 # A CPU rank with gloo over loopback/TCP, and an H100 SXM with NVLink (NCCL). Order-of-magnitude constants:
 # they rank plans, they do not predict wall time to the percent.
-CPU = DeviceProfile("cpu", 5e10, 2e10, 5e-5, 1 / 2e9, 16e9)
-H100 = DeviceProfile("h100", 4e14, 3e12, 1e-5, 1 / 4.5e11, 80e9)
+CPU = DeviceProfile("cpu", 5e10, 2e10, 5e-5, 2e-5, 1 / 2e9, 16e9)
+H100 = DeviceProfile("h100", 4e14, 3e12, 1e-5, 5e-6, 1 / 4.5e11, 80e9)
+
+
+def profile_for(device: str) -> DeviceProfile:
+    """The cost profile plans for ``device`` use: H100 for CUDA, CPU otherwise."""
+    return H100 if device == "cuda" else CPU
 
 
 @dataclass(frozen=True)
@@ -69,13 +78,13 @@ def collective_seconds(op: CommOp, mesh_shape: Sequence[int], profile: DevicePro
     n = mesh_shape[op.mesh_dim]
     if n <= 1:
         return 0.0
-    a, b, B = profile.alpha_s, profile.beta_s_per_byte, op.nbytes
+    a, b, B, c = profile.alpha_s, profile.beta_s_per_byte, op.nbytes, profile.launch_s
     if op.kind == "all_reduce":
-        return 2 * (n - 1) * a + 2 * (n - 1) / n * B * b
+        return c + 2 * (n - 1) * a + 2 * (n - 1) / n * B * b
     if op.kind in ("all_gather", "reduce_scatter"):
-        return (n - 1) * a + (n - 1) / n * B * b
+        return c + (n - 1) * a + (n - 1) / n * B * b
     if op.kind == "all_to_all":
-        return (n - 1) * a + (n - 1) / (n * n) * B * b
+        return c + (n - 1) * a + (n - 1) / (n * n) * B * b
     raise ValueError(f"unknown collective {op.kind!r}")
 
 

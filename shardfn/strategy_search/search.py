@@ -85,7 +85,7 @@ def _needs_grad(captured: CapturedGraph, grad: bool) -> set[torch.fx.Node]:
         if gi.requires_grad and gi.dtype.is_floating_point:
             out.add(node)
     for node in captured.gm.graph.nodes:
-        if node.op == "call_function" and any(a in out for a in tensor_inputs(node)):
+        if node.op == "call_function" and any(a in out for a in node.all_input_nodes):
             vals = [v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
             if any(v.dtype.is_floating_point for v in vals):
                 out.add(node)
