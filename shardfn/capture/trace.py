@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
 from .graph import CapturedGraph, GraphInput
 
@@ -127,6 +128,10 @@ def capture(
                 f"  at {_user_frame(sys.exc_info()[2])}"
             ) from e
         raise
+    # identical ops on the same inputs (q, k and v each viewing the same normalised activations) become one node,
+    # so the search sees one value with several readers; random ops are never merged
+    result = CSEPass(banned_ops=get_CSE_banned_ops())(gm)
+    gm = result.graph_module
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     constants = {i: v for i, v in enumerate(out_node.args[0]) if not isinstance(v, torch.fx.Node)}
     return CapturedGraph(gm, inputs, flat_fn.out_spec, constants)

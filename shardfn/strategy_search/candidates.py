@@ -41,6 +41,8 @@ class Candidate:
     outputs: tuple[Placements | None, ...]
     inputs: tuple[Placements, ...]
     rule: str
+    # backward: the output's gradient is summed from its readers as a pending sum and reduced once
+    accumulate: bool = False
 
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:

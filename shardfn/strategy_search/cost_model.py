@@ -144,6 +144,17 @@ def redistribute_collectives(
     return ops
 
 
+def gradient_placement(src: Sequence[Placement]) -> list[Placement]:
+    """Where the gradient of a value laid out as ``src`` must end up: the same, with pending sums replicated."""
+    return [Replicate() if p.is_partial() else p for p in src]
+
+
+def accumulator_placement(src: Sequence[Placement]) -> list[Placement]:
+    """A gradient accumulated as a pending sum wherever the value is replicated: readers' pending contributions
+    add up for free, and one reduction (:func:`accumulated_collectives`) resolves the total."""
+    return [Partial() if p.is_replicate() else p for p in gradient_placement(src)]
+
+
 def backward_collectives(
     shape: Sequence[int],
     itemsize: int,
@@ -151,17 +162,26 @@ def backward_collectives(
     dst: Sequence[Placement],
     pending: Sequence[bool],
     mesh_shape: Sequence[int],
+    accumulate: bool = False,
 ) -> list[CommOp]:
     """Collectives of the gradient of an edge: from the consumer side (``dst``) back to the producer (``src``).
 
     ``pending[d]``: the consumer left this gradient as a pending sum on mesh dim ``d`` (it read the tensor
     replicated there while splitting its work there). A producer that was Partial receives a replicated gradient.
+    With ``accumulate`` the contribution only joins the producer's pending accumulator.
     """
     grad_at_consumer = [Partial() if pend else p for p, pend in zip(dst, pending)]
     grad_at_consumer = [Replicate() if (p.is_partial() and not pend) else p
                         for p, pend in zip(grad_at_consumer, pending)]
-    want = [Replicate() if p.is_partial() else p for p in src]
-    return redistribute_collectives(shape, itemsize, grad_at_consumer, want, mesh_shape)
+    target = accumulator_placement(src) if accumulate else gradient_placement(src)
+    return redistribute_collectives(shape, itemsize, grad_at_consumer, target, mesh_shape)
+
+
+def accumulated_collectives(shape: Sequence[int], itemsize: int, src: Sequence[Placement],
+                            mesh_shape: Sequence[int]) -> list[CommOp]:
+    """The one reduction that resolves an accumulated gradient (see :func:`accumulator_placement`)."""
+    return redistribute_collectives(shape, itemsize, accumulator_placement(src), gradient_placement(src),
+                                    mesh_shape)
 
 
 def dtype_size(dtype: torch.dtype) -> int:

@@ -32,13 +32,21 @@ class Collective:
 
 @dataclass(frozen=True)
 class Cost:
-    compute_s: float
-    comm_s: float
-    peak_bytes: int
+    """Estimated per-rank costs of one step (forward, and backward when gradients are needed)."""
+
+    compute_s: float  # roofline compute time of every op at its chosen split
+    comm_s: float  # alpha-beta time of every collective, forward and backward
+    peak_bytes: int  # peak memory with liveness (parameters, gradients, optimizer states, activations)
+    saved_s: float = 0.0  # compute time sharding saves against running every op whole
 
     @property
     def total_s(self) -> float:
         return self.compute_s + self.comm_s
+
+    @property
+    def ratio(self) -> float:
+        """Level 0's objective: compute saved per second of communication (inf when nothing is communicated)."""
+        return self.saved_s / self.comm_s if self.comm_s > 0 else float("inf")
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ candidate, so the solver propagates them: it prefers choices that need no redist
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -139,6 +140,7 @@ def make_plan(
 
     needs_grad = _needs_grad(captured, constraints.grad)
     trainable = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param" and n in needs_grad}
+    _offer_accumulation(decisions, needs_grad)
     terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile)
     solution = _solve_level(level, terms, profile, time_limit_s)
 
@@ -154,10 +156,16 @@ def make_plan(
         for slot, (u, out_idx, value_node) in enumerate(d.sources):
             val = _val(value_node)
             src = chosen[u].outputs[out_idx]
-            fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], _pending(c, slot), value_node in needs_grad)
+            fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], _pending(c, slot), value_node in needs_grad,
+                                      chosen[u].accumulate)
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
             fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
             bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where) for o in bwd]
+    for d, c in zip(decisions, chosen):
+        for val in terms.accumulated_values(d, c):
+            ops = cm.accumulated_collectives(val.shape, val.element_size(), c.outputs[0], mesh_shape)
+            bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, f"{d.name} (summed gradient)")
+                          for o in ops]
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice)
     peak = _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable)
@@ -170,7 +178,7 @@ def make_plan(
         nodes=nodes,
         outputs=list(sink_inputs),
         collectives=fwd_colls + list(reversed(bwd_colls)),
-        cost=Cost(compute_s, comm_s, peak),
+        cost=Cost(compute_s, comm_s, peak, terms.savings_of(solution.choice)),
         optimal=solution.optimal,
         notes=notes,
     )
@@ -224,13 +232,20 @@ class _Terms:
     savings: list[np.ndarray]  # compute seconds saved against running the node whole on one rank
     memory: list[np.ndarray]  # per-rank bytes held at the peak of a training step (the level-1/2 model)
     edges: list[tuple[int, int, np.ndarray]]  # communication seconds, forward and backward
-    comm_ops: Any  # (value, src, dst, pending, grad) -> (forward CommOps, backward CommOps)
+    reductions: list[np.ndarray]  # per decision: seconds of reducing accumulated gradients once
+    comm_ops: Any  # (value, src, dst, pending, grad, accumulate) -> (forward CommOps, backward CommOps)
+
+    def accumulated_values(self, d: "_Decision", c: Candidate) -> list[torch.Tensor]:
+        if not c.accumulate:
+            return []
+        return [v for v in torch.utils._pytree.tree_leaves(d.node.meta.get("val")) if isinstance(v, torch.Tensor)][:1]
 
     def compute_of(self, choice) -> float:
         return float(sum(self.compute[v][k] for v, k in enumerate(choice)))
 
     def comm_of(self, choice) -> float:
-        return float(sum(m[choice[u], choice[v]] for u, v, m in self.edges))
+        edges = sum(m[choice[u], choice[v]] for u, v, m in self.edges)
+        return float(edges + sum(self.reductions[v][k] for v, k in enumerate(choice)))
 
     def memory_of(self, choice) -> float:
         return float(sum(self.memory[v][k] for v, k in enumerate(choice)))
@@ -268,12 +283,12 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile) -> _Terms:
                        for v, pl in zip(vals, c.outputs) if pl is not None)
             for c in d.candidates], dtype=float))
 
-    def comm_ops(val, src, dst, pending, grad):
-        key = (tuple(val.shape), val.dtype, src, dst, pending, grad, mesh_shape)
+    def comm_ops(val, src, dst, pending, grad, accumulate):
+        key = (tuple(val.shape), val.dtype, src, dst, pending, grad, accumulate, mesh_shape, profile)
         if key not in _COMM_MEMO:
             item = val.element_size()
             fwd = cm.redistribute_collectives(val.shape, item, src, dst, mesh_shape)
-            bwd = cm.backward_collectives(val.shape, item, src, dst, pending, mesh_shape) if grad else []
+            bwd = cm.backward_collectives(val.shape, item, src, dst, pending, mesh_shape, accumulate) if grad else []
             secs = sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd + bwd)
             _COMM_MEMO[key] = (fwd, bwd, secs)
         return _COMM_MEMO[key]
@@ -289,14 +304,41 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile) -> _Terms:
                    mesh_shape, profile)
             m = _EDGE_MEMO.get(key)
             if m is None or m[0] is not src_cands or m[1] is not d.candidates:
-                src_keys, src_idx = _distinct([sc.outputs[out_idx] for sc in src_cands])
+                src_keys, src_idx = _distinct([(sc.outputs[out_idx], sc.accumulate) for sc in src_cands])
                 dst_keys, dst_idx = _distinct([(c.inputs[slot], _pending(c, slot)) for c in d.candidates])
-                small = np.array([[comm_ops(val, s, t, pend, grad)[2] for t, pend in dst_keys] for s in src_keys])
+                small = np.array([[comm_ops(val, s, t, pend, grad, acc)[2] for t, pend in dst_keys]
+                                  for s, acc in src_keys])
                 m = (src_cands, d.candidates, small[np.ix_(src_idx, dst_idx)])
                 _EDGE_MEMO[key] = m
             edges.append((u, v, m[2]))
-    return _Terms(decisions, compute, savings, memory, edges,
-                  lambda *a: comm_ops(*a)[:2])
+    reductions = []
+    for d in decisions:
+        secs = np.zeros(len(d.candidates))
+        for k, c in enumerate(d.candidates):
+            if c.accumulate:
+                val = _val_of_first_output(d.node)
+                ops = cm.accumulated_collectives(val.shape, val.element_size(), c.outputs[0], mesh_shape)
+                secs[k] = sum(cm.collective_seconds(op, mesh_shape, profile) for op in ops)
+        reductions.append(secs)
+    return _Terms(decisions, compute, savings, memory, edges, reductions, lambda *a: comm_ops(*a)[:2])
+
+
+def _val_of_first_output(node: torch.fx.Node) -> torch.Tensor:
+    return next(v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
+
+
+def _offer_accumulation(decisions: list[_Decision], needs_grad: set) -> None:
+    """A single-output value read by several readers that send gradients back may sum them pending and reduce
+    once: offer each of its candidates in that variant too."""
+    readers: dict[int, int] = {}
+    for d in decisions:
+        for u, out_idx, value_node in d.sources:
+            if value_node in needs_grad:
+                readers[u] = readers.get(u, 0) + 1
+    for u, n in readers.items():
+        d = decisions[u]
+        if n > 1 and len(d.candidates[0].outputs) == 1 and d.candidates[0].outputs[0] is not None:
+            d.candidates = d.candidates + [dataclasses.replace(c, accumulate=True) for c in d.candidates]
 
 
 def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s: float):
@@ -307,7 +349,8 @@ def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s:
     1: minimise per-rank memory, then time;
     2: minimise step time (compute + communication) within the device's memory.
     """
-    time_problem = Problem([c.copy() for c in t.compute], t.edges)
+    unary_time = [c + r for c, r in zip(t.compute, t.reductions)]
+    time_problem = Problem(unary_time, t.edges)
     if level == 2:
         sol = solve(time_problem, time_limit_s)
         if t.memory_of(sol.choice) <= profile.memory_bytes:
@@ -321,15 +364,15 @@ def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s:
             ) from None
         sol.message = sol.message if sol.message != "optimal" else "memory limit binding"
         return sol
-    upper_time = sum(float(c.max()) for c in t.compute) + sum(float(m.max()) for _, _, m in t.edges) + 1e-12
+    upper_time = sum(float(c.max()) for c in unary_time) + sum(float(m.max()) for _, _, m in t.edges) + 1e-12
     if level == 1:
         eps = 1e-3 / upper_time  # all time together is worth less than a thousandth of a byte
-        costs = [mem + eps * c for mem, c in zip(t.memory, t.compute)]
+        costs = [mem + eps * c for mem, c in zip(t.memory, unary_time)]
         return solve(Problem(costs, [(u, v, eps * m) for u, v, m in t.edges]), time_limit_s)
     eps = 1e-6 * max(sum(float(s.max()) for s in t.savings), 1e-12) / upper_time
     lam, best = 0.0, None
     for _ in range(50):
-        costs = [-s + eps * c for s, c in zip(t.savings, t.compute)]
+        costs = [-s + lam * r + eps * c for s, r, c in zip(t.savings, t.reductions, unary_time)]
         sol = solve(Problem(costs, [(u, v, (lam + eps) * m) for u, v, m in t.edges]), time_limit_s)
         saved, comm = t.savings_of(sol.choice), t.comm_of(sol.choice)
         best = sol

@@ -1,0 +1,93 @@
+"""Golden plans on simulated worlds (no processes): Alpa's MLP, Megatron's transformer layer, and the three
+levels each winning on their own objective."""
+
+import pytest
+import torch
+
+import shardfn as sf
+from tests.models import GPTBlock
+
+
+def mlp(x, *weights):
+    for i, w in enumerate(weights):
+        x = x @ w
+        if i < len(weights) - 1:
+            x = torch.relu(x)
+    return x
+
+
+def _mlp_args(batch, hidden, layers):
+    x = torch.empty(batch, hidden, device="meta")  # the input needs no gradient
+    return [x] + [torch.empty(hidden, hidden, device="meta", requires_grad=True) for _ in range(layers)]
+
+
+@pytest.mark.parametrize("layers", [2, 4, 6])
+def test_alpa_mlp_small_batch_plans_megatron_pairs(layers):
+    args = _mlp_args(32, 8192, layers)
+    plan = sf.explain(mlp, *args, in_strategy=(None,) * len(args), world_size=4, level=2, device="cuda")
+    kinds = {c.kind for c in plan.collectives}
+    assert kinds == {"all_reduce"}, plan
+    assert plan.count("all_reduce", "forward") == layers // 2
+    assert plan.count("all_reduce", "backward") == layers // 2 - 1
+    assert all(c.nbytes == 32 * 8192 * 4 for c in plan.collectives)  # activations, never weights
+    weights = [n.outputs[0][0] for n in plan.nodes.values() if n.op == "input"][1:]
+    assert weights == [torch.distributed.tensor.Shard(1), torch.distributed.tensor.Shard(0)] * (layers // 2)
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_alpa_mlp_large_batch_plans_data_parallel(level):
+    layers = 4
+    args = _mlp_args(16384, 512, layers)
+    plan = sf.explain(mlp, *args, in_strategy=(None,) * len(args), out_strategy=((4, 1),), world_size=4,
+                      level=level, device="cuda")
+    assert plan.count("all_reduce", "backward") == layers, plan  # one per weight gradient
+    assert len(plan.collectives) == layers
+    assert all(c.nbytes == 512 * 512 * 4 for c in plan.collectives)
+    assert all(n.outputs[0][0].is_replicate() for n in plan.nodes.values() if n.op == "input")
+
+
+MEGATRON = {"attn.q.weight": (4, 1), "attn.k.weight": (4, 1), "attn.v.weight": (4, 1), "attn.q.bias": (4,),
+            "attn.v.bias": (4,), "attn.proj.weight": (1, 4), "fc.weight": (4, 1), "fc.bias": (4,),
+            "out.weight": (1, 4)}
+
+
+def test_transformer_layer_tensor_parallel_costs_two_all_reduces_each_way():
+    with torch.device("meta"):
+        block = GPTBlock(4096, 32)
+    x = torch.empty(2, 512, 4096, device="meta", requires_grad=True)
+    plan = sf.explain(block, x, in_strategy=(None,), parameter_plan=MEGATRON, world_size=4, level=2, device="cuda")
+    assert plan.count("all_reduce", "forward") == 2, plan
+    assert plan.count("all_reduce", "backward") == 2, plan
+    assert len(plan.collectives) == 4
+
+
+def test_levels_differ_and_each_wins_its_own_objective():
+    args = _mlp_args(32, 8192, 4)
+    plans = {level: sf.explain(mlp, *args, in_strategy=(None,) * len(args), world_size=4, level=level)
+             for level in (0, 1, 2)}
+    layouts = {level: tuple(n.outputs for n in p.nodes.values()) for level, p in plans.items()}
+    assert len(set(layouts.values())) == 3, "the three objectives disagree here: the plans must differ"
+    ratio = {lv: p.cost.ratio for lv, p in plans.items()}
+    time = {lv: p.cost.total_s for lv, p in plans.items()}
+    peak = {lv: p.cost.peak_bytes for lv, p in plans.items()}
+    assert ratio[0] >= max(ratio[1], ratio[2])
+    assert peak[1] <= min(peak[0], peak[2])
+    assert time[2] <= min(time[0], time[1])
+    assert ratio[0] > ratio[2] and peak[1] < peak[2] and time[2] < time[1]  # strictly, where they disagree
+
+
+def _deep_mlp(layers):
+    with torch.device("meta"):
+        return torch.nn.Sequential(*[torch.nn.Linear(8192, 8192, bias=False) for _ in range(layers)])
+
+
+def test_level_2_respects_the_memory_limit():
+    # 100 trainable 8192^2 fp32 layers: 27 GB of weights, 107 GB with gradients and AdamW's two states, more
+    # than an H100's 80 GB unless sharded; the fastest plan (replicated weights, data parallel) must give way
+    x = torch.empty(4096, 8192, device="meta")
+    plan = sf.explain(_deep_mlp(100), x, in_strategy=(None,), world_size=4, level=2, device="cuda")
+    assert 0 < plan.cost.peak_bytes <= 80e9
+    weights = [n.outputs[0] for n in plan.nodes.values() if n.op == "input" and n.name.endswith("weight")]
+    assert len(weights) == 100 and all(not w[0].is_replicate() for w in weights)
+    with pytest.raises(ValueError, match="level=2: no plan fits"):
+        sf.explain(_deep_mlp(400), x, in_strategy=(None,), world_size=4, level=2, device="cuda")
