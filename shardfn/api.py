@@ -303,6 +303,7 @@ class _Engine:
         for j, spec in enumerate(fixed):
             if spec is not None:
                 constraints.inputs[n_state + j] = to_placements(spec, mesh_spec)
+            constraints.held[n_state + j] = to_placements(held[j], mesh_spec)
         plan = make_plan(captured, mesh, mesh_spec, constraints, level=self.level, profile=profile_for(device))
         placeholders = captured.placeholders
         planned = [plan.nodes[placeholders[n_state + j].name].outputs[0] for j in range(len(shapes))]

@@ -33,11 +33,13 @@ Placements = tuple[Placement, ...]
 @dataclass
 class Constraints:
     """Fixed layouts: ``inputs[i]`` for placeholder i (params, buffers, positional inputs in graph order),
-    ``outputs[j]`` for flat output j. ``grad`` says whether a backward pass will run."""
+    ``outputs[j]`` for flat output j; ``held[i]``: how placeholder i arrives. ``grad``: a backward pass runs."""
 
     inputs: dict[int, Placements] = field(default_factory=dict)
     outputs: list[Placements | None] = field(default_factory=list)
     grad: bool = True
+    # placeholder i arrives laid out as held[i] (a whole value, a batch slice, a DTensor's own layout)
+    held: dict[int, Placements] = field(default_factory=dict)
 
 
 @dataclass
@@ -141,7 +143,7 @@ def make_plan(
     needs_grad = _needs_grad(captured, constraints.grad)
     trainable = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param" and n in needs_grad}
     _offer_accumulation(decisions, needs_grad)
-    terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile)
+    terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile, constraints.held)
     solution = _solve_level(level, terms, profile, time_limit_s)
 
     # --- read the plan off the solution -------------------------------------------------------------------
@@ -161,11 +163,12 @@ def make_plan(
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
             fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
             bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where) for o in bwd]
-    for d, c in zip(decisions, chosen):
-        for val in terms.accumulated_values(d, c):
-            ops = cm.accumulated_collectives(val.shape, val.element_size(), c.outputs[0], mesh_shape)
-            bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, f"{d.name} (summed gradient)")
-                          for o in ops]
+    for i, (d, c) in enumerate(zip(decisions, chosen)):
+        fwd, bwd = _node_collectives(d, c, constraints.held.get(i), d.node in needs_grad if d.node is not None
+                                     else False, mesh_shape)
+        what = f"{d.name} (entry)" if d.node is not None and d.node.op == "placeholder" else f"{d.name} (summed)"
+        fwd_colls = [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, what) for o in fwd] + fwd_colls
+        bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, what) for o in bwd]
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice)
     peak = _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable)
@@ -232,13 +235,10 @@ class _Terms:
     savings: list[np.ndarray]  # compute seconds saved against running the node whole on one rank
     memory: list[np.ndarray]  # per-rank bytes held at the peak of a training step (the level-1/2 model)
     edges: list[tuple[int, int, np.ndarray]]  # communication seconds, forward and backward
-    reductions: list[np.ndarray]  # per decision: seconds of reducing accumulated gradients once
+    # per decision: seconds of collectives that belong to one node: an accumulated gradient's one reduction, and
+    # a graph input's move from the layout it arrives in to its planned one (and its gradient's way back)
+    reductions: list[np.ndarray]
     comm_ops: Any  # (value, src, dst, pending, grad, accumulate) -> (forward CommOps, backward CommOps)
-
-    def accumulated_values(self, d: "_Decision", c: Candidate) -> list[torch.Tensor]:
-        if not c.accumulate:
-            return []
-        return [v for v in torch.utils._pytree.tree_leaves(d.node.meta.get("val")) if isinstance(v, torch.Tensor)][:1]
 
     def compute_of(self, choice) -> float:
         return float(sum(self.compute[v][k] for v, k in enumerate(choice)))
@@ -258,7 +258,7 @@ _EDGE_MEMO: dict = {}
 _COMM_MEMO: dict = {}
 
 
-def _terms(decisions, mesh_shape, needs_grad, trainable, profile) -> _Terms:
+def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held) -> _Terms:
     bwd_factor = 3.0  # backward ~ twice the forward's work
     compute, savings, memory = [], [], []
     for d in decisions:
@@ -312,15 +312,31 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile) -> _Terms:
                 _EDGE_MEMO[key] = m
             edges.append((u, v, m[2]))
     reductions = []
-    for d in decisions:
+    for i, d in enumerate(decisions):
         secs = np.zeros(len(d.candidates))
         for k, c in enumerate(d.candidates):
-            if c.accumulate:
-                val = _val_of_first_output(d.node)
-                ops = cm.accumulated_collectives(val.shape, val.element_size(), c.outputs[0], mesh_shape)
-                secs[k] = sum(cm.collective_seconds(op, mesh_shape, profile) for op in ops)
+            fwd, bwd = _node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None else False,
+                                         mesh_shape)
+            secs[k] = sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd + bwd)
         reductions.append(secs)
     return _Terms(decisions, compute, savings, memory, edges, reductions, lambda *a: comm_ops(*a)[:2])
+
+
+def _node_collectives(d: _Decision, c: Candidate, held, grad: bool, mesh_shape) -> tuple[list, list]:
+    """(forward, backward) collectives that belong to one node rather than an edge."""
+    if d.node is None:
+        return [], []
+    fwd, bwd = [], []
+    if c.accumulate:
+        val = _val_of_first_output(d.node)
+        bwd += cm.accumulated_collectives(val.shape, val.element_size(), c.outputs[0], mesh_shape)
+    if held is not None and held != c.outputs[0]:
+        val = _val(d.node)
+        fwd += cm.redistribute_collectives(val.shape, val.element_size(), held, c.outputs[0], mesh_shape)
+        if grad:  # the gradient goes back to the caller in the layout the input came in
+            bwd += cm.redistribute_collectives(val.shape, val.element_size(),
+                                               cm.gradient_placement(c.outputs[0]), held, mesh_shape)
+    return fwd, bwd
 
 
 def _val_of_first_output(node: torch.fx.Node) -> torch.Tensor:

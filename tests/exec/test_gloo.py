@@ -112,3 +112,16 @@ def _checkpoint_body(path):
 def test_distributed_checkpoint_round_trip(gloo4):
     with tempfile.TemporaryDirectory() as d:
         assert gloo4.run(_checkpoint_body, os.path.join(d, "ckpt")) == [True] * 4
+
+
+def _agreement_body():
+    from tests.exec.test_plan_agreement import _mlp_args, executed, mlp, planned
+
+    torch.manual_seed(0)
+    args = _mlp_args()
+    f = sf.shard(mlp, in_strategy=(None, (1, 4), (4, 1)))
+    return planned(sf.explain(f, *args)) == executed(f, args)
+
+
+def test_compiled_runs_agree_with_plans(gloo4):
+    assert gloo4.run(_agreement_body) == [True] * 4

@@ -1,0 +1,73 @@
+"""Runs agree with plans: the collectives a sharded call executes, counted, are the ones explain() lists."""
+
+from collections import Counter
+
+import torch
+from torch.distributed.tensor.debug import CommDebugMode
+
+import shardfn as sf
+from shardfn.runtime import simulated_world
+from tests.models import GPTBlock
+
+_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor":
+          "reduce_scatter", "all_to_all_single": "all_to_all", "broadcast": "broadcast"}
+
+
+def executed(fn, args):
+    """(forward, backward) Counters of the collectives one (cached) call and its backward run."""
+    fn(*args)  # the first call captures and compiles; count a repeat call
+    with CommDebugMode() as fwd_mode:
+        out = fn(*args)
+    with CommDebugMode() as bwd_mode:
+        out.sum().backward()
+
+    def kinds(mode):
+        return Counter({_KINDS[str(op).split(".")[-1]]: n for op, n in mode.get_comm_counts().items() if n})
+
+    return kinds(fwd_mode), kinds(bwd_mode)
+
+
+def planned(plan):
+    return (Counter(c.kind for c in plan.collectives if c.phase == "forward"),
+            Counter(c.kind for c in plan.collectives if c.phase == "backward"))
+
+
+def mlp(x, w1, w2):
+    return torch.relu(x @ w1) @ w2
+
+
+MEGATRON = {"attn.q.weight": (4, 1), "attn.k.weight": (4, 1), "attn.v.weight": (4, 1), "attn.q.bias": (4,),
+            "attn.v.bias": (4,), "attn.proj.weight": (1, 4), "fc.weight": (4, 1), "fc.bias": (4,),
+            "out.weight": (1, 4)}
+
+
+def _mlp_args():
+    return (torch.randn(8, 32, requires_grad=True), torch.randn(32, 64, requires_grad=True),
+            torch.randn(64, 32, requires_grad=True))
+
+
+def test_megatron_mlp():
+    with simulated_world(4):
+        args = _mlp_args()
+        f = sf.shard(mlp, in_strategy=(None, (1, 4), (4, 1)))
+        plan = sf.explain(f, *args)
+        assert planned(plan) == executed(f, args)
+        assert planned(plan)[0] == Counter(all_reduce=1)
+
+
+def test_data_parallel_mlp():
+    with simulated_world(4):
+        args = _mlp_args()
+        f = sf.shard(mlp, in_strategy=((4, 1), (1, 1), (1, 1)), out_strategy=((4, 1),))
+        plan = sf.explain(f, *args)
+        assert planned(plan) == executed(f, args)
+        assert planned(plan)[1]["all_reduce"] == 2  # one per weight gradient
+
+
+def test_tensor_parallel_transformer_block():
+    with simulated_world(4):
+        block = sf.shard(GPTBlock(16, 4), in_strategy=(None,), parameter_plan=MEGATRON)
+        x = torch.randn(2, 8, 16, requires_grad=True)
+        plan = sf.explain(block, x)
+        assert planned(plan) == executed(block, (x,))
+        assert planned(plan) == (Counter(all_reduce=2), Counter(all_reduce=2))
