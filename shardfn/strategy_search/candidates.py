@@ -14,6 +14,7 @@ the op on each rank's local shards (own rules and the fallback), ``"random"`` dr
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import warnings
@@ -28,7 +29,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
 
-__all__ = ["RANDOM_FILLS", "Candidate", "node_candidates", "register_rule", "tensor_inputs", "warn_fallbacks"]
+__all__ = ["RANDOM_FILLS", "Candidate", "with_accumulation", "node_candidates", "register_rule", "tensor_inputs", "warn_fallbacks"]
 
 aten = torch.ops.aten
 Placements = tuple[Placement, ...]
@@ -198,8 +199,23 @@ def node_candidates(node: torch.fx.Node, mesh: DeviceMesh, fallbacks: set[str]) 
 
 
 def input_candidates(shape: tuple[int, ...], mesh: DeviceMesh) -> list[Candidate]:
-    """A graph input the user left open: any Replicate/Shard layout of its shape."""
-    return [Candidate((p,), (), "input") for p in valid_placements(shape, mesh)]
+    """A graph input the user left open: any Replicate/Shard layout of its shape (one shared list per shape)."""
+    key = ("input", tuple(shape), tuple(mesh.shape))
+    if key not in _CACHE:
+        _CACHE[key] = [Candidate((p,), (), "input") for p in valid_placements(shape, mesh)]
+    return _CACHE[key]
+
+
+_WITH_ACCUMULATION: dict[int, tuple[list[Candidate], list[Candidate]]] = {}
+
+
+def with_accumulation(cands: list[Candidate]) -> list[Candidate]:
+    """``cands`` followed by each in its gradient-accumulating variant (one shared list per list)."""
+    hit = _WITH_ACCUMULATION.get(id(cands))
+    if hit is None or hit[0] is not cands:
+        hit = (cands, cands + [dataclasses.replace(c, accumulate=True) for c in cands])
+        _WITH_ACCUMULATION[id(cands)] = hit
+    return hit[1]
 
 
 def warn_fallbacks(fallbacks: set[str]) -> None:

@@ -7,7 +7,6 @@ candidate, so the solver propagates them: it prefers choices that need no redist
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -16,12 +15,20 @@ import numpy as np
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ..capture.graph import CapturedGraph
 from ..layout import MeshSpec
 from . import cost_model as cm
-from .candidates import Candidate, input_candidates, is_alias, node_candidates, tensor_inputs, warn_fallbacks
+from .candidates import (
+    Candidate,
+    input_candidates,
+    is_alias,
+    node_candidates,
+    tensor_inputs,
+    warn_fallbacks,
+    with_accumulation,
+)
 from .plan import Collective, Cost, NodePlan, Plan
 from .solver import Infeasible, Problem, solve
 
@@ -57,10 +64,11 @@ def _val(node: torch.fx.Node) -> torch.Tensor:
 
 
 def _split(c: Candidate, mesh_shape: Sequence[int]) -> int:
-    """How many ways a candidate splits its work: the mesh dims where any operand is not replicated."""
+    """How many ways a candidate splits its work: the mesh dims where some operand is sharded. (A pending-sum
+    operand alone splits nothing: every rank still runs the whole op on its piece.)"""
     dims = set()
     for pl in list(c.inputs) + [o for o in c.outputs if o is not None]:
-        dims.update(d for d, p in enumerate(pl) if not p.is_replicate())
+        dims.update(d for d, p in enumerate(pl) if isinstance(p, Shard))
     return int(np.prod([mesh_shape[d] for d in dims])) if dims else 1
 
 
@@ -71,6 +79,18 @@ def _pending(c: Candidate, slot: int) -> tuple[bool, ...]:
     for other in list(c.inputs) + [o for o in c.outputs if o is not None]:
         working.update(d for d, p in enumerate(other) if not p.is_replicate())
     return tuple(p.is_replicate() and d in working for d, p in enumerate(pl))
+
+
+_REPLICATED_ONLY: dict[int, tuple[list, list]] = {}
+
+
+def _replicated_only(cands: list[Candidate]) -> list[Candidate]:
+    hit = _REPLICATED_ONLY.get(id(cands))
+    if hit is None or hit[0] is not cands:
+        whole = [c for c in cands if all(p.is_replicate() for o in c.outputs if o for p in o)][:1] or cands
+        hit = (cands, whole)
+        _REPLICATED_ONLY[id(cands)] = hit
+    return hit[1]
 
 
 def _distinct(keys: list) -> tuple[list, np.ndarray]:
@@ -117,14 +137,21 @@ def make_plan(
         producer[node] = (len(decisions), 0)
         decisions.append(_Decision(node, captured.inputs[i].name, cands, []))
 
+    constant: set[torch.fx.Node] = set()  # values computed from no input (position tables, masks)
     for node in captured.gm.graph.nodes:
         if node.op != "call_function":
             continue
+        if all(a in constant for a in node.all_input_nodes):
+            constant.add(node)
         if is_alias(node):
             src, idx = node.args
             producer[node] = (producer[src][0], idx)
             continue
         cands = node_candidates(node, mesh, fallbacks)
+        if node in constant:
+            # every rank computes it whole (cheap, no communication) and slices what its readers need; it then
+            # ties no layers together (RoPE's cos/sin feed every layer)
+            cands = _replicated_only(cands)
         sources = [(*producer[a], a) for a in tensor_inputs(node)]
         index[node] = len(decisions)
         producer[node] = (len(decisions), 0)
@@ -354,7 +381,7 @@ def _offer_accumulation(decisions: list[_Decision], needs_grad: set) -> None:
     for u, n in readers.items():
         d = decisions[u]
         if n > 1 and len(d.candidates[0].outputs) == 1 and d.candidates[0].outputs[0] is not None:
-            d.candidates = d.candidates + [dataclasses.replace(c, accumulate=True) for c in d.candidates]
+            d.candidates = with_accumulation(d.candidates)
 
 
 def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s: float):

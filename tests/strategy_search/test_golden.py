@@ -3,6 +3,7 @@ levels each winning on their own objective."""
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 import shardfn as sf
 from tests.models import GPTBlock
@@ -17,33 +18,56 @@ def mlp(x, *weights):
 
 
 def _mlp_args(batch, hidden, layers):
+    """Alpa's MLP as a function: weights passed in whole (their gradients go back whole)."""
     x = torch.empty(batch, hidden, device="meta")  # the input needs no gradient
     return [x] + [torch.empty(hidden, hidden, device="meta", requires_grad=True) for _ in range(layers)]
 
 
+def _mlp_module(hidden, layers):
+    """Alpa's MLP as a module: weights are parameters, laid out as planned and kept that way."""
+    blocks = []
+    for i in range(layers):
+        blocks.append(torch.nn.Linear(hidden, hidden, bias=False))
+        if i < layers - 1:
+            blocks.append(torch.nn.ReLU())
+    with torch.device("meta"):
+        return torch.nn.Sequential(*blocks).to("meta")
+
+
+def _weights(plan):
+    return [n.outputs[0][0] for n in plan.nodes.values() if n.op == "input" and n.name.endswith("weight")]
+
+
 @pytest.mark.parametrize("layers", [2, 4, 6])
 def test_alpa_mlp_small_batch_plans_megatron_pairs(layers):
-    args = _mlp_args(32, 8192, layers)
-    plan = sf.explain(mlp, *args, in_strategy=(None,) * len(args), world_size=4, level=2, device="cuda")
-    kinds = {c.kind for c in plan.collectives}
-    assert kinds == {"all_reduce"}, plan
+    x = torch.empty(32, 8192, device="meta")  # the input needs no gradient
+    plan = sf.explain(_mlp_module(8192, layers), x, in_strategy=(None,), world_size=4, level=2, device="cuda")
+    assert {c.kind for c in plan.collectives} == {"all_reduce"}, plan
     assert plan.count("all_reduce", "forward") == layers // 2
     assert plan.count("all_reduce", "backward") == layers // 2 - 1
     assert all(c.nbytes == 32 * 8192 * 4 for c in plan.collectives)  # activations, never weights
-    weights = [n.outputs[0][0] for n in plan.nodes.values() if n.op == "input"][1:]
-    assert weights == [torch.distributed.tensor.Shard(1), torch.distributed.tensor.Shard(0)] * (layers // 2)
+    # nn.Linear weights are (out, in): column-parallel splits dim 0, row-parallel dim 1
+    assert _weights(plan) == [Shard(0), Shard(1)] * (layers // 2)
 
 
 @pytest.mark.parametrize("level", [0, 2])
 def test_alpa_mlp_large_batch_plans_data_parallel(level):
     layers = 4
-    args = _mlp_args(16384, 512, layers)
-    plan = sf.explain(mlp, *args, in_strategy=(None,) * len(args), out_strategy=((4, 1),), world_size=4,
+    x = torch.empty(16384, 512, device="meta")
+    plan = sf.explain(_mlp_module(512, layers), x, in_strategy=(None,), out_strategy=((4, 1),), world_size=4,
                       level=level, device="cuda")
     assert plan.count("all_reduce", "backward") == layers, plan  # one per weight gradient
     assert len(plan.collectives) == layers
     assert all(c.nbytes == 512 * 512 * 4 for c in plan.collectives)
-    assert all(n.outputs[0][0].is_replicate() for n in plan.nodes.values() if n.op == "input")
+    assert all(w.is_replicate() for w in _weights(plan))
+
+
+def test_whole_weights_passed_to_a_function_pay_for_their_gradients():
+    # the same small-batch MLP as a function of whole weights: a sharded weight's gradient must be gathered
+    # back whole (8192^2 floats), which costs more than the compute it saves: the plan stays replicated
+    args = _mlp_args(32, 8192, 2)
+    plan = sf.explain(mlp, *args, in_strategy=(None,) * 3, world_size=4, level=2, device="cuda")
+    assert plan.collectives == []
 
 
 MEGATRON = {"attn.q.weight": (4, 1), "attn.k.weight": (4, 1), "attn.v.weight": (4, 1), "attn.q.bias": (4,),
