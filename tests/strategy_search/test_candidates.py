@@ -1,0 +1,66 @@
+"""Where candidates come from: DTensor's rules through the adapter, own rules, the replicated fallback."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+
+import shardfn as sf
+from shardfn.runtime import planning_mesh
+from shardfn.layout import Axis, MeshSpec
+from tests.parity import check_parity
+
+
+def _mesh(*shape):
+    axes = tuple(Axis(s, int(torch.tensor(shape[i + 1 :]).prod())) for i, s in enumerate(shape))
+    return planning_mesh(MeshSpec(axes, tuple(f"d{i}" for i in range(len(shape)))), "cpu")
+
+
+def _node(fn, *args):
+    from shardfn.capture import capture
+
+    graph = capture(fn, list(args), {})
+    return [n for n in graph.gm.graph.nodes if isinstance(n.target, torch._ops.OpOverload)][-1]
+
+
+def test_matmul_candidates_from_dtensor_rules():
+    from shardfn.strategy_search.candidates import node_candidates
+
+    node = _node(torch.mm, torch.empty(8, 4, device="meta"), torch.empty(4, 6, device="meta"))
+    cands = node_candidates(node, _mesh(4), set())
+    pairs = {(c.inputs, c.outputs) for c in cands}
+    assert (((Shard(0),), (Replicate(),)), ((Shard(0),),)) in pairs  # batch split
+    assert (((Shard(1),), (Shard(0),)), ((torch.distributed.tensor.Partial(),),)) in pairs  # contraction split
+    assert all(c.rule == "dtensor" for c in cands)
+    assert len(node_candidates(node, _mesh(2, 4), set())) > len(cands)  # a 2-D mesh combines per-dim rules
+
+
+def test_own_rule_for_causal_attention_on_cpu():
+    from shardfn.strategy_search.candidates import node_candidates
+
+    q = torch.empty(2, 4, 8, 16, device="meta")
+    node = _node(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q, q)
+    cands = node_candidates(node, _mesh(4), set())
+    assert {c.inputs[0] for c in cands} == {(Replicate(),), (Shard(0),), (Shard(1),)}
+    assert all(c.rule == "local" for c in cands)
+
+
+def test_ops_without_any_rule_run_replicated_with_one_warning():
+    def bucket(x, edges):
+        return torch.searchsorted(edges, x) * 2
+
+    def make_args():
+        return torch.rand(8, 6), torch.linspace(0, 1, 5)
+
+    with pytest.warns(UserWarning, match=r"no sharding rule for aten.searchsorted.Tensor; .*run replicated"):
+        plan = check_parity(bucket, make_args, ((4, 1), None), world=4)
+    assert "replicated fallback for: aten.searchsorted.Tensor" in plan.notes
+
+
+def test_random_fills_are_candidates_in_any_layout():
+    from shardfn.strategy_search.candidates import node_candidates
+
+    node = _node(lambda x: torch.rand_like(x), torch.empty(8, 6, device="meta"))
+    cands = node_candidates(node, _mesh(4), set())
+    assert {c.outputs[0] for c in cands} == {(Replicate(),), (Shard(0),), (Shard(1),)}
+    assert all(c.rule == "random" for c in cands)
