@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import logging
 import os
 import sys
 import time
@@ -35,6 +36,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from .layout import MeshSpec
 
 __all__ = ["DEFAULT_INIT_TIMEOUT_S", "DEFAULT_MASTER_PORT", "Launch", "detect_launch", "init", "simulated_world"]
+
+class _PlannedRedistributions(logging.Filter):
+    # DTensor warns when a redistribution runs one collective per mesh dim; shardfn's plans choose those
+    # collectives on purpose (and list them in explain()), so the warning is only noise for its users.
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("While redistributing from")
+
+
+logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_PlannedRedistributions())
 
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
