@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -23,7 +23,7 @@ from . import runtime
 from .capture import CaptureError, capture, capturing, check_not_transformed
 from .capture.graph import CapturedGraph
 from .exec.lower import ParallelProgram, lower
-from .exec.run import enter_input, enter_parameter, leave_output
+from .exec.run import Entry
 from .layout import (
     Layout,
     MeshSpec,
@@ -139,11 +139,12 @@ class _Compiled:
     plan: Plan
     program: ParallelProgram | None
     mesh_spec: MeshSpec
-    held: list  # per tensor input: the placements it arrives in
-    planned: list  # per tensor input: the placements the plan wants
-    global_shapes: list
+    entries: list[Entry]  # per graph input (parameters, buffers, tensor inputs): how it arrives, where it goes
     param_names: list[str]
     out_dtensor: list[bool]
+    # (owning module, attribute) of each parameter and buffer: read per call without walking the module tree
+    param_slots: list = field(default_factory=list)
+    buffer_slots: list = field(default_factory=list)
 
 
 class _Engine:
@@ -156,6 +157,7 @@ class _Engine:
         self.parameter_plan = parameter_plan or {}
         self.level, self.device_arg, self.dataset_strategy = level, device, dataset_strategy
         self.cache: dict[tuple, _Compiled] = {}
+        self.group = None  # the process group the cached programs were made for
         self.capturing_self = False
 
     @property
@@ -300,18 +302,21 @@ class _Engine:
                 constraints.inputs[k] = to_placements(param_specs[name], mesh_spec)
         for k in range(len(params), n_state):
             constraints.inputs[k] = (Replicate(),) * len(mesh_spec.axes)  # buffers stay whole
+            constraints.held[k] = constraints.inputs[k]
         for j, spec in enumerate(fixed):
             if spec is not None:
                 constraints.inputs[n_state + j] = to_placements(spec, mesh_spec)
             constraints.held[n_state + j] = to_placements(held[j], mesh_spec)
         plan = make_plan(captured, mesh, mesh_spec, constraints, level=self.level, profile=profile_for(device))
-        placeholders = captured.placeholders
-        planned = [plan.nodes[placeholders[n_state + j].name].outputs[0] for j in range(len(shapes))]
+        entries = []
+        for k, (gi, node) in enumerate(zip(captured.inputs, captured.placeholders)):
+            planned = plan.nodes[node.name].outputs[0]
+            held = constraints.held.get(k, planned)  # parameters are laid out as planned before the call
+            entries.append(Entry(gi.kind, held, planned, gi.shape))
         return _Compiled(
-            captured, plan, None, mesh_spec,
-            held=[to_placements(h, mesh_spec) for h in held], planned=planned, global_shapes=shapes,
-            param_names=list(params),
+            captured, plan, None, mesh_spec, entries, param_names=list(params),
             out_dtensor=[self.out_strategy is not None and self.out_strategy[j] is not None for j in range(n_out)],
+            param_slots=[_slot(self.module, n) for n in params], buffer_slots=[_slot(self.module, n) for n in buffers],
         )
 
     # -- running --
@@ -336,58 +341,45 @@ class _Engine:
                 "shard calls are not supported. Shard the outer function only, or call the inner one outside it."
             )
         check_not_transformed([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)], self.name)
-        device = runtime.resolve_device(self.device_arg)
-        world_mesh = runtime.init(device=device)
-        world = world_mesh.size()
         key = _signature(args, kwargs) + ((self.module.training,) if self.module is not None else ())
+        group = dist.group.WORLD if dist.is_initialized() else None
+        if group is not self.group:  # a new process group: programs made for the old one are void
+            self.cache.clear()
         compiled = self.cache.get(key)
         if compiled is None:
+            device = runtime.resolve_device(self.device_arg)
+            world = runtime.init(device=device).size()
+            self.group = dist.group.WORLD
             compiled = self.plan(args, kwargs, world, lambda spec: runtime.device_mesh(spec, device), device)
             self._check_same_shapes(args)
             mesh = runtime.device_mesh(compiled.mesh_spec, device)
             if self.module is not None:
                 self._relay_parameters(compiled, mesh)
-            compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled=not runtime.is_simulated())
+            compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled.entries, compiled.out_dtensor,
+                                     compiled=not runtime.is_simulated())
             self.cache[key] = compiled
-        program = compiled.program
-        mesh = program.mesh
-        inputs = []
-        if self.module is not None:
-            params, buffers = self._state()
-            inputs += [enter_parameter(params[n], mesh) for n in compiled.param_names]
-            inputs += [_whole_dtensor(b, mesh) for b in buffers.values()]
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        for x, held, planned, shape in zip(tensors, compiled.held, compiled.planned, compiled.global_shapes):
-            inputs.append(enter_input(x, mesh, held, planned, shape))
-        outs = program(*inputs)
-        flat = []
-        it = iter(outs)
-        k = 0
-        for i, node in enumerate(compiled.captured.output_nodes):
-            if isinstance(node, torch.fx.Node):
-                flat.append(leave_output(next(it), compiled.out_dtensor[k]))
-                k += 1
-            else:
-                flat.append(node)
+        args_in = [owner._parameters[leaf] for owner, leaf in compiled.param_slots]
+        args_in += [owner._buffers[leaf] for owner, leaf in compiled.buffer_slots]
+        args_in += [a for a in args if isinstance(a, torch.Tensor)]
+        outs = iter(compiled.program(*args_in))
+        flat = [next(outs) if isinstance(node, torch.fx.Node) else node for node in compiled.captured.output_nodes]
         return pytree.tree_unflatten(flat, compiled.captured.out_spec)
+
+
+def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    owner_name, _, leaf = name.rpartition(".")
+    return (module.get_submodule(owner_name) if owner_name else module), leaf
 
 
 def _replace_parameter(module: nn.Module, name: str, new: nn.Parameter) -> None:
     """Put ``new`` where parameter ``name`` is. A DTensor parameter is swapped in place (the same Parameter object,
     so optimizers built on it keep working); a plain one is replaced, as FSDP2's fully_shard does."""
-    owner_name, _, leaf = name.rpartition(".")
-    owner = module.get_submodule(owner_name) if owner_name else module
+    owner, leaf = _slot(module, name)
     old = owner._parameters[leaf]
     if isinstance(old, DTensor) and isinstance(old, nn.Parameter):
         torch.utils.swap_tensors(old, new)
     else:
         owner._parameters[leaf] = new
-
-
-def _whole_dtensor(t: torch.Tensor, mesh) -> DTensor:
-    if isinstance(t, DTensor):
-        return t
-    return DTensor.from_local(t, mesh, (Replicate(),) * mesh.ndim, run_check=False)
 
 
 def _alias_names(strategies) -> dict:

@@ -39,11 +39,8 @@ class CapturedGraph:
     # positions (in the flat output list) that are tensors; the rest are constants returned as is
     constant_outputs: dict[int, Any] = field(default_factory=dict)
 
-    @property
-    def placeholders(self) -> list[torch.fx.Node]:
-        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
-
-    @property
-    def output_nodes(self) -> list[torch.fx.Node | Any]:
+    def __post_init__(self):
+        # the graph is final once captured: its placeholders and outputs are read on every call
+        self.placeholders: list[torch.fx.Node] = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         (out,) = [n for n in self.gm.graph.nodes if n.op == "output"]
-        return list(out.args[0])
+        self.output_nodes: list[torch.fx.Node | Any] = list(out.args[0])

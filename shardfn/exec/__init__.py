@@ -1,5 +1,6 @@
 """Stage 3: Plan -> ParallelProgram -> results."""
 
 from .lower import ParallelProgram, lower
+from .run import Entry
 
-__all__ = ["ParallelProgram", "lower"]
+__all__ = ["Entry", "ParallelProgram", "lower"]

@@ -1,11 +1,13 @@
 """Plan -> ParallelProgram: the per-rank program that runs the captured graph as planned.
 
-The program interprets the captured graph over DTensors: before each node every tensor input is redistributed
-to the placement the plan chose for it, the node runs (through DTensor's dispatch, or on local shards for
-shardfn's own and fallback rules), and its result is put in the planned placement. On a real process group
-that interpretation is traced once by AOTAutograd into per-rank local forward and backward aten graphs with
-functional collectives (``program.graphs``), so a call runs two flat graphs, not Python per op. Inside a
-simulated world (LocalTensorMode) the interpretation runs eagerly under autograd.
+The program is a function of plain local tensors (:meth:`ParallelProgram.local_step`): it wraps each input as a
+DTensor in the layout the caller holds it in and lays it out as planned, interprets the captured graph over
+DTensors (before each node every tensor input is redistributed to the placement the plan chose for it, the
+node runs through DTensor's dispatch or, for shardfn's own and fallback rules, on local shards, and its result
+is put in the planned placement), and returns the local tensors of the results. On a real process group that
+function is traced once by AOTAutograd into per-rank local forward and backward aten graphs with functional
+collectives (``program.graphs``), so a call runs two flat graphs, not Python per op. Inside a simulated world
+(LocalTensorMode) it runs eagerly under autograd.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..capture.graph import CapturedGraph
 from ..strategy_search.plan import Plan
+from .run import Entry, LocalsOf, contiguous_stride, layout_of
 
 __all__ = ["ParallelProgram", "lower"]
 
@@ -60,14 +63,21 @@ def _from_local(t: torch.Tensor, mesh: DeviceMesh, placements, like: torch.Tenso
 
 
 class ParallelProgram:
-    """Callable on the flat list of graph inputs as DTensors in their planned placements; returns the flat
-    outputs (DTensors in the plan's output placements, constants as captured)."""
+    """Callable on the graph inputs as the caller holds them (DTensor parameters, whole tensors, batch slices,
+    DTensors, in the order of ``entries``); returns the flat tensor outputs: DTensors where ``as_dtensor``
+    says so, else plain local tensors (a whole value, or this rank's batch slice)."""
 
-    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool):
+    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, entries: list[Entry],
+                 as_dtensor: list[bool], compiled: bool):
         self.captured, self.plan, self.mesh = captured, plan, mesh
+        self.entries, self.as_dtensor = entries, as_dtensor
         self.graphs: dict[str, torch.fx.GraphModule] = {}
         self.tensor_outputs = [i for i, a in enumerate(captured.output_nodes) if isinstance(a, torch.fx.Node)]
-        self._run: Callable = self._compile() if compiled else self.interpret
+        self.out_vals = [captured.output_nodes[i].meta["val"] for i in self.tensor_outputs]
+        self._n_params = sum(e.kind == "param" for e in entries)
+        self._param_layouts = [(mesh, e.planned, torch.Size(e.shape), contiguous_stride(e.shape))
+                               for e in entries[: self._n_params]]
+        self._run: Callable = self._compile() if compiled else self.local_step
 
     # --- interpretation -----------------------------------------------------------------------------------
 
@@ -120,6 +130,16 @@ class ParallelProgram:
                 return [_conform(env[outs[i]], self.plan.outputs[k]) for k, i in enumerate(self.tensor_outputs)]
         raise AssertionError("graph has no output node")
 
+    def local_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
+        """The whole call on this rank's local tensors: entry, program, exit."""
+        inputs = []
+        for x, e in zip(locals_, self.entries):
+            # from_local's backward returns the gradient in the held layout (a pending sum reduced)
+            d = DTensor.from_local(x, self.mesh, e.held, run_check=False, shape=torch.Size(e.shape),
+                                   stride=contiguous_stride(e.shape))
+            inputs.append(d if e.held == e.planned else d.redistribute(self.mesh, e.planned))
+        return [o.to_local() for o in self.interpret(*inputs)]
+
     # --- compilation --------------------------------------------------------------------------------------
 
     def _compile(self) -> Callable:
@@ -132,12 +152,27 @@ class ParallelProgram:
 
             return compiler
 
-        return aot_function(self.interpret, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+        return aot_function(self.local_step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                             inference_compiler=keep("forward"))
 
-    def __call__(self, *inputs: DTensor) -> list[Any]:
-        return self._run(*inputs)
+    def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
+        # parameters (first in entries) have the layout the plan gave them: their layouts are known
+        n_params = self._n_params
+        locals_ = list(args)
+        if n_params:
+            locals_[:n_params] = LocalsOf.apply(self._param_layouts, *args[:n_params])
+        dtensor_pos = [i for i in range(n_params, len(args)) if isinstance(args[i], DTensor)]
+        if dtensor_pos:
+            picked = [args[i] for i in dtensor_pos]
+            for i, t in zip(dtensor_pos, LocalsOf.apply([layout_of(d) for d in picked], *picked)):
+                locals_[i] = t
+        outs = self._run(*locals_)
+        return [
+            _from_local(o, self.mesh, self.plan.outputs[k], v) if self.as_dtensor[k] else o
+            for k, (o, v) in enumerate(zip(outs, self.out_vals))
+        ]
 
 
-def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool) -> ParallelProgram:
-    return ParallelProgram(captured, plan, mesh, compiled)
+def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, entries: list[Entry], as_dtensor: list[bool],
+          compiled: bool) -> ParallelProgram:
+    return ParallelProgram(captured, plan, mesh, entries, as_dtensor, compiled)

@@ -1,54 +1,65 @@
-"""Running a ParallelProgram from eager code: inputs in, outputs out, autograd through both.
+"""Running a ParallelProgram from eager code: what crosses the boundary, and how gradients cross back.
 
-Inputs become DTensors in the plan's placements without communication (a whole value is sliced, a
-data-parallel slice is wrapped); outputs leave as plain whole tensors, this rank's batch slice, or DTensors.
-Both conversions are differentiable, so gradients reach the caller's tensors; a parameter's gradient is put
-in the parameter's own placements (a pending sum is reduced) by the identity redistribution at entry.
+A call hands the program plain local tensors: each DTensor argument (a parameter, a DTensor input) through one
+:class:`LocalsOf` autograd node for all of them, each plain tensor as it is. Everything else, laying inputs
+out as planned, the program, putting outputs in their returned layouts, and the backward of all of it, runs
+inside the program's traced local graphs. ``LocalsOf``'s backward wraps each local gradient back into a
+DTensor with its argument's placements, so a parameter's ``.grad`` has the parameter's placements.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["enter_input", "enter_parameter", "leave_output"]
+__all__ = ["Entry", "LocalsOf", "contiguous_stride", "layout_of"]
 
 Placements = tuple[Placement, ...]
 
 
-def enter_input(x: torch.Tensor, mesh: DeviceMesh, held: Placements, planned: Placements,
-                global_shape: Sequence[int]) -> DTensor:
-    """This rank's value ``x`` (laid out as ``held``: whole, a batch slice, or a DTensor) in ``planned``."""
-    if isinstance(x, DTensor):
-        if x.device_mesh != mesh:
-            x = DTensor.from_local(x.to_local(), mesh, held, run_check=False, shape=torch.Size(global_shape),
-                                   stride=_contiguous_stride(global_shape))
-    else:
-        x = DTensor.from_local(x, mesh, held, run_check=False, shape=torch.Size(global_shape),
-                               stride=_contiguous_stride(global_shape))
-    return x if tuple(x.placements) == tuple(planned) else x.redistribute(mesh, planned)
+@dataclass(frozen=True)
+class Entry:
+    """One graph input as the caller holds it: its layout on arrival, its planned layout, its global shape.
+
+    ``kind`` is "param" (a DTensor parameter: arrives as planned; its gradient is reduced to its placements),
+    "buffer" or "input".
+    """
+
+    kind: str
+    held: Placements
+    planned: Placements
+    shape: tuple[int, ...]
 
 
-def enter_parameter(p: DTensor, mesh: DeviceMesh) -> DTensor:
-    # identity forward; backward reduces the gradient to the parameter's placements (never left Partial)
-    return p.redistribute(mesh, p.placements)
+class LocalsOf(torch.autograd.Function):
+    """DTensors -> their local tensors, in one autograd node; gradients go back as DTensors of the same layout.
+
+    ``layouts[i]`` = (mesh, placements, shape, stride) of the i-th DTensor: the caller passes them (a program
+    knows its parameters' layouts) so a call does not read them off every DTensor again.
+    """
+
+    @staticmethod
+    def forward(ctx, layouts, *dtensors: DTensor):
+        ctx.layouts = layouts
+        return tuple(d.to_local().detach() for d in dtensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None,) + tuple(
+            None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
+            for g, (mesh, placements, shape, stride) in zip(grads, ctx.layouts)
+        )
 
 
-def leave_output(y: Any, as_dtensor: bool) -> Any:
-    if not isinstance(y, DTensor) or as_dtensor:
-        return y
-    return y.to_local()
+def layout_of(d: DTensor) -> tuple:
+    return (d.device_mesh, d.placements, d.shape, d.stride())
 
 
-def whole(ndim: int) -> Placements:
-    return (Replicate(),) * ndim
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(list(shape)):
         stride.append(acc)
