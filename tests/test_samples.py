@@ -1,0 +1,38 @@
+"""The samples run as users run them (torchrun, mpirun) and every rank reports a match with single-process eager."""
+
+import re
+
+import pytest
+
+from tests.launch import check, run_mpirun, run_torchrun
+
+LAUNCHERS = {"mpirun": run_mpirun, "torchrun": run_torchrun}
+
+
+def ranks_reporting(out: str, pattern: str) -> set[int]:
+    """Ranks whose verdict line matches ``pattern`` (with a (\\d+) for the rank). mpirun may interleave lines."""
+    return {int(r) for r in re.findall(pattern, out)}
+
+
+@pytest.mark.parametrize("launcher, n", [("mpirun", 8), ("torchrun", 4)])
+def test_dense_relu(launcher, n):
+    out = check(LAUNCHERS[launcher]("samples/dense_relu.py", n))
+    split = re.escape(str((4, 2) if n % 8 == 0 else (n, 1)))
+    assert ranks_reporting(out, rf"rank (\d+)/{n}: dense_relu in_strategy=\({split}, None, None\) matches eager") \
+        == set(range(n)), out
+    assert "shardfn plan" in out  # rank 0's explain()
+
+
+def test_shard_cell_mpirun_8():
+    out = check(run_mpirun("samples/shard_cell.py", 8))
+    assert ranks_reporting(out, r"rank (\d+)/8: shard_cell block1 \(8, 1\) \+ block2 \(1, 8\) trains like eager") \
+        == set(range(8)), out
+    assert "shardfn plan" in out
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+def test_mlp_parallel_4(launcher):
+    out = check(LAUNCHERS[launcher]("samples/mlp_parallel.py", 4))
+    for config in ("dp", "tp", "dp2 x tp2"):
+        assert ranks_reporting(out, rf"rank (\d+)/4: mlp {config} trains like single process") == set(range(4)), \
+            f"{config}:\n{out}"
