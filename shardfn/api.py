@@ -350,8 +350,9 @@ class _Engine:
             device = runtime.resolve_device(self.device_arg)
             world = runtime.init(device=device).size()
             self.group = dist.group.WORLD
-            compiled = self.plan(args, kwargs, world, lambda spec: runtime.device_mesh(spec, device), device)
+            # shapes first: a shape-dependent argument error must be raised on every rank or on none
             self._check_same_shapes(args)
+            compiled = self.plan(args, kwargs, world, lambda spec: runtime.device_mesh(spec, device), device)
             mesh = runtime.device_mesh(compiled.mesh_spec, device)
             if self.module is not None:
                 self._relay_parameters(compiled, mesh)

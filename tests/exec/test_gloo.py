@@ -76,6 +76,21 @@ def test_full_batch_shapes_differing_across_ranks_fail_everywhere(gloo4):
     assert all("shapes differ across ranks" in m for m in messages), messages
 
 
+def _shape_mismatch_with_bad_split_body():
+    # rank 1's shape also breaks the strategy (6 rows in 4): still the same error everywhere, no hang
+    x = torch.randn(6 if dist.get_rank() == 1 else 8, 4)
+    try:
+        sf.shard(lambda t: t * 2, in_strategy=((4, 1),))(x)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_shape_errors_are_raised_on_every_rank(gloo4):
+    messages = gloo4.run(_shape_mismatch_with_bad_split_body)
+    assert all("shapes differ across ranks" in m for m in messages), messages
+
+
 def _bad_strategy_body():
     try:
         sf.shard(dense_relu, in_strategy=((3, 1), None, None))(torch.randn(6, 4), torch.randn(4, 4), torch.randn(4))
