@@ -124,7 +124,9 @@ def _single_dim(op, schema: OpSchema, out_meta, mesh, options) -> OpStrategy:
         )
 
     if not inplace:
-        return expand(schema)
+        # the expansion enumerates every rule combination whatever the inputs hold; given one option per input
+        # it skips costing each strategy against every option (costs shardfn's search does not use)
+        return expand(_with_single_options(schema, [o.strategies[0] for o in _input_strategies(schema)]))
     # in-place rules keep only strategies whose self placement equals self's first option: expand per option
     specs: list[OpSpec] = []
     for self_opt in _input_strategies(schema)[0].strategies:
