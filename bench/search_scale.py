@@ -18,8 +18,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import shardfn as sf  # noqa: E402
 from llama import Config, Llama  # noqa: E402
+
+import shardfn as sf  # noqa: E402
 from shardfn.strategy_search import search as search_mod  # noqa: E402
 
 

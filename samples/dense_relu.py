@@ -39,8 +39,9 @@ def main():
     torch.testing.assert_close(bias.grad, ref_b.grad, rtol=1e-5, atol=1e-5)
     if torch.distributed.get_rank() == 0:
         print(sf.explain(sharded, x, weight, bias))
+    diff = float((y - ref).detach().abs().max())
     print(f"rank {torch.distributed.get_rank()}/{world}: dense_relu in_strategy=({split}, None, None) "
-          f"matches eager (output {tuple(y.shape)}, max |diff| {float((y - ref).detach().abs().max()):.2e})", flush=True)
+          f"matches eager (output {tuple(y.shape)}, max |diff| {diff:.2e})", flush=True)
 
 
 if __name__ == "__main__":

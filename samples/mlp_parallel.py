@@ -13,10 +13,10 @@ import copy
 
 import torch
 import torch.nn as nn
+from _training import check_like_reference, train
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
-from _training import check_like_reference, train
 
 BATCH, DIM, HIDDEN = 16, 64, 256
 

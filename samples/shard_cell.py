@@ -14,9 +14,9 @@ import copy
 
 import torch
 import torch.nn as nn
+from _training import check_like_reference, train
 
 import shardfn as sf
-from _training import check_like_reference, train
 
 
 class BasicBlock(nn.Module):

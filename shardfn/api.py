@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from . import runtime
-from .capture import CaptureError, capture, capturing, check_not_transformed
+from .capture import capture, capturing, check_not_transformed
 from .capture.graph import CapturedGraph
 from .exec.lower import ParallelProgram, lower
 from .exec.run import Entry
@@ -297,7 +297,6 @@ class _Engine:
         constraints = Constraints(outputs=outputs, grad=torch.is_grad_enabled())
         n_state = len(params) + len(buffers)
         for k, name in enumerate(params):
-            p = params[name]
             if name in param_specs:
                 constraints.inputs[k] = to_placements(param_specs[name], mesh_spec)
         for k in range(len(params), n_state):

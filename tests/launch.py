@@ -56,5 +56,7 @@ def run_mpirun(script: str, nproc: int, *args: str, timeout: float = 600):
 
 
 def check(result: subprocess.CompletedProcess) -> str:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-6000:]}"
+    )
     return result.stdout

@@ -1,6 +1,5 @@
 """Small models written for the tests: a GPT-style transformer block and MindSpore's BasicBlock net."""
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 

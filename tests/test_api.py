@@ -3,7 +3,6 @@ raised before any communication; the program cache."""
 
 import pytest
 import torch
-import torch.nn as nn
 
 import shardfn as sf
 from shardfn.runtime import simulated_world

@@ -29,7 +29,16 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
 
-__all__ = ["RANDOM_FILLS", "Candidate", "with_accumulation", "node_candidates", "register_rule", "tensor_inputs", "warn_fallbacks"]
+__all__ = [
+    "RANDOM_FILLS",
+    "Candidate",
+    "input_candidates",
+    "node_candidates",
+    "register_rule",
+    "tensor_inputs",
+    "warn_fallbacks",
+    "with_accumulation",
+]
 
 aten = torch.ops.aten
 Placements = tuple[Placement, ...]

@@ -25,8 +25,11 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+import torch.fx
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+from torch.utils.flop_counter import flop_registry
 
 __all__ = [
     "CPU",
@@ -193,18 +196,12 @@ _FLOPS: dict = {}
 
 def node_flops(node) -> int:
     """FLOPs of one fx node at its global shapes (torch.utils.flop_counter; 0 for ops it does not count)."""
-    from torch.utils.flop_counter import FlopCounterMode
-    import torch.utils._pytree as pytree
-    import torch.fx
-
     if not isinstance(node.target, torch._ops.OpOverload):
         return 0
     key = (node.target, repr(pytree.tree_map(
         lambda x: (tuple(x.meta["val"].shape), x.meta["val"].dtype) if isinstance(x, torch.fx.Node)
         and isinstance(x.meta.get("val"), torch.Tensor) else repr(x), (node.args, node.kwargs))))
     if key not in _FLOPS:
-        from torch.utils.flop_counter import flop_registry
-
         packet = node.target.overloadpacket
         if packet not in flop_registry:
             _FLOPS[key] = 0
@@ -221,9 +218,6 @@ def node_flops(node) -> int:
 
 def node_bytes(node) -> int:
     """Bytes an op reads and writes at its global shapes: the memory-bound side of the roofline."""
-    import torch.utils._pytree as pytree
-    import torch.fx
-
     total = 0
     for x in pytree.tree_leaves((node.args, node.kwargs)):
         if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):

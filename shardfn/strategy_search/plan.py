@@ -85,7 +85,8 @@ class Plan:
         lines = [
             f"shardfn plan  mesh [{mesh}]  level {self.level}  "
             f"compute {self.cost.compute_s * 1e3:.3f} ms  comm {self.cost.comm_s * 1e3:.3f} ms  "
-            f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank" + ("" if self.optimal else "  (time limit: best found)"),
+            f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank"
+            + ("" if self.optimal else "  (time limit: best found)"),
             f"{'node':<28} {'op':<36} {'inputs':<40} outputs",
         ]
         for n in self.nodes.values():

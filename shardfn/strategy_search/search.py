@@ -7,7 +7,6 @@ candidate, so the solver propagates them: it prefers choices that need no redist
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 

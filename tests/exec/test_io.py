@@ -4,11 +4,11 @@ import copy
 
 import torch
 from torch.distributed._local_tensor import local_tensor_mode
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import shardfn as sf
+from shardfn.layout import Axis, MeshSpec
 from shardfn.runtime import device_mesh, simulated_world
-from shardfn.layout import MeshSpec, Axis
 from tests.harness import on_rank
 from tests.models import BasicBlock
 

@@ -4,8 +4,7 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import shardfn as sf
 from shardfn.runtime import simulated_world

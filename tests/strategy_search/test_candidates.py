@@ -5,9 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-import shardfn as sf
-from shardfn.runtime import planning_mesh
 from shardfn.layout import Axis, MeshSpec
+from shardfn.runtime import planning_mesh
 from tests.parity import check_parity
 
 
