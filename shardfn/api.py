@@ -146,6 +146,11 @@ class _Compiled:
     param_slots: list = field(default_factory=list)
     buffer_slots: list = field(default_factory=list)
 
+    @property
+    def single_output(self) -> bool:
+        """fn returns one tensor (not in a container): the call returns it without rebuilding a structure."""
+        return self.captured.out_spec.is_leaf() and len(self.out_dtensor) == 1
+
 
 class _Engine:
     """Plans and runs one sharded callable: the shared core of ShardedFunction and ShardedModule."""
@@ -339,7 +344,8 @@ class _Engine:
                 f"{self.name} is a sharded callable called while another shard call traces its fn: nested "
                 "shard calls are not supported. Shard the outer function only, or call the inner one outside it."
             )
-        check_not_transformed([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)], self.name)
+        check_not_transformed([a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)],
+                              lambda: self.name)
         key = _signature(args, kwargs) + ((self.module.training,) if self.module is not None else ())
         group = dist.group.WORLD if dist.is_initialized() else None
         if group is not self.group:  # a new process group: programs made for the old one are void
@@ -361,7 +367,10 @@ class _Engine:
         args_in = [owner._parameters[leaf] for owner, leaf in compiled.param_slots]
         args_in += [owner._buffers[leaf] for owner, leaf in compiled.buffer_slots]
         args_in += [a for a in args if isinstance(a, torch.Tensor)]
-        outs = iter(compiled.program(*args_in))
+        outs = compiled.program(*args_in)
+        if compiled.single_output:
+            return outs[0]
+        outs = iter(outs)
         flat = [next(outs) if isinstance(node, torch.fx.Node) else node for node in compiled.captured.output_nodes]
         return pytree.tree_unflatten(flat, compiled.captured.out_spec)
 

@@ -45,12 +45,13 @@ def _capture_scope():
         _STATE.depth -= 1
 
 
-def check_not_transformed(tensors: Sequence[torch.Tensor], what: str) -> None:
-    """Reject tensors wrapped by torch.func transforms (vmap/grad around a sharded callable)."""
+def check_not_transformed(tensors: Sequence[torch.Tensor], what: Callable[[], str]) -> None:
+    """Reject tensors wrapped by torch.func transforms (vmap/grad around a sharded callable). ``what()`` names
+    the callable (asked for only when there is an error)."""
     for t in tensors:
         if torch._C._functorch.is_functorch_wrapped_tensor(t):
             raise TypeError(
-                f"{what} was called inside a torch.func transform (vmap, grad, jacrev, ...) applied around it. "
+                f"{what()} was called inside a torch.func transform (vmap, grad, jacrev, ...) applied around it. "
                 "Sharded callables cannot be transformed from outside; put the transform inside fn instead: "
                 "sf.shard(lambda x: torch.func.vmap(f)(x), ...)"
             )

@@ -78,6 +78,7 @@ class ParallelProgram:
         self._param_layouts = [(mesh, e.planned, torch.Size(e.shape), contiguous_stride(e.shape))
                                for e in entries[: self._n_params]]
         self._run: Callable = self._compile() if compiled else self.local_step
+        self._graph_step: bool | None = None if compiled else False  # decided after the first traced call
 
     # --- interpretation -----------------------------------------------------------------------------------
 
@@ -155,12 +156,40 @@ class ParallelProgram:
         return aot_function(self.local_step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                             inference_compiler=keep("forward"))
 
+    def _direct_graphs(self) -> bool:
+        """After the first traced call: can a call run the forward/backward graphs itself (:class:`GraphStep`)?
+
+        Yes when the graphs have the plain shape AOTAutograd gives a functional program: forward returns the
+        outputs then the values saved for backward, backward takes those values then one gradient per output and
+        returns one gradient per input. Anything else (aliased outputs, non-float outputs) keeps AOT's runtime.
+        """
+        fw, bw = self.graphs.get("forward"), self.graphs.get("backward")
+        if fw is None or bw is None or not all(v.is_floating_point() for v in self.out_vals):
+            return False
+        fw_in = [n for n in fw.graph.nodes if n.op == "placeholder"]
+        fw_out = next(n for n in fw.graph.nodes if n.op == "output").args[0]
+        bw_in = [n.name for n in bw.graph.nodes if n.op == "placeholder"]
+        bw_out = next(n for n in bw.graph.nodes if n.op == "output").args[0]
+        n_out, n_saved = len(self.out_vals), len(fw_out) - len(self.out_vals)
+        tangents = [name for name in bw_in if name.startswith("tangents")]
+        return (len(fw_in) == len(self.entries) and len(tangents) == n_out and bw_in[n_saved:] == tangents
+                and len(bw_in) == n_saved + n_out and len(bw_out) == len(fw_in))
+
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         # parameters (first in entries) have the layout the plan gave them: their layouts are known
         n_params = self._n_params
+        if self._graph_step is None and "backward" in self.graphs:
+            self._graph_step = self._direct_graphs()
+        if self._graph_step and torch.is_grad_enabled() and not any(
+                isinstance(a, DTensor) for a in args[n_params:]):
+            outs = GraphStep.apply(self, *args)
+            return [_from_local(o, self.mesh, self.plan.outputs[k], v) if self.as_dtensor[k] else o
+                    for k, (o, v) in enumerate(zip(outs, self.out_vals))]
         locals_ = list(args)
-        if n_params:
+        if n_params and torch.is_grad_enabled():
             locals_[:n_params] = LocalsOf.apply(self._param_layouts, *args[:n_params])
+        elif n_params:  # no gradients to route back: the local tensors themselves
+            locals_[:n_params] = [p.to_local() for p in args[:n_params]]
         dtensor_pos = [i for i in range(n_params, len(args)) if isinstance(args[i], DTensor)]
         if dtensor_pos:
             picked = [args[i] for i in dtensor_pos]
@@ -171,6 +200,33 @@ class ParallelProgram:
             _from_local(o, self.mesh, self.plan.outputs[k], v) if self.as_dtensor[k] else o
             for k, (o, v) in enumerate(zip(outs, self.out_vals))
         ]
+
+
+class GraphStep(torch.autograd.Function):
+    """One cached call with gradients, run on the traced graphs without AOTAutograd's runtime wrapper: DTensor
+    parameters in (their local tensors fed to the forward graph), backward graph out, parameter gradients wrapped
+    as DTensors in the parameters' layouts. Saves the per-call bookkeeping of two autograd nodes."""
+
+    @staticmethod
+    def forward(ctx, program: ParallelProgram, *args):
+        locals_ = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+        out = program.graphs["forward"](*locals_)
+        n_out = len(program.out_vals)
+        ctx.save_for_backward(*out[n_out:])
+        ctx.program = program
+        return tuple(out[:n_out])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        program = ctx.program
+        grads = [g.contiguous() for g in grads]
+        local = program.graphs["backward"](*ctx.saved_tensors, *grads)
+        wrapped = [
+            None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape,
+                                                      stride=stride)
+            for g, (mesh, placements, shape, stride) in zip(local, program._param_layouts)
+        ]
+        return (None, *wrapped, *local[len(wrapped):])
 
 
 def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, entries: list[Entry], as_dtensor: list[bool],
