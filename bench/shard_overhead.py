@@ -275,7 +275,8 @@ def compiled_for(block, x, grad: bool):
 
 
 def graph_inputs(gm: torch.fx.GraphModule, inputs):
-    """The AOT forward graph's inputs for these inputs of the AOT-compiled function, flattened as AOTAutograd's runtime does: a tensor
+    """The AOT forward graph's inputs for these inputs of the AOT-compiled function,
+    flattened as AOTAutograd's runtime does: a tensor
     subclass (DTensor) becomes its ``__tensor_flatten__`` attributes in order (its local tensor, then its
     DeviceMesh, an opaque object in torch 2.13), a plain tensor stays itself. Checked against the placeholders."""
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
@@ -651,7 +652,8 @@ def worker(rank: int, args, port: int) -> None:
         print(f"  step-1 loss: eager {eager_loss:.6f}; " + ", ".join(f"{n} {losses[n][0]:.6f}" for n in names)
               + "  (asserted close)")
         last = [losses[n][-1] for n in names]
-        print(f"  loss after {args.warmup + args.steps} steps: " + ", ".join(f"{n} {v:.6f}" for n, v in zip(names, last))
+        finals = ", ".join(f"{n} {v:.6f}" for n, v in zip(names, last))
+        print(f"  loss after {args.warmup + args.steps} steps: " + finals
               + f"  (max spread {max(last) - min(last):.2e})")
         print(f"  shardfn plan: {collective_summary(compiled)}")
         print("  wall = perf_counter; cpu = rank 0's thread CPU time, which leaves out waiting in collectives")
