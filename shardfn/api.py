@@ -163,6 +163,7 @@ class _Engine:
         self.level, self.device_arg, self.dataset_strategy = level, device, dataset_strategy
         self.cache: dict[tuple, _Compiled] = {}
         self.group = None  # the process group the cached programs were made for
+        self.params_laid_out = False  # set by the first call's plan; later plans keep the layouts
         self.capturing_self = False
 
     @property
@@ -212,9 +213,13 @@ class _Engine:
         return shapes, held, fixed
 
     def _param_specs(self, world: int) -> dict[str, TensorSpec]:
+        """Fixed parameter layouts: parameter_plan's, and once a call has laid the parameters out, all of them
+        as they are (programs of other signatures hold their layouts: a later plan may not move them)."""
         if self.module is None:
             return {}
         params = dict(self.module.named_parameters())
+        if self.params_laid_out:
+            return {name: spec_of_dtensor(p, world, name) for name, p in params.items() if isinstance(p, DTensor)}
         return {
             name: normalize_strategy(s, tuple(params[name].shape), world, f"parameter_plan[{name!r}]", name)
             for name, s in self.parameter_plan.items() if s is not None
@@ -361,6 +366,7 @@ class _Engine:
             mesh = runtime.device_mesh(compiled.mesh_spec, device)
             if self.module is not None:
                 self._relay_parameters(compiled, mesh)
+                self.params_laid_out = True
             compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled.entries, compiled.out_dtensor,
                                      compiled=not runtime.is_simulated())
             self.cache[key] = compiled

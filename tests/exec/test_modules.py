@@ -131,3 +131,19 @@ def test_dropout_module_in_train_and_eval():
         model.eval()
         reference.eval()
         torch.testing.assert_close(on_rank(model(x), 1), on_rank(reference(x), 1), rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_input_signature_keeps_the_first_plans_parameter_layouts():
+    # the first call lays the free parameters out; a call with a new shape gets its own program, planned with
+    # those layouts fixed, so the first program stays valid and both agree with eager
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        reference = Net().block1
+        block = sf.shard(copy.deepcopy(reference), in_strategy=((4, 1),))
+        small, large = torch.randn(8, 32), torch.randn(16384, 32)  # alone, these plan different layouts
+        block(small)
+        layouts = {n: p.placements for n, p in block.named_parameters()}
+        block(large)
+        assert {n: p.placements for n, p in block.named_parameters()} == layouts
+        for x in (small, large, small):
+            torch.testing.assert_close(on_rank(block(x), 1), on_rank(reference(x), 1), rtol=1e-5, atol=1e-5)
