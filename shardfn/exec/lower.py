@@ -144,7 +144,7 @@ class ParallelProgram:
     # --- compilation --------------------------------------------------------------------------------------
 
     def _compile(self) -> Callable:
-        from functorch.compile import aot_function, make_boxed_func
+        from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
 
         def keep(name):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
@@ -153,8 +153,9 @@ class ParallelProgram:
 
             return compiler
 
+        # the min-cut partitioner saves what the default one recomputes (the CPU flash-attention forward)
         return aot_function(self.local_step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            inference_compiler=keep("forward"))
+                            inference_compiler=keep("forward"), partition_fn=min_cut_rematerialization_partition)
 
     def _direct_graphs(self) -> bool:
         """After the first traced call: can a call run the forward/backward graphs itself (:class:`GraphStep`)?
