@@ -79,6 +79,8 @@ class ParallelProgram:
                                for e in entries[: self._n_params]]
         self._run: Callable = self._compile() if compiled else self.local_step
         self._graph_step: bool | None = None if compiled else False  # decided after the first traced call
+        self._locals: list[torch.Tensor] = []
+        self._locals_of: list[DTensor] = []
 
     # --- interpretation -----------------------------------------------------------------------------------
 
@@ -157,6 +159,16 @@ class ParallelProgram:
         return aot_function(self.local_step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                             inference_compiler=keep("forward"), partition_fn=min_cut_rematerialization_partition)
 
+    def parameter_locals(self, params) -> list[torch.Tensor]:
+        """The parameters' local tensors, kept between calls: a parameter updated in place (optimizer steps,
+        load_state_dict) keeps its local tensor; a parameter replaced by a new object is read again."""
+        cached = self._locals
+        if len(cached) != len(params) or any(c is not p for c, p in zip(self._locals_of, params)):
+            with torch.no_grad():
+                cached[:] = [p.to_local() for p in params]
+            self._locals_of[:] = list(params)
+        return cached
+
     def _direct_graphs(self) -> bool:
         """After the first traced call: can a call run the forward/backward graphs itself (:class:`GraphStep`)?
 
@@ -190,7 +202,7 @@ class ParallelProgram:
         if n_params and torch.is_grad_enabled():
             locals_[:n_params] = LocalsOf.apply(self._param_layouts, *args[:n_params])
         elif n_params:  # no gradients to route back: the local tensors themselves
-            locals_[:n_params] = [p.to_local() for p in args[:n_params]]
+            locals_[:n_params] = self.parameter_locals(args[:n_params])
         dtensor_pos = [i for i in range(n_params, len(args)) if isinstance(args[i], DTensor)]
         if dtensor_pos:
             picked = [args[i] for i in dtensor_pos]
@@ -210,8 +222,8 @@ class GraphStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, program: ParallelProgram, *args):
-        locals_ = [a.to_local() if isinstance(a, DTensor) else a for a in args]
-        out = program.graphs["forward"](*locals_)
+        n_params = program._n_params
+        out = program.graphs["forward"](*program.parameter_locals(args[:n_params]), *args[n_params:])
         n_out = len(program.out_vals)
         ctx.save_for_backward(*out[n_out:])
         ctx.program = program
