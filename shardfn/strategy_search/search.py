@@ -125,14 +125,12 @@ def make_plan(
 ) -> Plan:
     mesh_shape = tuple(mesh.shape)
     decisions: list[_Decision] = []
-    index: dict[torch.fx.Node, int] = {}
     producer: dict[torch.fx.Node, tuple[int, int]] = {}  # value node -> (decision, output index)
     fallbacks: set[str] = set()
 
     for i, node in enumerate(captured.placeholders):
         fixed = constraints.inputs.get(i)
         cands = [Candidate((fixed,), (), "input")] if fixed is not None else input_candidates(_val(node).shape, mesh)
-        index[node] = len(decisions)
         producer[node] = (len(decisions), 0)
         decisions.append(_Decision(node, captured.inputs[i].name, cands, []))
 
@@ -152,7 +150,6 @@ def make_plan(
             # ties no layers together (RoPE's cos/sin feed every layer)
             cands = _replicated_only(cands)
         sources = [(*producer[a], a) for a in tensor_inputs(node)]
-        index[node] = len(decisions)
         producer[node] = (len(decisions), 0)
         decisions.append(_Decision(node, node.name, cands, sources))
 
