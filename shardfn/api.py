@@ -25,6 +25,7 @@ from .capture.graph import CapturedGraph
 from .exec.lower import ParallelProgram, lower
 from .exec.run import Entry
 from .layout import (
+    Axis,
     Layout,
     MeshSpec,
     TensorLayout,
@@ -399,8 +400,6 @@ def _replace_parameter(module: nn.Module, name: str, new: nn.Parameter) -> None:
 
 def _alias_names(strategies) -> dict:
     """Mesh-dim names from the user's Layout aliases (used when a user axis is exactly one mesh dim)."""
-    from .layout import Axis
-
     names = {}
     for s in strategies:
         if isinstance(s, TensorLayout):
