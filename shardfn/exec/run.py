@@ -16,7 +16,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["Entry", "LocalsOf", "contiguous_stride", "layout_of"]
+from ..strategy_search._dtensor_adapter import layout_of, local_as
+
+__all__ = ["Entry", "LocalsOf", "contiguous_stride"]
 
 Placements = tuple[Placement, ...]
 
@@ -36,27 +38,16 @@ class Entry:
 
 
 class LocalsOf(torch.autograd.Function):
-    """DTensors -> their local tensors, in one autograd node; gradients go back as DTensors of the same layout.
-
-    ``layouts[i]`` = (mesh, placements, shape, stride) of the i-th DTensor: the caller passes them (a program
-    knows its parameters' layouts) so a call does not read them off every DTensor again.
-    """
+    """DTensors -> their local tensors, in one autograd node; gradients go back as DTensors of the same layout."""
 
     @staticmethod
-    def forward(ctx, layouts, *dtensors: DTensor):
-        ctx.layouts = layouts
+    def forward(ctx, *dtensors: DTensor):
+        ctx.layouts = [layout_of(d) for d in dtensors]
         return tuple(d.to_local().detach() for d in dtensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None,) + tuple(
-            None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
-            for g, (mesh, placements, shape, stride) in zip(grads, ctx.layouts)
-        )
-
-
-def layout_of(d: DTensor) -> tuple:
-    return (d.device_mesh, d.placements, d.shape, d.stride())
+        return tuple(None if g is None else local_as(layout, g) for g, layout in zip(grads, ctx.layouts))
 
 
 def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
