@@ -23,7 +23,9 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..capture.graph import CapturedGraph
 from ..strategy_search.plan import Plan
-from .run import Entry, LocalsOf, contiguous_stride, layout_of
+from ..strategy_search._dtensor_adapter import layout_of, local_as
+from .passes import simplify
+from .run import Entry, LocalsOf, contiguous_stride
 
 __all__ = ["ParallelProgram", "lower"]
 
@@ -75,11 +77,10 @@ class ParallelProgram:
         self.tensor_outputs = [i for i, a in enumerate(captured.output_nodes) if isinstance(a, torch.fx.Node)]
         self.out_vals = [captured.output_nodes[i].meta["val"] for i in self.tensor_outputs]
         self._n_params = sum(e.kind == "param" for e in entries)
-        self._param_layouts = [(mesh, e.planned, torch.Size(e.shape), contiguous_stride(e.shape))
-                               for e in entries[: self._n_params]]
         self._run: Callable = self._compile() if compiled else self.local_step
         self._graph_step: bool | None = None if compiled else False  # decided after the first traced call
         self._locals: list[torch.Tensor] = []
+        self._layouts: list = []
         self._locals_of: list[DTensor] = []
 
     # --- interpretation -----------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ class ParallelProgram:
 
         def keep(name):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
-                self.graphs[name] = gm
+                self.graphs[name] = simplify(gm)
                 return make_boxed_func(gm.forward)
 
             return compiler
@@ -166,6 +167,7 @@ class ParallelProgram:
         if len(cached) != len(params) or any(c is not p for c, p in zip(self._locals_of, params)):
             with torch.no_grad():
                 cached[:] = [p.to_local() for p in params]
+            self._layouts = [layout_of(p) for p in params]  # a new list: backward passes hold the old one
             self._locals_of[:] = list(params)
         return cached
 
@@ -200,13 +202,13 @@ class ParallelProgram:
                     for k, (o, v) in enumerate(zip(outs, self.out_vals))]
         locals_ = list(args)
         if n_params and torch.is_grad_enabled():
-            locals_[:n_params] = LocalsOf.apply(self._param_layouts, *args[:n_params])
+            locals_[:n_params] = LocalsOf.apply(*args[:n_params])
         elif n_params:  # no gradients to route back: the local tensors themselves
             locals_[:n_params] = self.parameter_locals(args[:n_params])
         dtensor_pos = [i for i in range(n_params, len(args)) if isinstance(args[i], DTensor)]
         if dtensor_pos:
             picked = [args[i] for i in dtensor_pos]
-            for i, t in zip(dtensor_pos, LocalsOf.apply([layout_of(d) for d in picked], *picked)):
+            for i, t in zip(dtensor_pos, LocalsOf.apply(*picked)):
                 locals_[i] = t
         outs = self._run(*locals_)
         return [
@@ -226,7 +228,7 @@ class GraphStep(torch.autograd.Function):
         out = program.graphs["forward"](*program.parameter_locals(args[:n_params]), *args[n_params:])
         n_out = len(program.out_vals)
         ctx.save_for_backward(*out[n_out:])
-        ctx.program = program
+        ctx.program, ctx.layouts = program, program._layouts
         return tuple(out[:n_out])
 
     @staticmethod
@@ -234,11 +236,7 @@ class GraphStep(torch.autograd.Function):
         program = ctx.program
         grads = [g.contiguous() for g in grads]
         local = program.graphs["backward"](*ctx.saved_tensors, *grads)
-        wrapped = [
-            None if g is None else DTensor.from_local(g, mesh, placements, run_check=False, shape=shape,
-                                                      stride=stride)
-            for g, (mesh, placements, shape, stride) in zip(local, program._param_layouts)
-        ]
+        wrapped = [None if g is None else local_as(layout, g) for g, layout in zip(local, ctx.layouts)]
         return (None, *wrapped, *local[len(wrapped):])
 
 

@@ -1,0 +1,91 @@
+"""Clean-ups of the traced per-rank graphs, applied once before they first run.
+
+AOTAutograd's graphs are functional: every all-reduce writes a fresh buffer, and the entry/exit of the local
+program leaves views and transposes that undo each other. Each op costs a Python call per step when the graph
+runs, and each fresh all-reduce buffer a copy, so :func:`simplify` removes what nothing needs:
+
+- an all-reduce of a buffer nothing else reads (an intermediate, not an input or output, reached through views
+  with no other reader) runs in place, as hand-written code does (``dist.all_reduce(y)``);
+- ``view`` to the tensor's own shape and ``t(t(x))`` become their input, a ``view`` of a ``view`` one view,
+  and ``detach`` its input (the graphs run without autograd).
+
+Only nodes that are not graph outputs are rewritten away, so what the graph returns (and what aliases what) is
+unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+__all__ = ["simplify"]
+
+aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.alias.default)
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _same_shape(node: torch.fx.Node) -> bool:
+    a, b = _val(node.args[0]), _val(node)
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
+        and a.stride() == b.stride()
+
+
+def _identity_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node this one is the same tensor as (up to aliasing), or None."""
+    if node.target in (aten.view.default, aten._unsafe_view.default) and _same_shape(node):
+        return node.args[0]
+    if node.target is aten.detach.default:
+        return node.args[0]
+    if node.target is aten.t.default and getattr(node.args[0], "target", None) is aten.t.default:
+        return node.args[0].args[0]
+    return None
+
+
+def _drop_identities(graph: torch.fx.Graph, outputs: set) -> None:
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node in outputs:
+            continue
+        src = _identity_input(node)
+        if src is not None:
+            node.replace_all_uses_with(src)
+        elif node.target is aten.view.default and getattr(node.args[0], "target", None) is aten.view.default:
+            node.args = (node.args[0].args[0], *node.args[1:])  # view(view(x, a), b) -> view(x, b)
+    # what lost its readers; only views and the like (pure, no random state), so nothing else changes
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and node not in outputs and (
+                node.target in _VIEWS or node.target in (aten.detach.default, aten.t.default)):
+            graph.erase_node(node)
+
+
+def _owned(node: torch.fx.Node) -> bool:
+    """Is ``node`` a buffer (or a view of one) that only its single reader ever reads?"""
+    while True:
+        if len(node.users) != 1 or node.op != "call_function":
+            return False
+        if node.target not in _VIEWS:
+            return True
+        node = node.args[0]
+
+
+def _reduce_in_place(graph: torch.fx.Graph) -> None:
+    for node in graph.nodes:
+        if node.target is _c10d.all_reduce.default:
+            buf = node.args[0]
+            val = _val(buf)
+            if isinstance(val, torch.Tensor) and val.is_contiguous() and _owned(buf):
+                node.target = _c10d.all_reduce_.default
+
+
+def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = gm.graph
+    out = next(n for n in graph.nodes if n.op == "output")
+    _drop_identities(graph, set(out.all_input_nodes))
+    _reduce_in_place(graph)
+    graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,71 @@
+"""Graph clean-ups: in-place all-reduce only on buffers nothing else reads; identities removed, results kept."""
+
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from shardfn.exec.passes import simplify
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+
+def _node(g: torch.fx.Graph, target, args, val):
+    n = g.call_function(target, args)
+    n.meta["val"] = val
+    return n
+
+
+def _all_reduce(g, buf):
+    ar = _node(g, c10d.all_reduce.default, (buf, "sum", "0"), buf.meta["val"])
+    return ar, _node(g, c10d.wait_tensor.default, (ar,), buf.meta["val"])
+
+
+def test_all_reduce_in_place_only_on_owned_buffers():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    # an intermediate read only by the all-reduce, through a view: in place
+    mm = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    flat = _node(g, aten.view.default, (mm, [16]), torch.empty(16))
+    owned, owned_w = _all_reduce(g, flat)
+    # an intermediate something else reads too: out of place
+    shared = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    other_reader = _node(g, aten.add.Tensor, (shared, 1), torch.empty(4, 4))
+    read_twice, read_twice_w = _all_reduce(g, shared)
+    # a graph input: out of place
+    of_input, of_input_w = _all_reduce(g, x)
+    # a non-contiguous buffer: out of place
+    mm2 = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    tr = _node(g, aten.t.default, (mm2,), torch.empty(4, 4).t())
+    strided, strided_w = _all_reduce(g, tr)
+    g.output((owned_w, read_twice_w, other_reader, of_input_w, strided_w))
+    simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert owned.target is c10d.all_reduce_.default
+    assert read_twice.target is c10d.all_reduce.default
+    assert of_input.target is c10d.all_reduce.default
+    assert strided.target is c10d.all_reduce.default
+
+
+def _program(x, w):
+    y = x.view(x.shape)  # a view to its own shape
+    z = torch.mm(y, w.t().t())  # t(t(w))
+    z = z.detach().view(2, 8).view(16)  # detach; a view of a view
+    return z.view(4, 4) + 1, y  # y is an output: kept as the graph returns it
+
+
+def test_identities_removed_and_results_unchanged():
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+    gm = make_fx(_program)(x, w)
+    count = lambda: sum(n.op == "call_function" for n in gm.graph.nodes)  # noqa: E731
+    before = count()
+    want = gm(x, w)
+    simplify(gm)
+    assert count() < before
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert aten.detach.default not in targets and aten.t.default not in targets
+    got = gm(x, w)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert out.args[0][1].target is aten.view.default  # the returned view stays a view
