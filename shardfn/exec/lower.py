@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..capture.graph import CapturedGraph
-from ..strategy_search.plan import Plan
 from ..strategy_search._dtensor_adapter import layout_of, local_as
+from ..strategy_search.plan import Plan
 from .passes import simplify
 from .run import Entry, LocalsOf, contiguous_stride
 

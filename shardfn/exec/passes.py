@@ -7,7 +7,10 @@ runs, and each fresh all-reduce buffer a copy, so :func:`simplify` removes what 
 - an all-reduce of a buffer nothing else reads (an intermediate, not an input or output, reached through views
   with no other reader) runs in place, as hand-written code does (``dist.all_reduce(y)``);
 - ``view`` to the tensor's own shape and ``t(t(x))`` become their input, a ``view`` of a ``view`` one view,
-  and ``detach`` its input (the graphs run without autograd).
+  and ``detach`` its input (the graphs run without autograd);
+- each collective starts as soon as its input is computed and is waited for just before its result is first
+  read, so work that does not need it (a weight gradient's matmul beside the input gradient's all-reduce) runs
+  while it is in flight. Every rank runs the same graph, so collectives keep one order on all of them.
 
 Only nodes that are not graph outputs are rewritten away, so what the graph returns (and what aliases what) is
 unchanged.
@@ -81,11 +84,51 @@ def _reduce_in_place(graph: torch.fx.Graph) -> None:
                 node.target = _c10d.all_reduce_.default
 
 
+def _is_collective(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "namespace", None) == "_c10d_functional" \
+        and node.target is not _c10d.wait_tensor.default
+
+
+def _movable(node: torch.fx.Node) -> bool:
+    """Can ``node`` run earlier? Pure ops can; placeholders, waits and random ops (their order sets the numbers
+    they draw) stay where they are."""
+    target = node.target
+    return node.op == "call_function" and target is not _c10d.wait_tensor.default and not (
+        isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)
+
+
+def _overlap(graph: torch.fx.Graph) -> None:
+    """Collectives as early as their inputs allow (the ops computing those inputs first), waits as late."""
+    placed: set = set()
+
+    def hoist(node: torch.fx.Node) -> None:
+        if node in placed:
+            return
+        placed.add(node)
+        for a in node.all_input_nodes:
+            if _movable(a):
+                hoist(a)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        after = [n for n in graph.nodes if n.op == "placeholder"][-1:] + node.all_input_nodes
+        last = max(after, key=lambda a: order[a], default=None)
+        if last is not None and order[last] < order[node] and last.next is not node:
+            last.append(node)
+
+    for node in [n for n in graph.nodes if _is_collective(n)]:
+        hoist(node)
+    for node in [n for n in graph.nodes if n.target is _c10d.wait_tensor.default]:
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first = min(node.users, key=lambda u: order[u])
+        if node.next is not first:
+            first.prepend(node)
+
+
 def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     _drop_identities(graph, set(out.all_input_nodes))
     _reduce_in_place(graph)
+    _overlap(graph)
     graph.lint()
     gm.recompile()
     return gm

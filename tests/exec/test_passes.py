@@ -69,3 +69,25 @@ def test_identities_removed_and_results_unchanged():
         torch.testing.assert_close(a, b)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     assert out.args[0][1].target is aten.view.default  # the returned view stays a view
+
+
+def test_collectives_start_early_and_waits_sink():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    weight_grad = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))  # needs no communication
+    noise = _node(g, aten.rand_like.default, (x,), torch.empty(4, 4))  # random: stays in its place
+    input_grad = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    scaled = _node(g, aten.mul.Tensor, (input_grad, 2), torch.empty(4, 4))
+    reduced, waited = _all_reduce(g, scaled)
+    more_noise = _node(g, aten.rand_like.default, (x,), torch.empty(4, 4))
+    total = _node(g, aten.add.Tensor, (waited, weight_grad), torch.empty(4, 4))
+    g.output((total, noise, more_noise))
+    simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    order = [n for n in g.nodes if n.op == "call_function"]
+    pos = order.index
+    # the all-reduce's input is computed first and the collective starts before the independent matmul; its
+    # wait comes just before the first reader of the result
+    assert pos(input_grad) < pos(scaled) < pos(reduced) < pos(weight_grad) < pos(waited) < pos(total)
+    assert reduced.target is c10d.all_reduce_.default
+    assert pos(noise) < pos(more_noise)  # random ops keep their order
