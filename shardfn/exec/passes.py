@@ -5,7 +5,8 @@ program leaves views and transposes that undo each other. Each op costs a Python
 runs, and each fresh all-reduce buffer a copy, so :func:`simplify` removes what nothing needs:
 
 - an all-reduce of a buffer nothing else reads (an intermediate, not an input or output, reached through views
-  with no other reader) runs in place, as hand-written code does (``dist.all_reduce(y)``);
+  with no other reader) runs in place, as hand-written code does (``dist.all_reduce(y)``), and so does an
+  addition into such a buffer (a residual add, gradients accumulated), as autograd's accumulation does;
 - ``view`` to the tensor's own shape and ``t(t(x))`` become their input, a ``view`` of a ``view`` one view,
   and ``detach`` its input (the graphs run without autograd);
 - each collective starts as soon as its input is computed and is waited for just before its result is first
@@ -65,14 +66,29 @@ def _drop_identities(graph: torch.fx.Graph, outputs: set) -> None:
             graph.erase_node(node)
 
 
-def _owned(node: torch.fx.Node) -> bool:
-    """Is ``node`` a buffer (or a view of one) that only its single reader ever reads?"""
+def _owned(node: torch.fx.Node, aliases=_VIEWS) -> bool:
+    """Is ``node`` a buffer (or an alias of one, through ``aliases`` ops) that only its single reader reads?"""
     while True:
         if len(node.users) != 1 or node.op != "call_function":
             return False
-        if node.target not in _VIEWS:
+        if node.target not in aliases:
             return True
         node = node.args[0]
+
+
+def _accumulate_in_place(graph: torch.fx.Graph) -> None:
+    aliases = _VIEWS + (_c10d.wait_tensor.default, _c10d.all_reduce_.default)
+    for node in graph.nodes:
+        if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
+            continue
+        out = _val(node)
+        for i, into in enumerate(node.args):  # a + b == b + a exactly, so either operand can take the sum
+            val = _val(into)
+            if isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.shape == out.shape \
+                    and val.dtype == out.dtype and val.stride() == out.stride() and val.is_contiguous() \
+                    and _owned(into, aliases):
+                node.target, node.args = aten.add_.Tensor, (into, node.args[1 - i])
+                break
 
 
 def _reduce_in_place(graph: torch.fx.Graph) -> None:
@@ -128,6 +144,7 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     out = next(n for n in graph.nodes if n.op == "output")
     _drop_identities(graph, set(out.all_input_nodes))
     _reduce_in_place(graph)
+    _accumulate_in_place(graph)
     _overlap(graph)
     graph.lint()
     gm.recompile()

@@ -91,3 +91,21 @@ def test_collectives_start_early_and_waits_sink():
     assert pos(input_grad) < pos(scaled) < pos(reduced) < pos(weight_grad) < pos(waited) < pos(total)
     assert reduced.target is c10d.all_reduce_.default
     assert pos(noise) < pos(more_noise)  # random ops keep their order
+
+
+def test_add_accumulates_into_a_buffer_nothing_else_reads():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    fresh = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    into_fresh = _node(g, aten.add.Tensor, (x, fresh), torch.empty(4, 4))  # x is an input: the sum goes to fresh
+    kept = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    into_kept = _node(g, aten.add.Tensor, (kept, x), torch.empty(4, 4))  # kept is returned: out of place
+    row = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    bias = _node(g, aten.sum.dim_IntList, (row, [0], True), torch.empty(1, 4))
+    broadcast = _node(g, aten.add.Tensor, (bias, x), torch.empty(4, 4))  # bias is smaller than the sum
+    g.output((into_fresh, kept, into_kept, broadcast))
+    simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    assert into_fresh.target is aten.add_.Tensor and into_fresh.args[0] is fresh
+    assert into_kept.target is aten.add.Tensor
+    assert broadcast.target is aten.add.Tensor
