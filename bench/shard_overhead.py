@@ -1,7 +1,8 @@
 """What shardfn costs on top of the program it runs, on 4 real gloo ranks (CPU).
 
     python bench/shard_overhead.py [--dim 768 --heads 12 --batch 4 --seq 128] [--world 4] [--calls 30]
-                                   [--tiny-calls 300] [--no-tiny] [--steps 20] [--warmup 3] [--foreach] [--profile]
+                                   [--tiny-calls 300] [--no-tiny] [--steps 20] [--warmup 3]
+                                   [--optimizer foreach|loop|fused] [--profile]
 
 Launch: the script starts its own ranks. ``python bench/shard_overhead.py`` spawns ``--world`` processes (default
 4) with ``torch.multiprocessing.start_processes(..., start_method="spawn")``; each sets the torchrun variables
@@ -48,6 +49,10 @@ Measured, all in one run (about 1.5 minutes on 2 cores; all three parts for the 
    split, Megatron's f/g autograd functions around explicit dist.all_reduce); DTensor's parallelize_module with
    ColwiseParallel / RowwiseParallel. Step-1 losses are asserted equal to each other and to single-process
    eager; the losses after the last step are printed too. Wall and CPU time per phase, and the ratios.
+   All three use the same AdamW implementation (``--optimizer``): foreach by default, torch's default on GPUs
+   and what DTensor parameters need; ``--optimizer loop`` (torch's default on CPU) runs every op of every
+   parameter through DTensor's dispatch for shardfn and parallelize_module (~25 us per op), which the
+   hand-written code's plain tensors do not pay.
 
 ``--profile`` adds rank 0's cProfile of the tiny block's cached calls (top functions by own and cumulative time).
 ``--world 1`` (or 2) measures the same without oversubscribing the 2 cores: the per-call overhead without
@@ -494,7 +499,7 @@ def profile_calls(block, x, calls: int) -> str:
     return "".join(out)
 
 
-def train(sf, dim, heads, batch, seq, world, mesh, steps, warmup, foreach=None, lr=1e-4):
+def train(sf, dim, heads, batch, seq, world, mesh, steps, warmup, optimizer="foreach", lr=1e-4):
     """Step times of the three tensor-parallel versions, interleaved; and their step-1 losses."""
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -510,9 +515,13 @@ def train(sf, dim, heads, batch, seq, world, mesh, steps, warmup, foreach=None, 
     def adamw(m):
         from torch.distributed.tensor import DTensor
 
-        kinds = {isinstance(p, DTensor) for p in m.parameters()}
-        # foreach cannot mix DTensor and plain parameters (parallelize_module leaves the LayerNorms plain)
-        return torch.optim.AdamW(m.parameters(), lr=lr, foreach=foreach if len(kinds) == 1 else None)
+        # one param group per kind: a foreach/fused kernel takes DTensors or plain tensors, not both
+        # (parallelize_module leaves the LayerNorms plain); the update is the same
+        params = list(m.parameters())
+        groups = [{"params": g} for g in ([p for p in params if isinstance(p, DTensor)],
+                                          [p for p in params if not isinstance(p, DTensor)]) if g]
+        impl = {"foreach": {"foreach": True}, "fused": {"fused": True}, "loop": {"foreach": False}}[optimizer]
+        return torch.optim.AdamW(groups, lr=lr, **impl)
 
     opts = {k: adamw(m) for k, m in models.items()}
     losses = {k: [] for k in models}
@@ -640,13 +649,12 @@ def worker(rank: int, args, port: int) -> None:
 
     # 3. training step -----------------------------------------------------------------------------------------
     times, losses, eager_loss, compiled = train(sf, args.dim, args.heads, args.batch, args.seq, world, mesh,
-                                                args.steps, args.warmup, foreach=args.foreach or None)
+                                                args.steps, args.warmup, optimizer=args.optimizer)
     names = list(times)
     first_losses = torch.tensor([losses[n][0] for n in names])
     torch.testing.assert_close(first_losses, torch.full_like(first_losses, eager_loss), rtol=1e-5, atol=1e-6)
     if rank == 0:
-        print(f"\n3. training step (forward + backward + AdamW"
-              f"{'(foreach=True, but not for parallelize_module)' if args.foreach else ''} + zero_grad), "
+        print(f"\n3. training step (forward + backward + AdamW({args.optimizer}) + zero_grad), "
               f"Megatron TP over {world} ranks; "
               f"median of {args.steps} steps after {args.warmup} warm-up, milliseconds (IQR in brackets)")
         print(f"  step-1 loss: eager {eager_loss:.6f}; " + ", ".join(f"{n} {losses[n][0]:.6f}" for n in names)
@@ -694,11 +702,11 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed training steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed training steps first (step 1 compiles)")
     p.add_argument("--profile", action="store_true", help="print cProfile of rank 0's cached calls")
-    p.add_argument("--foreach", action="store_true",
-                   help="AdamW(foreach=True) where the parameters allow it (all DTensor or all plain: shardfn and "
-                        "hand-written; parallelize_module mixes them and keeps the loop). The default on CPU is "
-                        "the per-parameter loop, which dispatches every op of every DTensor parameter through "
-                        "DTensor")
+    p.add_argument("--optimizer", choices=("foreach", "loop", "fused"), default="foreach",
+                   help="AdamW's implementation, the same for all three versions: foreach (default; torch's "
+                        "default on GPUs, and what DTensor parameters want: one dispatch per op for all of them), "
+                        "loop (torch's default on CPU: every op of every parameter dispatched on its own, through "
+                        "DTensor for DTensor parameters) or fused")
     args = p.parse_args(argv)
     if args.dim % args.heads or args.heads % args.world:
         p.error("--heads must divide --dim, and --world must divide --heads")
