@@ -19,6 +19,8 @@ unchanged.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -66,18 +68,34 @@ def _drop_identities(graph: torch.fx.Graph, outputs: set) -> None:
             graph.erase_node(node)
 
 
-def _owned(node: torch.fx.Node, aliases=_VIEWS) -> bool:
-    """Is ``node`` a buffer (or an alias of one, through ``aliases`` ops) that only its single reader reads?"""
+# ops whose schema promises a fresh tensor but that return (a view of) their first input
+_ALIAS_FIRST_INPUT = (aten._unsafe_view.default, _c10d.wait_tensor.default)
+
+
+def _alias_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose storage ``node``'s value shares (views, in-place ops, an item of a view op's list), or
+    None where it is a fresh buffer."""
+    target = node.target
+    if target is operator.getitem:
+        return node.args[0] if _alias_of(node.args[0]) is not None else None
+    if target in _ALIAS_FIRST_INPUT or (isinstance(target, torch._ops.OpOverload) and any(
+            r.alias_info is not None for r in target._schema.returns)):
+        return node.args[0]
+    return None
+
+
+def _owned(node: torch.fx.Node) -> bool:
+    """Is ``node`` a fresh buffer (or an alias of one) that only its single reader reads?"""
     while True:
-        if len(node.users) != 1 or node.op != "call_function":
+        if not isinstance(node, torch.fx.Node) or len(node.users) != 1 or node.op != "call_function":
             return False
-        if node.target not in aliases:
+        src = _alias_of(node)
+        if src is None:
             return True
-        node = node.args[0]
+        node = src
 
 
 def _accumulate_in_place(graph: torch.fx.Graph) -> None:
-    aliases = _VIEWS + (_c10d.wait_tensor.default, _c10d.all_reduce_.default)
     for node in graph.nodes:
         if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
             continue
@@ -86,7 +104,7 @@ def _accumulate_in_place(graph: torch.fx.Graph) -> None:
             val = _val(into)
             if isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.shape == out.shape \
                     and val.dtype == out.dtype and val.stride() == out.stride() and val.is_contiguous() \
-                    and _owned(into, aliases):
+                    and _owned(into):
                 node.target, node.args = aten.add_.Tensor, (into, node.args[1 - i])
                 break
 

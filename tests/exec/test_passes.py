@@ -1,5 +1,7 @@
 """Graph clean-ups: in-place all-reduce only on buffers nothing else reads; identities removed, results kept."""
 
+import operator
+
 import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -39,12 +41,20 @@ def test_all_reduce_in_place_only_on_owned_buffers():
     mm2 = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
     tr = _node(g, aten.t.default, (mm2,), torch.empty(4, 4).t())
     strided, strided_w = _all_reduce(g, tr)
-    g.output((owned_w, read_twice_w, other_reader, of_input_w, strided_w))
+    # an item of a view op's list (split) of a buffer read elsewhere: out of place
+    base = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    parts = _node(g, aten.split.Tensor, (base, 2), [torch.empty(2, 4), torch.empty(2, 4)])
+    first = g.call_function(operator.getitem, (parts, 0))
+    first.meta["val"] = torch.empty(2, 4)
+    of_view, of_view_w = _all_reduce(g, first)
+    base_reader = _node(g, aten.mul.Tensor, (base, 2), torch.empty(4, 4))
+    g.output((owned_w, read_twice_w, other_reader, of_input_w, strided_w, of_view_w, base_reader))
     simplify(torch.fx.GraphModule(torch.nn.Module(), g))
     assert owned.target is c10d.all_reduce_.default
     assert read_twice.target is c10d.all_reduce.default
     assert of_input.target is c10d.all_reduce.default
     assert strided.target is c10d.all_reduce.default
+    assert of_view.target is c10d.all_reduce.default
 
 
 def _program(x, w):
