@@ -68,8 +68,13 @@ def _drop_identities(graph: torch.fx.Graph, outputs: set) -> None:
             graph.erase_node(node)
 
 
-# ops whose schema promises a fresh tensor but that return (a view of) their first input
+# ops that return their first input or a view of it without being marked views (besides in-place ops)
 _ALIAS_FIRST_INPUT = (aten._unsafe_view.default, _c10d.wait_tensor.default)
+
+
+def _in_place(target) -> bool:
+    """An op that writes into its first input and returns it (``add_``, ``copy_``, ``all_reduce_``)."""
+    return isinstance(target, torch._ops.OpOverload) and target.name().split("::")[-1].split(".")[0].endswith("_")
 
 
 def _alias_of(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -78,8 +83,8 @@ def _alias_of(node: torch.fx.Node) -> torch.fx.Node | None:
     target = node.target
     if target is operator.getitem:
         return node.args[0] if _alias_of(node.args[0]) is not None else None
-    if target in _ALIAS_FIRST_INPUT or (isinstance(target, torch._ops.OpOverload) and any(
-            r.alias_info is not None for r in target._schema.returns)):
+    if target in _ALIAS_FIRST_INPUT or _in_place(target) or (
+            isinstance(target, torch._ops.OpOverload) and target.is_view):
         return node.args[0]
     return None
 
@@ -124,11 +129,15 @@ def _is_collective(node: torch.fx.Node) -> bool:
 
 
 def _movable(node: torch.fx.Node) -> bool:
-    """Can ``node`` run earlier? Pure ops can; placeholders, waits and random ops (their order sets the numbers
-    they draw) stay where they are."""
+    """Can ``node`` run earlier? Pure ops can, and in-place ops on a buffer only they read; placeholders, waits,
+    writes into anything else (an input's update) and random ops (their order sets the numbers they draw)
+    stay where they are."""
     target = node.target
-    return node.op == "call_function" and target is not _c10d.wait_tensor.default and not (
-        isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)
+    if node.op != "call_function" or target is _c10d.wait_tensor.default:
+        return False
+    if _in_place(target):
+        return _owned(node.args[0])
+    return not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)
 
 
 def _overlap(graph: torch.fx.Graph) -> None:

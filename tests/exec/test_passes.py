@@ -119,3 +119,18 @@ def test_add_accumulates_into_a_buffer_nothing_else_reads():
     assert into_fresh.target is aten.add_.Tensor and into_fresh.args[0] is fresh
     assert into_kept.target is aten.add.Tensor
     assert broadcast.target is aten.add.Tensor
+
+
+def test_writes_into_inputs_stay_after_their_readers():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    new = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    old_reader = _node(g, aten.mul.Tensor, (x, 3), torch.empty(4, 4))  # reads x before its update
+    update = _node(g, aten.copy_.default, (x, new), torch.empty(4, 4))
+    scaled = _node(g, aten.mul.Tensor, (update, 2), torch.empty(4, 4))
+    reduced, waited = _all_reduce(g, scaled)
+    g.output((waited, old_reader))
+    simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    order = [n for n in g.nodes if n.op == "call_function"]
+    assert order.index(old_reader) < order.index(update) < order.index(scaled) < order.index(reduced)
