@@ -1,4 +1,4 @@
-"""Small models written for the tests: a GPT-style transformer block and MindSpore's BasicBlock net."""
+"""Small models written for the tests: a GPT-style transformer block, MindSpore's BasicBlock net, a batch-normed MLP."""
 
 import torch.nn as nn
 import torch.nn.functional as F
@@ -52,3 +52,16 @@ class Net(nn.Module):
 
     def forward(self, x):
         return self.block3(self.block2(self.block1(x)))
+
+
+class NormedMLP(nn.Module):
+    """Linear - BatchNorm1d - ReLU - Linear: a module whose forward updates buffers (running statistics)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32):
+        super().__init__()
+        # fc1 has no bias: batch norm removes it, so its gradient is zero up to rounding (which AdamW amplifies)
+        self.fc1, self.bn = nn.Linear(dim, hidden, bias=False), nn.BatchNorm1d(hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.bn(self.fc1(x))))

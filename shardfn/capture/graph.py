@@ -9,7 +9,13 @@ import torch
 import torch.fx
 from torch.utils._pytree import TreeSpec
 
-__all__ = ["CapturedGraph", "GraphInput"]
+__all__ = ["CapturedGraph", "GraphInput", "is_in_place"]
+
+
+def is_in_place(target: Any) -> bool:
+    """An aten-style op that writes into its first input and returns it (``copy_``, ``add_``): the ``_`` suffix.
+    In a captured (functionalized) graph these are the updates of inputs: a buffer's running statistics."""
+    return isinstance(target, torch._ops.OpOverload) and target.name().split("::")[-1].split(".")[0].endswith("_")
 
 
 @dataclass(frozen=True)
@@ -44,3 +50,9 @@ class CapturedGraph:
         self.placeholders: list[torch.fx.Node] = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         (out,) = [n for n in self.gm.graph.nodes if n.op == "output"]
         self.output_nodes: list[torch.fx.Node | Any] = list(out.args[0])
+        # placeholder index -> the nodes writing into that input in place (its update, e.g. running_mean)
+        position = {n: i for i, n in enumerate(self.placeholders)}
+        self.writes: dict[int, list[torch.fx.Node]] = {}
+        for n in self.gm.graph.nodes:
+            if n.op == "call_function" and is_in_place(n.target) and n.args and n.args[0] in position:
+                self.writes.setdefault(position[n.args[0]], []).append(n)

@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 import torch.utils._pytree as pytree
+from torch._decomp import get_decompositions
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -25,6 +26,13 @@ from .graph import CapturedGraph, GraphInput
 __all__ = ["CaptureError", "capture", "capturing", "check_not_transformed"]
 
 _STATE = threading.local()
+
+# batch norms whose schema does not declare that they update running_mean/var in place: functionalization would
+# keep them as they are, and the update would land in whatever layout the plan gives those buffers (on a copy).
+# Decomposed, the update is an explicit copy_ into the buffer, planned and run like any other write.
+_HIDDEN_MUTATIONS = get_decompositions([
+    torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,
+])
 
 
 class CaptureError(RuntimeError):
@@ -114,7 +122,8 @@ def capture(
     try:
         with _capture_scope(), torch.no_grad(), fake_mode:
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
-            gm = make_fx(torch.func.functionalize(flat_fn), tracing_mode="real")(*fakes)
+            gm = make_fx(torch.func.functionalize(flat_fn), decomposition_table=_HIDDEN_MUTATIONS,
+                         tracing_mode="real")(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise CaptureError(
             f"shardfn could not trace {getattr(fn, '__qualname__', fn)}: its control flow or output shape depends "

@@ -24,6 +24,8 @@ import operator
 import torch
 import torch.fx
 
+from ..capture.graph import is_in_place
+
 __all__ = ["simplify"]
 
 aten = torch.ops.aten
@@ -72,18 +74,13 @@ def _drop_identities(graph: torch.fx.Graph, outputs: set) -> None:
 _ALIAS_FIRST_INPUT = (aten._unsafe_view.default, _c10d.wait_tensor.default)
 
 
-def _in_place(target) -> bool:
-    """An op that writes into its first input and returns it (``add_``, ``copy_``, ``all_reduce_``)."""
-    return isinstance(target, torch._ops.OpOverload) and target.name().split("::")[-1].split(".")[0].endswith("_")
-
-
 def _alias_of(node: torch.fx.Node) -> torch.fx.Node | None:
     """The node whose storage ``node``'s value shares (views, in-place ops, an item of a view op's list), or
     None where it is a fresh buffer."""
     target = node.target
     if target is operator.getitem:
         return node.args[0] if _alias_of(node.args[0]) is not None else None
-    if target in _ALIAS_FIRST_INPUT or _in_place(target) or (
+    if target in _ALIAS_FIRST_INPUT or is_in_place(target) or (
             isinstance(target, torch._ops.OpOverload) and target.is_view):
         return node.args[0]
     return None
@@ -135,7 +132,7 @@ def _movable(node: torch.fx.Node) -> bool:
     target = node.target
     if node.op != "call_function" or target is _c10d.wait_tensor.default:
         return False
-    if _in_place(target):
+    if is_in_place(target):
         return _owned(node.args[0])
     return not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)
 

@@ -114,6 +114,23 @@ def _needs_grad(captured: CapturedGraph, grad: bool) -> set[torch.fx.Node]:
     return out
 
 
+def _written_layouts(captured: CapturedGraph, constraints: Constraints) -> dict[int, Placements]:
+    """The layout of each input ``fn`` updates in place (a buffer's running statistics): the one the caller holds
+    it in, so the update is written into the caller's tensor and not into a copy laid out otherwise."""
+    layouts = {}
+    for i in captured.writes:
+        fixed, held = constraints.inputs.get(i), constraints.held.get(i)
+        if fixed is not None and held is not None and fixed != held:
+            raise ValueError(
+                f"shardfn: fn updates {captured.inputs[i].name} in place, but its strategy {fixed} differs from the "
+                f"layout it arrives in ({held}), so the update could not reach the caller's tensor. Give it the "
+                "layout it arrives in (None for a whole tensor), or return the new value instead of writing it.")
+        layout = held if held is not None else fixed
+        if layout is not None:
+            layouts[i] = layout
+    return layouts
+
+
 def make_plan(
     captured: CapturedGraph,
     mesh: DeviceMesh,
@@ -128,12 +145,14 @@ def make_plan(
     producer: dict[torch.fx.Node, tuple[int, int]] = {}  # value node -> (decision, output index)
     fallbacks: set[str] = set()
 
+    written = _written_layouts(captured, constraints)
     for i, node in enumerate(captured.placeholders):
-        fixed = constraints.inputs.get(i)
+        fixed = written.get(i, constraints.inputs.get(i))
         cands = [Candidate((fixed,), (), "input")] if fixed is not None else input_candidates(_val(node).shape, mesh)
         producer[node] = (len(decisions), 0)
         decisions.append(_Decision(node, captured.inputs[i].name, cands, []))
 
+    written_by = {captured.placeholders[i]: i for i in written}
     constant: set[torch.fx.Node] = set()  # values computed from no input (position tables, masks)
     for node in captured.gm.graph.nodes:
         if node.op != "call_function":
@@ -145,6 +164,12 @@ def make_plan(
             producer[node] = (producer[src][0], idx)
             continue
         cands = node_candidates(node, mesh, fallbacks)
+        if node.args and node.args[0] in written_by:  # an update of an input: written where the caller holds it
+            into = written[written_by[node.args[0]]]
+            cands = [c for c in cands if c.inputs[0] == into and c.outputs[0] == into]
+            if not cands:
+                raise ValueError(f"shardfn cannot plan {node.target} into {node.args[0].name}: no rule writes it "
+                                 f"in the layout {into} the input is held in")
         if node in constant:
             # every rank computes it whole (cheap, no communication) and slices what its readers need; it then
             # ties no layers together (RoPE's cos/sin feed every layer)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
-from tests.models import GPTBlock
+from tests.models import GPTBlock, NormedMLP
 
 
 def dense_relu(x, w, b):
@@ -126,3 +126,24 @@ def _agreement_body():
 
 def test_compiled_runs_agree_with_plans(gloo4):
     assert gloo4.run(_agreement_body) == [True] * 4
+
+
+def _batch_norm_body(plan_name):
+    from tests.exec.test_modules import NORMED_PLANS, _train, assert_same_buffers
+
+    torch.manual_seed(0)
+    reference = NormedMLP()
+    model = sf.shard(copy.deepcopy(reference), **NORMED_PLANS[plan_name])
+    x = torch.randn(8, 16)
+    losses, ref_losses = _train(model, x, 3), _train(reference, x, 3)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=2e-5)
+    assert_same_buffers(model, reference)
+    model.eval()
+    reference.eval()
+    torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=2e-5)
+    return int(model.bn.num_batches_tracked)
+
+
+def test_batch_norm_running_statistics_on_real_ranks(gloo4):
+    # the compiled path: the traced program writes the buffers' updates back into the module's tensors
+    assert gloo4.run(_batch_norm_body, "dp") == [3] * 4

@@ -2,6 +2,7 @@
 
 import copy
 
+import pytest
 import torch
 from torch.distributed._local_tensor import local_tensor_mode
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -86,3 +87,29 @@ def test_non_tensor_arguments_and_outputs_pass_through():
         y, k = f(x, 3, bias=1.0)
         assert k == 3
         torch.testing.assert_close(on_rank(y, 0), on_rank(x * 3 + 1.0, 0))
+
+
+def _scale_in_place(x, w):
+    x.mul_(2)  # an update of the caller's tensor, as a module's forward updates its buffers
+    return x @ w
+
+
+def test_in_place_update_of_an_input_reaches_the_callers_tensor():
+    with simulated_world(4):
+        torch.manual_seed(0)
+        x, w = torch.randn(8, 4), torch.randn(4, 8)
+        ref_x = x.clone()
+        ref = _scale_in_place(ref_x, w)
+        y = sf.shard(_scale_in_place, in_strategy=(None, (1, 4)))(x, w)
+        for r in range(4):
+            torch.testing.assert_close(on_rank(y, r), on_rank(ref, r))
+            torch.testing.assert_close(on_rank(x, r), on_rank(ref_x, r))
+
+
+def test_in_place_update_of_an_input_laid_out_otherwise_is_refused():
+    with simulated_world(4):
+        x, w = torch.randn(8, 4), torch.randn(4, 8)
+        before = x.clone()
+        with pytest.raises(ValueError, match="updates input 0 in place"):
+            sf.shard(_scale_in_place, in_strategy=((4, 1), None))(x, w)
+        torch.testing.assert_close(x, before)  # refused before anything ran

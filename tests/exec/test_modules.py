@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 import shardfn as sf
 from shardfn.runtime import simulated_world
 from tests.harness import on_rank
-from tests.models import GPTBlock, Net
+from tests.models import GPTBlock, Net, NormedMLP
 
 WORLD = 4
 
@@ -147,3 +147,36 @@ def test_a_second_input_signature_keeps_the_first_plans_parameter_layouts():
         assert {n: p.placements for n, p in block.named_parameters()} == layouts
         for x in (small, large, small):
             torch.testing.assert_close(on_rank(block(x), 1), on_rank(reference(x), 1), rtol=1e-5, atol=1e-5)
+
+
+NORMED_PLANS = {
+    "dp": dict(in_strategy=((4, 1),)),  # batch split: statistics over the whole batch, as eager
+    "tp": dict(in_strategy=(None,), parameter_plan={"fc1.weight": (4, 1), "bn.weight": (4,), "bn.bias": (4,),
+                                                    "fc2.weight": (1, 4)}),
+}
+
+
+def assert_same_buffers(model, reference, rank=None):
+    for (name, b), (_, c) in zip(model.named_buffers(), reference.named_buffers()):
+        b = b.full_tensor() if isinstance(b, DTensor) else b
+        if rank is not None:
+            b, c = on_rank(b, rank), on_rank(c, rank)
+        torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("name", sorted(NORMED_PLANS))
+def test_batch_norm_updates_running_statistics_like_eager(name):
+    # BatchNorm's kernel updates running_mean/var without saying so in its schema: the update must reach the
+    # module's buffers, computed from the whole batch, whatever the layout
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        reference = NormedMLP()
+        model = sf.shard(copy.deepcopy(reference), **NORMED_PLANS[name])
+        x = torch.randn(8, 16)
+        _assert_same_training(model, reference, x, steps=3)
+        for r in range(WORLD):
+            assert_same_buffers(model, reference, r)
+        model.eval()
+        reference.eval()
+        for r in range(WORLD):
+            torch.testing.assert_close(on_rank(model(x), r), on_rank(reference(x), r), rtol=1e-5, atol=2e-5)
