@@ -120,6 +120,23 @@ def _sdpa_cpu(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     return _per_mesh_dim(mesh, choices, "local")
 
 
+@register_rule(aten.var_mean.correction)
+def _var_mean(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    # Statistics per slice (a batch norm's per-channel mean and variance): local wherever the split dim is not
+    # reduced; a reduced dim must be whole (DTensor has no rule for var_mean).
+    x = node.args[0].meta["val"]
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    reduced = set(range(x.dim())) if dims is None else {d % max(x.dim(), 1) for d in dims}
+    keepdim = node.kwargs.get("keepdim", False)
+    choices = [((Replicate(), Replicate()), (Replicate(),))]
+    for d in range(x.dim()):
+        if d not in reduced:
+            out = d if keepdim else d - sum(r < d for r in reduced)
+            choices.append(((Shard(out), Shard(out)), (Shard(d),)))
+    valid = set(valid_placements(x.shape, mesh))
+    return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
+
+
 @register_rule(*RANDOM_FILLS)
 def _random_fill(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     # drawn whole and sliced: any layout, the shape-carrying input in the same layout (no communication)
