@@ -152,7 +152,7 @@ def make_plan(
         producer[node] = (len(decisions), 0)
         decisions.append(_Decision(node, captured.inputs[i].name, cands, []))
 
-    written_by = {captured.placeholders[i]: i for i in written}
+    write_into = {n: written[i] for i, nodes in captured.writes.items() if i in written for n in nodes}
     constant: set[torch.fx.Node] = set()  # values computed from no input (position tables, masks)
     for node in captured.gm.graph.nodes:
         if node.op != "call_function":
@@ -164,8 +164,8 @@ def make_plan(
             producer[node] = (producer[src][0], idx)
             continue
         cands = node_candidates(node, mesh, fallbacks)
-        if node.args and node.args[0] in written_by:  # an update of an input: written where the caller holds it
-            into = written[written_by[node.args[0]]]
+        if node in write_into:  # an update of an input: written where the caller holds it
+            into = write_into[node]
             cands = [c for c in cands if c.inputs[0] == into and c.outputs[0] == into]
             if not cands:
                 raise ValueError(f"shardfn cannot plan {node.target} into {node.args[0].name}: no rule writes it "

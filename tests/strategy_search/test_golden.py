@@ -3,10 +3,10 @@ levels each winning on their own objective."""
 
 import pytest
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 import shardfn as sf
-from tests.models import GPTBlock
+from tests.models import GPTBlock, NormedMLP
 
 
 def mlp(x, *weights):
@@ -115,3 +115,15 @@ def test_level_2_respects_the_memory_limit():
     assert len(weights) == 100 and all(not w[0].is_replicate() for w in weights)
     with pytest.raises(ValueError, match="level=2: no plan fits"):
         sf.explain(_deep_mlp(400), x, in_strategy=(None,), world_size=4, level=2, device="cuda")
+
+
+def test_updates_of_buffers_are_written_where_the_buffers_are_held():
+    # BatchNorm's running statistics: the copy_ into each buffer is planned in the buffer's own (whole) layout;
+    # the arithmetic producing the update stays free to run split
+    model = NormedMLP().to("meta")
+    plan = sf.explain(model, torch.empty(8, 16, device="meta"), world_size=4, in_strategy=((4, 1),))
+    writes = [p for p in plan.nodes.values() if p.op == "aten.copy_.default"]
+    assert len(writes) == 3  # running_mean, running_var, num_batches_tracked
+    whole = (Replicate(),)
+    assert all(p.inputs[0] == whole and p.outputs[0] == whole for p in writes)
+    assert any(p.outputs[0] != whole for p in plan.nodes.values() if p.op == "aten.mul.Tensor")
