@@ -96,20 +96,27 @@ def _check_parameter_plan(module: nn.Module, parameter_plan: dict | None) -> dic
         return {}
     if not isinstance(parameter_plan, dict):
         raise TypeError(f"parameter_plan must be a dict {{name: strategy}}, got {type(parameter_plan).__name__}")
-    names = [n for n, _ in module.named_parameters()]
-    plan = {}
+    # every name a parameter answers to -> its first name (tied weights: head.weight -> emb.weight)
+    first: dict[int, str] = {}
+    canonical = {n: first.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
+    names = list(canonical)
+    plan, given = {}, {}
     for raw, strategy in parameter_plan.items():
         if not isinstance(raw, str):
             raise TypeError(f"parameter_plan keys must be parameter names (str), got {raw!r}")
         name = _strip_self(raw)
-        if name not in names:
+        if name not in canonical:
             close = difflib.get_close_matches(name, names, n=3, cutoff=0.3) or names[:5]
             raise ValueError(
                 f"parameter_plan names an unknown parameter {raw!r} of {type(module).__name__}; "
                 f"names are relative to the module. Closest real names: {close}"
             )
         _check_strategy_entry(strategy, f"parameter_plan[{raw!r}]")
-        plan[name] = strategy
+        name = canonical[name]
+        if name in plan and plan[name] != strategy:
+            raise ValueError(f"parameter_plan gives {raw!r} and {given[name]!r}, one tied parameter, two different "
+                             "strategies; give one")
+        plan[name], given[name] = strategy, raw
     return plan
 
 
@@ -389,13 +396,17 @@ def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def _replace_parameter(module: nn.Module, name: str, new: nn.Parameter) -> None:
     """Put ``new`` where parameter ``name`` is. A DTensor parameter is swapped in place (the same Parameter object,
-    so optimizers built on it keep working); a plain one is replaced, as FSDP2's fully_shard does."""
+    so optimizers built on it keep working); a plain one is replaced, as FSDP2's fully_shard does, in every slot
+    that holds it (tied weights stay tied)."""
     owner, leaf = _slot(module, name)
     old = owner._parameters[leaf]
     if isinstance(old, DTensor) and isinstance(old, nn.Parameter):
         torch.utils.swap_tensors(old, new)
-    else:
-        owner._parameters[leaf] = new
+        return
+    for slot_name, p in list(module.named_parameters(remove_duplicate=False)):
+        if p is old:
+            slot_owner, slot_leaf = _slot(module, slot_name)
+            slot_owner._parameters[slot_leaf] = new
 
 
 def _alias_names(strategies) -> dict:
@@ -470,7 +481,7 @@ def _shard_module(module: nn.Module, engine: _Engine) -> nn.Module:
 
 def _lay_out_loaded_tensors(module, state_dict, prefix, *_):
     """A state_dict of whole tensors (from the unsharded module) loads: each is laid out like its parameter."""
-    for name, p in module.named_parameters():
+    for name, p in module.named_parameters(remove_duplicate=False):
         value = state_dict.get(prefix + name)
         if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             state_dict[prefix + name] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements,

@@ -1,5 +1,6 @@
-"""Small models written for the tests: a GPT-style transformer block, MindSpore's BasicBlock net, a batch-normed MLP."""
+"""Small models for the tests: a GPT-style block, MindSpore's BasicBlock net, a batch-normed MLP, tied weights."""
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -65,3 +66,16 @@ class NormedMLP(nn.Module):
 
     def forward(self, x):
         return self.fc2(F.relu(self.bn(self.fc1(x))))
+
+
+class TiedLM(nn.Module):
+    """Embedding - Linear - tanh - output head sharing the embedding's weight (tied weights)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(vocab, dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.lin(self.emb(ids))))

@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor, Shard
 import shardfn as sf
 from shardfn.runtime import simulated_world
 from tests.harness import on_rank
-from tests.models import GPTBlock, Net, NormedMLP
+from tests.models import GPTBlock, Net, NormedMLP, TiedLM
 
 WORLD = 4
 
@@ -180,3 +180,45 @@ def test_batch_norm_updates_running_statistics_like_eager(name):
         reference.eval()
         for r in range(WORLD):
             torch.testing.assert_close(on_rank(model(x), r), on_rank(reference(x), r), rtol=1e-5, atol=2e-5)
+
+
+TIED_PLANS = {
+    "dp": dict(in_strategy=((4, 1),)),
+    "vocab_parallel": dict(in_strategy=(None,), parameter_plan={"head.weight": (4, 1)}),  # named by its alias
+}
+
+
+@pytest.mark.parametrize("name", sorted(TIED_PLANS))
+def test_tied_weights_stay_one_parameter(name):
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        reference = TiedLM()
+        model = sf.shard(copy.deepcopy(reference), **TIED_PLANS[name])
+        assert model.head.weight is model.emb.weight
+        ids = torch.randint(0, 16, (8, 4))
+
+        def train(m):
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            for _ in range(3):
+                torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+
+        train(model)
+        train(reference)
+        assert model.head.weight is model.emb.weight
+        for r in range(WORLD):
+            torch.testing.assert_close(on_rank(model.emb.weight.full_tensor(), r), on_rank(reference.emb.weight, r),
+                                       rtol=1e-5, atol=2e-5)
+        if name == "vocab_parallel":
+            assert model.emb.weight.placements[-1] == Shard(0)
+        other = TiedLM()
+        model.load_state_dict(other.state_dict())  # an unsharded state_dict: both names of the tied weight
+        assert model.head.weight is model.emb.weight
+        torch.testing.assert_close(on_rank(model.emb.weight.full_tensor(), 0), on_rank(other.emb.weight, 0))
+
+
+def test_tied_weight_given_two_strategies_is_refused():
+    with simulated_world(WORLD):
+        with pytest.raises(ValueError, match="one tied parameter"):
+            sf.shard(TiedLM(), in_strategy=(None,), parameter_plan={"head.weight": (4, 1), "emb.weight": (1, 4)})
