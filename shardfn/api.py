@@ -133,7 +133,12 @@ def _signature(args: Sequence[Any], kwargs: dict[str, Any]) -> tuple:
         return ("C", type(a), a)
 
     return (tuple(one(a) for a in args), tuple((k, one(v)) for k, v in sorted(kwargs.items())),
-            torch.is_grad_enabled())
+            torch.is_grad_enabled(), _autocast_state())
+
+
+def _autocast_state() -> tuple:
+    """torch.autocast regions change the captured ops' dtypes: a program traced inside one is not reused outside."""
+    return tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in ("cpu", "cuda"))
 
 
 # --- the engine ----------------------------------------------------------------------------------------------

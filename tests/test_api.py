@@ -6,6 +6,7 @@ import torch
 
 import shardfn as sf
 from shardfn.runtime import simulated_world
+from tests.harness import on_rank
 from tests.models import BasicBlock
 
 
@@ -129,6 +130,25 @@ def test_repeat_call_reuses_the_program(monkeypatch):
         assert len(calls) == 1
         f(torch.randn(16, 4), w, b)  # a new shape: a new program
         assert len(calls) == 2
+
+
+def _addmm_relu(x, w, b):
+    return torch.relu(torch.addmm(b, x, w))  # addmm runs in bfloat16 under CPU autocast
+
+
+def test_autocast_regions_get_their_own_program():
+    with simulated_world(4):
+        torch.manual_seed(0)
+        f = sf.shard(_addmm_relu, in_strategy=((4, 1), None, None))
+        x, w, b = _args()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            inside, ref_inside = f(x, w, b), _addmm_relu(x, w, b)
+        outside = f(x, w, b)  # the same signature outside the region: float32 again
+        assert inside.dtype == ref_inside.dtype == torch.bfloat16
+        assert outside.dtype == torch.float32
+        for r in range(4):
+            torch.testing.assert_close(on_rank(outside, r), on_rank(_addmm_relu(x, w, b), r))
+            torch.testing.assert_close(on_rank(inside, r), on_rank(ref_inside, r))
 
 
 def test_explain_world_size_plans_without_processes():
