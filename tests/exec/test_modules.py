@@ -38,6 +38,13 @@ def _assert_same_training(sharded, reference, x, steps=5, atol=2e-5):
                                        msg=lambda m: f"{name}: {m}")
 
 
+def _pair(make, plan):
+    """(sharded, reference): a freshly seeded model and its sharded copy. Call inside a simulated world."""
+    torch.manual_seed(0)
+    reference = make()
+    return sf.shard(copy.deepcopy(reference), **plan), reference
+
+
 L = sf.Layout((2, 2), ("dp", "tp"))
 GPT_PLANS = {
     "dp": dict(in_strategy=((4, 1, 1),)),
@@ -55,10 +62,7 @@ GPT_PLANS = {
 @pytest.mark.parametrize("name", sorted(GPT_PLANS))
 def test_gpt_block_trains_like_single_process(name):
     with simulated_world(WORLD):
-        torch.manual_seed(0)
-        reference = GPTBlock(dim=16, heads=4)
-        model = copy.deepcopy(reference)
-        model = sf.shard(model, **GPT_PLANS[name])
+        model, reference = _pair(lambda: GPTBlock(dim=16, heads=4), GPT_PLANS[name])
         x = torch.randn(4, 8, 16)
         _assert_same_training(model, reference, x)
         if name != "dp":
@@ -169,9 +173,7 @@ def test_batch_norm_updates_running_statistics_like_eager(name):
     # BatchNorm's kernel updates running_mean/var without saying so in its schema: the update must reach the
     # module's buffers, computed from the whole batch, whatever the layout
     with simulated_world(WORLD):
-        torch.manual_seed(0)
-        reference = NormedMLP()
-        model = sf.shard(copy.deepcopy(reference), **NORMED_PLANS[name])
+        model, reference = _pair(NormedMLP, NORMED_PLANS[name])
         x = torch.randn(8, 16)
         _assert_same_training(model, reference, x, steps=3)
         for r in range(WORLD):
@@ -191,9 +193,7 @@ TIED_PLANS = {
 @pytest.mark.parametrize("name", sorted(TIED_PLANS))
 def test_tied_weights_stay_one_parameter(name):
     with simulated_world(WORLD):
-        torch.manual_seed(0)
-        reference = TiedLM()
-        model = sf.shard(copy.deepcopy(reference), **TIED_PLANS[name])
+        model, reference = _pair(TiedLM, TIED_PLANS[name])
         assert model.head.weight is model.emb.weight
         ids = torch.randint(0, 16, (8, 4))
 
