@@ -24,6 +24,8 @@ def check_like_reference(model, reference, losses, ref_losses, what):
     max_diff = 0.0
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         p = p.full_tensor() if isinstance(p, DTensor) else p
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what} {name}: {m}")
+        # AdamW divides each gradient by its own magnitude: where a gradient is near zero, summing it in another
+        # order (a sharded reduction) moves that element by up to lr per step, so parameters get a looser bound
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=lambda m: f"{what} {name}: {m}")
         max_diff = max(max_diff, float((p - q).detach().abs().max()))
     return max_diff
