@@ -157,6 +157,8 @@ def _overlap(graph: torch.fx.Graph) -> None:
     for node in [n for n in graph.nodes if _is_collective(n)]:
         hoist(node)
     for node in [n for n in graph.nodes if n.target is _c10d.wait_tensor.default]:
+        if not node.users:  # a result nothing reads (a dead collective): waited for where it stands
+            continue
         order = {n: i for i, n in enumerate(graph.nodes)}
         first = min(node.users, key=lambda u: order[u])
         if node.next is not first:

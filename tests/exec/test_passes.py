@@ -134,3 +134,18 @@ def test_writes_into_inputs_stay_after_their_readers():
     simplify(torch.fx.GraphModule(torch.nn.Module(), g))
     order = [n for n in g.nodes if n.op == "call_function"]
     assert order.index(old_reader) < order.index(update) < order.index(scaled) < order.index(reduced)
+
+
+def test_a_collective_whose_result_nothing_reads_is_kept_and_waited_for():
+    # a whole Llama under data parallelism on real ranks gave a wait_tensor with no readers: the overlap pass
+    # took min() of its (empty) readers and crashed
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    y = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    reduced, waited = _all_reduce(g, y)
+    out = _node(g, aten.mul.Tensor, (x, 2), torch.empty(4, 4))
+    g.output((out,))
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    order = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert order.index(reduced) < order.index(waited)  # still issued, and still waited for
