@@ -25,7 +25,7 @@ from ..capture.graph import CapturedGraph
 from ..strategy_search._dtensor_adapter import layout_of, local_as
 from ..strategy_search.plan import Plan
 from .passes import simplify
-from .run import Entry, LocalsOf, contiguous_stride
+from .run import Entry, LocalsOf, global_stride
 
 __all__ = ["ParallelProgram", "lower"]
 
@@ -52,16 +52,44 @@ def _to(x: Any, placements: tuple[Placement, ...], mesh: DeviceMesh):
                        for p, q in zip(current, placements))
         if current == target:
             return x
-        # views later in the graph assume the layout the whole tensor had; collectives may leave shards strided
-        return x.redistribute(mesh, target).contiguous()
+        # a collective's result is contiguous but keeps its input's global strides: from a contiguous input (and,
+        # going back, a contiguous gradient) the DTensor's strides and its local tensor's agree
+        return _DenseGrad.apply(_contiguous(x).redistribute(mesh, target))
     if isinstance(x, torch.Tensor):  # a whole value (graph constant): every rank slices its part
         return distribute_tensor(x, mesh, tuple(Replicate() if q.is_partial() else q for q in placements),
                                  src_data_rank=None)
     return x
 
 
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous (before it enters a redistribution's backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _contiguous(grad)
+
+
 def _from_local(t: torch.Tensor, mesh: DeviceMesh, placements, like: torch.Tensor) -> DTensor:
-    return DTensor.from_local(t, mesh, placements, run_check=False, shape=like.shape, stride=like.stride())
+    """``t`` (this rank's piece) as a DTensor of ``like``'s global shape, with strides in ``t``'s own order: a
+    kernel may lay its result out otherwise than the captured one did, and DTensor reads the strides it is told."""
+    return DTensor.from_local(t, mesh, placements, run_check=False, shape=like.shape,
+                              stride=global_stride(t, like.shape))
+
+
+# make_fx records `view` where eager's tensor allowed it; a piece laid out otherwise (a redistributed operand, an
+# elementwise result following it) may not. Every view is valid on a contiguous tensor.
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _contiguous(x: Any) -> Any:
+    # DTensor checks a view against its global strides, the kernel against the local ones: both must allow it
+    if isinstance(x, DTensor) and not (x.is_contiguous() and x._local_tensor.is_contiguous()):
+        return x.contiguous()
+    return x
 
 
 class ParallelProgram:
@@ -98,6 +126,8 @@ class ParallelProgram:
                 slot += 1
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         val = node.meta["val"]
+        if node.target in _VIEWS:
+            args = (_contiguous(args[0]), *args[1:])
 
         if np_.rule == "factory":
             return _to(node.target(*args, **kwargs), np_.outputs[0], self.mesh)
@@ -140,7 +170,7 @@ class ParallelProgram:
         for x, e in zip(locals_, self.entries):
             # from_local's backward returns the gradient in the held layout (a pending sum reduced)
             d = DTensor.from_local(x, self.mesh, e.held, run_check=False, shape=torch.Size(e.shape),
-                                   stride=contiguous_stride(e.shape))
+                                   stride=global_stride(x, e.shape))
             inputs.append(d if e.held == e.planned else d.redistribute(self.mesh, e.planned))
         return [o.to_local() for o in self.interpret(*inputs)]
 

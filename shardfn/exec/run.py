@@ -18,7 +18,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..strategy_search._dtensor_adapter import layout_of, local_as
 
-__all__ = ["Entry", "LocalsOf", "contiguous_stride"]
+__all__ = ["Entry", "LocalsOf", "global_stride"]
 
 Placements = tuple[Placement, ...]
 
@@ -50,9 +50,12 @@ class LocalsOf(torch.autograd.Function):
         return tuple(None if g is None else local_as(layout, g) for g, layout in zip(grads, ctx.layouts))
 
 
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(list(shape)):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(stride))
+def global_stride(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a dense tensor of global ``shape`` whose dims are ordered in memory as ``local``'s are (a
+    transposed piece gives a transposed whole). Dims of equal stride keep their order."""
+    order = sorted(range(local.dim()), key=lambda d: (-local.stride(d), d))
+    stride, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        stride[d] = acc
+        acc *= max(shape[d], 1)
+    return tuple(stride)

@@ -92,6 +92,20 @@ def _replicated_only(cands: list[Candidate]) -> list[Candidate]:
     return hit[1]
 
 
+def _without_unit_dims(cands: list[Candidate], mesh_shape: Sequence[int]) -> list[Candidate]:
+    """On a mesh dim of one rank, Shard and Partial hold the whole value, as Replicate does: keep the candidates
+    that say Replicate there, so a world of one plans no redistribution at all."""
+    unit = [d for d, n in enumerate(mesh_shape) if n == 1]
+    if not unit:
+        return cands
+
+    def whole(pl):
+        return pl is None or all(pl[d].is_replicate() for d in unit)
+
+    kept = [c for c in cands if all(whole(pl) for pl in (*c.inputs, *c.outputs))]
+    return kept or cands
+
+
 def _distinct(keys: list) -> tuple[list, np.ndarray]:
     """The distinct keys in first-seen order, and each key's position among them."""
     pos: dict = {}
@@ -148,7 +162,8 @@ def make_plan(
     written = _written_layouts(captured, constraints)
     for i, node in enumerate(captured.placeholders):
         fixed = written.get(i, constraints.inputs.get(i))
-        cands = [Candidate((fixed,), (), "input")] if fixed is not None else input_candidates(_val(node).shape, mesh)
+        cands = [Candidate((fixed,), (), "input")] if fixed is not None else \
+            _without_unit_dims(input_candidates(_val(node).shape, mesh), mesh_shape)
         producer[node] = (len(decisions), 0)
         decisions.append(_Decision(node, captured.inputs[i].name, cands, []))
 
@@ -163,7 +178,7 @@ def make_plan(
             src, idx = node.args
             producer[node] = (producer[src][0], idx)
             continue
-        cands = node_candidates(node, mesh, fallbacks)
+        cands = _without_unit_dims(node_candidates(node, mesh, fallbacks), mesh_shape)
         if node in write_into:  # an update of an input: written where the caller holds it
             into = write_into[node]
             cands = [c for c in cands if c.inputs[0] == into and c.outputs[0] == into]

@@ -147,3 +147,24 @@ def _batch_norm_body(plan_name):
 def test_batch_norm_running_statistics_on_real_ranks(gloo4):
     # the compiled path: the traced program writes the buffers' updates back into the module's tensors
     assert gloo4.run(_batch_norm_body, "dp") == [3] * 4
+
+
+def _strides_body():
+    from tests.exec.test_strides import B, D, H, T, heads_scaled
+
+    torch.manual_seed(0)
+    x, c = torch.randn(B, T, H * D, requires_grad=True), torch.randn(B, H, T, D, requires_grad=True)
+    y = sf.shard(heads_scaled, in_strategy=((1, 4, 1), (1, 4, 1, 1)))(x, c)
+    rx, rc = x.detach().clone().requires_grad_(), c.detach().clone().requires_grad_()
+    ref = heads_scaled(rx, rc)
+    weights = torch.linspace(-1, 1, ref.numel()).reshape(ref.shape)
+    (y * weights).sum().backward()
+    (ref * weights).sum().backward()
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(x.grad, rx.grad)
+    torch.testing.assert_close(c.grad, rc.grad)
+    return True
+
+
+def test_views_after_redistribution_on_real_ranks(gloo4):
+    assert gloo4.run(_strides_body) == [True] * 4
