@@ -1,7 +1,7 @@
 """Stage 1: fn + example inputs -> CapturedGraph."""
 
 from .graph import CapturedGraph, GraphInput, is_in_place
-from .trace import CaptureError, capture, capturing, check_not_transformed
+from .trace import CaptureError, capture, capturing, check_not_transformed, input_names
 
 __all__ = ["CaptureError", "CapturedGraph", "GraphInput", "capture", "capturing", "check_not_transformed",
-           "is_in_place"]
+           "input_names", "is_in_place"]

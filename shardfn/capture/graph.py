@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import TreeSpec
+
+from .outputs import OutputTemplate
 
 __all__ = ["CapturedGraph", "GraphInput", "is_in_place"]
 
@@ -20,11 +21,11 @@ def is_in_place(target: Any) -> bool:
 
 @dataclass(frozen=True)
 class GraphInput:
-    """One placeholder of the captured graph: a module parameter, a module buffer, or a positional tensor input."""
+    """One placeholder of the captured graph: a module parameter, a module buffer, or a tensor input."""
 
     kind: str  # "param" | "buffer" | "input"
-    name: str  # parameter/buffer path, or "input {i}"
-    index: int  # position among the module's params/buffers, or among the positional args
+    name: str  # parameter/buffer path, or the input's name: "input 0", "input 2[1]", "attention_mask"
+    index: int  # position among the module's params/buffers, or among the tensor leaves of (args, kwargs)
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
@@ -34,22 +35,21 @@ class GraphInput:
 class CapturedGraph:
     """An aten-level fx graph of ``fn`` on fake tensors of the global shapes.
 
-    Placeholders are ``inputs`` in order (parameters, buffers, then positional tensor inputs); every node carries
-    ``meta["val"]``, the fake value of its global result. The graph is forward only: backward is derived at
-    lowering. ``out_spec`` rebuilds the user's output structure from the flat list of graph outputs.
+    Placeholders are ``inputs`` in order (parameters, buffers, then the tensors reachable in the call's args and
+    kwargs, in pytree order); every node carries ``meta["val"]``, the fake value of its global result. The graph
+    returns fn's tensors as a flat list; ``outputs`` rebuilds fn's return value around them. The graph is forward
+    only: backward is derived at lowering.
     """
 
     gm: torch.fx.GraphModule
     inputs: list[GraphInput]
-    out_spec: TreeSpec
-    # positions (in the flat output list) that are tensors; the rest are constants returned as is
-    constant_outputs: dict[int, Any] = field(default_factory=dict)
+    outputs: OutputTemplate
 
     def __post_init__(self):
         # the graph is final once captured: its placeholders and outputs are read on every call
         self.placeholders: list[torch.fx.Node] = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         (out,) = [n for n in self.gm.graph.nodes if n.op == "output"]
-        self.output_nodes: list[torch.fx.Node | Any] = list(out.args[0])
+        self.output_nodes: list[torch.fx.Node] = list(out.args[0])
         # placeholder index -> the nodes writing into that input in place (its update, e.g. running_mean)
         position = {n: i for i, n in enumerate(self.placeholders)}
         self.writes: dict[int, list[torch.fx.Node]] = {}

@@ -21,9 +21,11 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
+from ._tracing import looks_like_tracing
 from .graph import CapturedGraph, GraphInput
+from .outputs import split_outputs
 
-__all__ = ["CaptureError", "capture", "capturing", "check_not_transformed"]
+__all__ = ["CaptureError", "capture", "capturing", "check_not_transformed", "input_names"]
 
 _STATE = threading.local()
 
@@ -78,6 +80,16 @@ def _user_frame(tb) -> str:
     return f'File "{found.filename}", line {found.lineno}, in {found.name}: {found.line}'
 
 
+def input_names(args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
+    """A name for every leaf of (args, kwargs) in flat order: ``input 0``, ``input 2[1]``, ``scale``,
+    ``pair[0]``, as errors and plans show them."""
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+        top, first, rest = path[0].idx, path[1], pytree.keystr(path[2:])
+        names.append(f"input {first.idx}{rest}" if top == 0 else f"{first.key}{rest}")
+    return names
+
+
 def capture(
     fn: Callable[..., Any],
     args: Sequence[Any],
@@ -89,44 +101,49 @@ def capture(
 ) -> CapturedGraph:
     """Trace ``fn(*args, **kwargs)`` into an aten graph on fake tensors of the global shapes.
 
-    ``args`` hold global-shape descriptions of the positional inputs: tensors (real, fake or meta: only shape,
-    dtype and requires_grad are read) or constants. For a module, ``params``/``buffers`` are its state and
-    ``call(state, *args, **kwargs)`` runs it with that state substituted; they become the first placeholders.
+    Every tensor reachable in ``args`` and ``kwargs`` through pytree containers is an input of the graph (real,
+    fake or meta: only shape, dtype and requires_grad are read); other leaves are constants of the trace. For a
+    module, ``params``/``buffers`` are its state and ``call(state, *args, **kwargs)`` runs it with that state
+    substituted; they become the first placeholders, then the tensor leaves in flat order.
     """
     params, buffers = params or {}, buffers or {}
     inputs: list[GraphInput] = []
     for kind, state in (("param", params), ("buffer", buffers)):
         for i, (name, t) in enumerate(state.items()):
             inputs.append(GraphInput(kind, name, i, tuple(t.shape), t.dtype, bool(t.requires_grad)))
-    tensor_pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
-    for i in tensor_pos:
-        a = args[i]
-        inputs.append(GraphInput("input", f"input {i}", i, tuple(a.shape), a.dtype, bool(a.requires_grad)))
+    leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    tensor_pos = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
+    names = input_names(args, kwargs)
+    for j, i in enumerate(tensor_pos):
+        a = leaves[i]
+        inputs.append(GraphInput("input", names[i], j, tuple(a.shape), a.dtype, bool(a.requires_grad)))
 
-    n_params, n_buffers = len(params), len(buffers)
-    names = list(params) + list(buffers)
+    n_state = len(params) + len(buffers)
+    state_names = list(params) + list(buffers)
+    what = lambda: getattr(fn, "__qualname__", type(fn).__name__)  # noqa: E731
 
     def flat_fn(*flat):
-        state = dict(zip(names, flat[: n_params + n_buffers]))
-        full_args = list(args)
-        for pos, t in zip(tensor_pos, flat[n_params + n_buffers :]):
-            full_args[pos] = t
-        out = call(state, *full_args, **kwargs) if call is not None else fn(*full_args, **kwargs)
-        leaves, spec = pytree.tree_flatten(out)
-        flat_fn.out_spec = spec
-        return leaves
+        state = dict(zip(state_names, flat[:n_state]))
+        full = list(leaves)
+        for pos, t in zip(tensor_pos, flat[n_state:]):
+            full[pos] = t
+        a, k = pytree.tree_unflatten(full, in_spec)
+        out = call(state, *a, **k) if call is not None else fn(*a, **k)
+        tensors, flat_fn.template = split_outputs(out, what)
+        return tensors
 
-    fake_mode = FakeTensorMode()
+    # real tensors fn reads that are not its inputs (a closure's mask) become constants of the graph
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         fakes = [torch.empty(gi.shape, dtype=gi.dtype, device=device) for gi in inputs]
     try:
-        with _capture_scope(), torch.no_grad(), fake_mode:
+        with _capture_scope(), torch.no_grad(), fake_mode, looks_like_tracing():
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
             gm = make_fx(torch.func.functionalize(flat_fn), decomposition_table=_HIDDEN_MUTATIONS,
                          tracing_mode="real")(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise CaptureError(
-            f"shardfn could not trace {getattr(fn, '__qualname__', fn)}: its control flow or output shape depends "
+            f"shardfn could not trace {what()}: its control flow or output shape depends "
             f"on tensor values ({e}).\n  at {_user_frame(sys.exc_info()[2])}\n"
             "Make the branch depend on shapes or Python values, use torch.where/torch.cond, or compute it "
             "outside the sharded function."
@@ -134,14 +151,30 @@ def capture(
     except Exception as e:
         if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__:
             raise CaptureError(
-                f"shardfn could not trace {getattr(fn, '__qualname__', fn)}: it depends on tensor values.\n"
+                f"shardfn could not trace {what()}: it depends on tensor values.\n"
                 f"  at {_user_frame(sys.exc_info()[2])}"
             ) from e
         raise
+    _check_constants(gm, fake_mode, what)
     # identical ops on the same inputs (q, k and v each viewing the same normalised activations) become one node,
     # so the search sees one value with several readers; random ops are never merged
-    result = CSEPass(banned_ops=get_CSE_banned_ops())(gm)
-    gm = result.graph_module
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    constants = {i: v for i, v in enumerate(out_node.args[0]) if not isinstance(v, torch.fx.Node)}
-    return CapturedGraph(gm, inputs, flat_fn.out_spec, constants)
+    gm = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
+    return CapturedGraph(gm, inputs, flat_fn.template)
+
+
+def _check_constants(gm: torch.fx.GraphModule, fake_mode: FakeTensorMode, what: Callable[[], str]) -> None:
+    """Tensors the graph holds as constants (made inside fn, or read from outside it) get a fake value like every
+    other node; one that requires grad would lose its gradient, so it must be passed as an input."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.requires_grad:
+            raise CaptureError(
+                f"{what()} reads a tensor of shape {tuple(value.shape)} that requires grad but is not one of its "
+                "inputs (a global, a closure variable, or an attribute of a non-pytree argument): its gradient "
+                "would be lost. Pass it as an argument (or, for a module, make it a parameter).")
+        if "val" not in node.meta:
+            node.meta["val"] = fake_mode.from_tensor(value)

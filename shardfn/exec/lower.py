@@ -25,7 +25,7 @@ from ..capture.graph import CapturedGraph
 from ..strategy_search._dtensor_adapter import layout_of, local_as
 from ..strategy_search.plan import Plan
 from .passes import simplify
-from .run import Entry, LocalsOf, global_stride
+from .run import LocalsOf, global_stride
 
 __all__ = ["ParallelProgram", "lower"]
 
@@ -94,17 +94,15 @@ def _contiguous(x: Any) -> Any:
 
 class ParallelProgram:
     """Callable on the graph inputs as the caller holds them (DTensor parameters, whole tensors, batch slices,
-    DTensors, in the order of ``entries``); returns the flat tensor outputs: DTensors where ``as_dtensor``
-    says so, else plain local tensors (a whole value, or this rank's batch slice)."""
+    DTensors, in the order of ``plan.inputs``); returns the flat tensor outputs: DTensors where
+    ``plan.returns_dtensor`` says so, else plain local tensors (a whole value, or this rank's batch slice)."""
 
-    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, entries: list[Entry],
-                 as_dtensor: list[bool], compiled: bool):
+    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool):
         self.captured, self.plan, self.mesh = captured, plan, mesh
-        self.entries, self.as_dtensor = entries, as_dtensor
+        self.entries, self.as_dtensor = plan.inputs, plan.returns_dtensor
         self.graphs: dict[str, torch.fx.GraphModule] = {}
-        self.tensor_outputs = [i for i, a in enumerate(captured.output_nodes) if isinstance(a, torch.fx.Node)]
-        self.out_vals = [captured.output_nodes[i].meta["val"] for i in self.tensor_outputs]
-        self._n_params = sum(e.kind == "param" for e in entries)
+        self.out_vals = [n.meta["val"] for n in captured.output_nodes]
+        self._n_params = sum(e.kind == "param" for e in self.entries)
         self._run: Callable = self._compile() if compiled else self.local_step
         self._graph_step: bool | None = None if compiled else False  # decided after the first traced call
         self._locals: list[torch.Tensor] = []
@@ -160,8 +158,7 @@ class ParallelProgram:
             elif node.op == "get_attr":
                 env[node] = getattr(self.captured.gm, node.target)
             elif node.op == "output":
-                outs = node.args[0]
-                return [_conform(env[outs[i]], self.plan.outputs[k]) for k, i in enumerate(self.tensor_outputs)]
+                return [_conform(_to(env[o], p, self.mesh), p) for o, p in zip(node.args[0], self.plan.outputs)]
         raise AssertionError("graph has no output node")
 
     def local_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
@@ -270,6 +267,7 @@ class GraphStep(torch.autograd.Function):
         return (None, *wrapped, *local[len(wrapped):])
 
 
-def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, entries: list[Entry], as_dtensor: list[bool],
-          compiled: bool) -> ParallelProgram:
-    return ParallelProgram(captured, plan, mesh, entries, as_dtensor, compiled)
+def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool = True) -> ParallelProgram:
+    """The program that runs ``plan`` on this rank. ``compiled``: traced into local forward/backward graphs on the
+    first call (real process groups); else interpreted over DTensors on every call (simulated worlds)."""
+    return ParallelProgram(captured, plan, mesh, compiled)

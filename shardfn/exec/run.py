@@ -9,33 +9,14 @@ DTensor with its argument's placements, so a parameter's ``.grad`` has the param
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.placement_types import Placement
 
 from ..strategy_search._dtensor_adapter import layout_of, local_as
 
-__all__ = ["Entry", "LocalsOf", "global_stride"]
-
-Placements = tuple[Placement, ...]
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One graph input as the caller holds it: its layout on arrival, its planned layout, its global shape.
-
-    ``kind`` is "param" (a DTensor parameter: arrives as planned; its gradient is reduced to its placements),
-    "buffer" or "input".
-    """
-
-    kind: str
-    held: Placements
-    planned: Placements
-    shape: tuple[int, ...]
-
+__all__ = ["LocalsOf", "global_stride"]
 
 class LocalsOf(torch.autograd.Function):
     """DTensors -> their local tensors, in one autograd node; gradients go back as DTensors of the same layout."""

@@ -10,7 +10,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..layout import MeshSpec
 
-__all__ = ["Collective", "Cost", "NodePlan", "Plan"]
+__all__ = ["Collective", "Cost", "InputPlan", "NodePlan", "Plan"]
 
 Placements = tuple[Placement, ...]
 
@@ -60,18 +60,33 @@ class NodePlan:
     outputs: tuple[Placements | None, ...]
 
 
+@dataclass(frozen=True)
+class InputPlan:
+    """One graph input: how the caller holds it (``held``) and the layout the program reads it in (``planned``).
+    A parameter is laid out as planned before the call, so its two agree."""
+
+    kind: str  # "param" | "buffer" | "input"
+    name: str
+    shape: tuple[int, ...]
+    held: Placements
+    planned: Placements
+
+
 @dataclass
 class Plan:
     """The partitioned program ``shard()`` runs and ``explain()`` shows.
 
-    ``nodes`` maps each fx node name (placeholders and ops) to its NodePlan; ``outputs`` gives the placements
-    the results are returned in. ``collectives`` lists forward and backward collectives in program order.
+    ``nodes`` maps each fx node name (placeholders and ops) to its NodePlan; ``inputs`` says how each graph input
+    arrives and is laid out; ``outputs`` gives the placements the results are returned in, ``returns_dtensor``
+    whether each comes back as a DTensor. ``collectives`` lists forward and backward collectives in program order.
     """
 
     mesh: MeshSpec
     level: int
     nodes: dict[str, NodePlan]
+    inputs: list[InputPlan]
     outputs: list[Placements | None]
+    returns_dtensor: list[bool]
     collectives: list[Collective]
     cost: Cost
     optimal: bool = True
@@ -118,7 +133,9 @@ class Plan:
                 "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
                 "level": self.level,
                 "nodes": [enc(asdict(n)) for n in self.nodes.values()],
+                "inputs": [enc(asdict(i)) for i in self.inputs],
                 "outputs": enc(self.outputs),
+                "returns_dtensor": self.returns_dtensor,
                 "collectives": [asdict(c) for c in self.collectives],
                 "cost": asdict(self.cost),
                 "optimal": self.optimal,

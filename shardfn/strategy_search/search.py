@@ -1,4 +1,4 @@
-"""CapturedGraph + constraints -> Plan: build the strategy problem, solve it, read the plan off the solution.
+"""CapturedGraph + PlanRequest -> Plan: build the strategy problem, solve it, read the plan off the solution.
 
 Every placeholder, every op node and the graph's output is one decision; getitem nodes follow their producer.
 User constraints (in_strategy, parameter_plan, DTensor inputs, out_strategy) fix their decision to a single
@@ -28,24 +28,47 @@ from .candidates import (
     warn_fallbacks,
     with_accumulation,
 )
-from .plan import Collective, Cost, NodePlan, Plan
+from .plan import Collective, Cost, InputPlan, NodePlan, Plan
 from .solver import Infeasible, Problem, solve
 
-__all__ = ["Constraints", "make_plan"]
+__all__ = ["InputRequest", "OutputRequest", "PlanRequest", "make_plan"]
 
 Placements = tuple[Placement, ...]
 
 
-@dataclass
-class Constraints:
-    """Fixed layouts: ``inputs[i]`` for placeholder i (params, buffers, positional inputs in graph order),
-    ``outputs[j]`` for flat output j; ``held[i]``: how placeholder i arrives. ``grad``: a backward pass runs."""
+@dataclass(frozen=True)
+class InputRequest:
+    """What the caller says of one graph input: the layout it arrives in (None: laid out as planned before the
+    call, as parameters are) and the layout asked for (None: the search decides)."""
 
-    inputs: dict[int, Placements] = field(default_factory=dict)
-    outputs: list[Placements | None] = field(default_factory=list)
-    grad: bool = True
-    # placeholder i arrives laid out as held[i] (a whole value, a batch slice, a DTensor's own layout)
-    held: dict[int, Placements] = field(default_factory=dict)
+    held: Placements | None = None
+    fixed: Placements | None = None
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    """What the caller wants of one graph output: its placements, and whether it is returned as a DTensor (else
+    as this rank's local tensor: a whole value, or its batch slice)."""
+
+    placements: Placements
+    as_dtensor: bool = False
+
+
+@dataclass
+class PlanRequest:
+    """Everything the search is asked, per graph input (placeholder order) and per graph output."""
+
+    inputs: list[InputRequest]
+    outputs: list[OutputRequest]
+    grad: bool = True  # a backward pass runs
+    level: int = 0
+    profile: cm.DeviceProfile = cm.CPU
+
+    def held(self) -> dict[int, Placements]:
+        return {i: r.held for i, r in enumerate(self.inputs) if r.held is not None}
+
+    def fixed(self) -> dict[int, Placements]:
+        return {i: r.fixed for i, r in enumerate(self.inputs) if r.fixed is not None}
 
 
 @dataclass
@@ -128,12 +151,12 @@ def _needs_grad(captured: CapturedGraph, grad: bool) -> set[torch.fx.Node]:
     return out
 
 
-def _written_layouts(captured: CapturedGraph, constraints: Constraints) -> dict[int, Placements]:
+def _written_layouts(captured: CapturedGraph, request: PlanRequest) -> dict[int, Placements]:
     """The layout of each input ``fn`` updates in place (a buffer's running statistics): the one the caller holds
     it in, so the update is written into the caller's tensor and not into a copy laid out otherwise."""
     layouts = {}
     for i in captured.writes:
-        fixed, held = constraints.inputs.get(i), constraints.held.get(i)
+        fixed, held = request.inputs[i].fixed, request.inputs[i].held
         if fixed is not None and held is not None and fixed != held:
             raise ValueError(
                 f"shardfn: fn updates {captured.inputs[i].name} in place, but its strategy {fixed} differs from the "
@@ -149,19 +172,18 @@ def make_plan(
     captured: CapturedGraph,
     mesh: DeviceMesh,
     mesh_spec: MeshSpec,
-    constraints: Constraints,
-    level: int = 0,
-    profile: cm.DeviceProfile = cm.CPU,
+    request: PlanRequest,
     time_limit_s: float = 60.0,
 ) -> Plan:
     mesh_shape = tuple(mesh.shape)
+    level, profile, held, fixed_inputs = request.level, request.profile, request.held(), request.fixed()
     decisions: list[_Decision] = []
     producer: dict[torch.fx.Node, tuple[int, int]] = {}  # value node -> (decision, output index)
     fallbacks: set[str] = set()
 
-    written = _written_layouts(captured, constraints)
+    written = _written_layouts(captured, request)
     for i, node in enumerate(captured.placeholders):
-        fixed = written.get(i, constraints.inputs.get(i))
+        fixed = written.get(i, fixed_inputs.get(i))
         cands = [Candidate((fixed,), (), "input")] if fixed is not None else \
             _without_unit_dims(input_candidates(_val(node).shape, mesh), mesh_shape)
         producer[node] = (len(decisions), 0)
@@ -170,6 +192,14 @@ def make_plan(
     write_into = {n: written[i] for i, nodes in captured.writes.items() if i in written for n in nodes}
     constant: set[torch.fx.Node] = set()  # values computed from no input (position tables, masks)
     for node in captured.gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(node.meta.get("val"), torch.Tensor):
+            # a tensor the graph holds (made inside fn, or read from outside it): whole on every rank, sliced
+            # for free where a reader wants a piece
+            constant.add(node)
+            producer[node] = (len(decisions), 0)
+            replicated = (Replicate(),) * len(mesh_shape)
+            decisions.append(_Decision(node, node.name, [Candidate((replicated,), (), "constant")], []))
+            continue
         if node.op != "call_function":
             continue
         if all(a in constant for a in node.all_input_nodes):
@@ -194,19 +224,15 @@ def make_plan(
         decisions.append(_Decision(node, node.name, cands, sources))
 
     outs = [a for a in captured.output_nodes if isinstance(a, torch.fx.Node)]
-    sink_inputs = tuple(
-        constraints.outputs[j] if j < len(constraints.outputs) and constraints.outputs[j] is not None
-        else (Replicate(),) * len(mesh_shape)
-        for j in range(len(outs))
-    )
+    sink_inputs = tuple(r.placements for r in request.outputs)
     decisions.append(_Decision(None, "output", [Candidate((), sink_inputs, "output")],
                                [(*producer[a], a) for a in outs]))
     warn_fallbacks(fallbacks)
 
-    needs_grad = _needs_grad(captured, constraints.grad)
+    needs_grad = _needs_grad(captured, request.grad)
     trainable = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param" and n in needs_grad}
     _offer_accumulation(decisions, needs_grad)
-    terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile, constraints.held)
+    terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile, held)
     solution = _solve_level(level, terms, profile, time_limit_s)
 
     # --- read the plan off the solution -------------------------------------------------------------------
@@ -227,7 +253,7 @@ def make_plan(
             fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
             bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where) for o in bwd]
     for i, (d, c) in enumerate(zip(decisions, chosen)):
-        fwd, bwd = _node_collectives(d, c, constraints.held.get(i), d.node in needs_grad if d.node is not None
+        fwd, bwd = _node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None
                                      else False, mesh_shape)
         what = f"{d.name} (entry)" if d.node is not None and d.node.op == "placeholder" else f"{d.name} (summed)"
         fwd_colls = [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, what) for o in fwd] + fwd_colls
@@ -238,11 +264,15 @@ def make_plan(
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     if fallbacks:
         notes.append("replicated fallback for: " + ", ".join(sorted(fallbacks)))
+    inputs = [InputPlan(gi.kind, gi.name, gi.shape, held.get(i, chosen[i].outputs[0]), chosen[i].outputs[0])
+              for i, gi in enumerate(captured.inputs)]
     return Plan(
         mesh=mesh_spec,
         level=level,
         nodes=nodes,
+        inputs=inputs,
         outputs=list(sink_inputs),
+        returns_dtensor=[r.as_dtensor for r in request.outputs],
         collectives=fwd_colls + list(reversed(bwd_colls)),
         cost=Cost(compute_s, comm_s, peak, terms.savings_of(solution.choice)),
         optimal=solution.optimal,

@@ -70,11 +70,13 @@ def _shape_mismatch_body(odd_rank, odd_rows):
 
 
 def test_full_batch_shapes_differing_across_ranks_fail_everywhere(gloo4):
-    # rank 0 passes 16 rows; then rank 1 passes 6, which also breaks its strategy (6 rows in 4): still the
-    # same error on every rank (shapes are compared first), no hang
+    # rank 0 passes 16 rows; then rank 1 passes 6, which also breaks its strategy (6 rows in 4): the same error
+    # on every rank, naming the shapes on each rank (and rank 1's own failure), no hang
     for odd_rank, odd_rows in [(0, 16), (1, 6)]:
         messages = gloo4.run(_shape_mismatch_body, odd_rank, odd_rows)
-        assert all("shapes differ across ranks" in m for m in messages), messages
+        assert len(set(messages)) == 1, messages
+        assert f"rank {odd_rank}: input 0 ({odd_rows}, 4) float32" in messages[0], messages[0]
+        assert "ranks not making the same call" in messages[0] or "not making the same call" in messages[0]
 
 
 def _bad_strategy_body():

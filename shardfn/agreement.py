@@ -1,0 +1,146 @@
+"""Ranks agree on the call they are about to run, before any of its collectives.
+
+Every call of a sharded callable on a real world of several ranks starts with one small all-reduce on the
+control group (a gloo group beside the programs' own): each rank contributes the digest of its call's signature
+(the callable, its config, the structure, shapes, dtypes, requires_grad and layouts of its arguments, grad mode,
+autocast), a running count of its calls, and whether its own checks, capture or planning failed. When all agree,
+the program runs; a first call also compares the traced graph and the plan. When they do not, a second exchange
+gathers every rank's readable description, and every rank raises the same error naming what differs and where.
+So ranks that disagree (a different strategy, a smaller last batch, a skipped call, another order of calls, a
+failure on one rank) get an error on every rank, never a hang or a wrong number.
+
+``SHARDFN_CHECK`` sets what is compared: ``signature`` (default, as above), ``values`` (also a digest of the bytes
+of every full-batch input, whose values must be equal on every rank), ``first`` (only the first call of each
+signature: no collective on repeat calls).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import runtime
+
+__all__ = ["Agreement", "CHECK_MODES", "check_mode", "digest", "values_digest"]
+
+CHECK_MODES = ("signature", "values", "first")
+
+
+def check_mode() -> str:
+    mode = os.environ.get("SHARDFN_CHECK", "signature")
+    if mode not in CHECK_MODES:
+        raise ValueError(f"SHARDFN_CHECK={mode!r}: use one of {CHECK_MODES}")
+    return mode
+
+
+def digest(text: str) -> int:
+    """A 62-bit digest of ``text``, the same in every process."""
+    return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "big") >> 2
+
+
+def values_digest(tensors: list[torch.Tensor]) -> int:
+    """A digest of tensors' bytes (integer arithmetic: the same whatever the threads or the reduction order)."""
+    total = 0
+    for t in tensors:
+        t = t.detach()
+        if t.is_floating_point() or t.is_complex():
+            t = t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+        flat = t.reshape(-1).long()
+        weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 1000003
+        pair = torch.stack([flat.sum(), (flat * weights).sum()]).tolist()
+        total = digest(f"{total}:{pair}")
+    return total
+
+
+_SEQUENCE = [0]  # calls of sharded callables made by this process
+
+
+@dataclass
+class Agreement:
+    """What this rank says of one call: its signature digest, and readable descriptions asked for on mismatch."""
+
+    what: str  # the callable's name
+    signature: int
+    describe: dict[str, str] = field(default_factory=dict)  # field -> readable value (for messages)
+
+    def check(self, first: bool, error: BaseException | None = None, values: int = 0) -> None:
+        """Compare with every other rank (no-op in a world of one); raise on every rank if anything differs."""
+        group = _group()
+        if group is None:
+            if error is not None:
+                raise error
+            return
+        _SEQUENCE[0] += 1
+        mine = [self.signature, _SEQUENCE[0], int(first), 0 if error is None else 1, values]
+        both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        top, low = both[: len(mine)].tolist(), [-v for v in both[len(mine):].tolist()]
+        if top == low and error is None:
+            return
+        self._disagree(group, error, values)
+
+    def check_program(self, graph: str, plan: str) -> None:
+        """A first call, once all agree on the signature: the traced graph and the plan must agree too."""
+        group = _group()
+        if group is None:
+            return
+        mine = [digest(graph), digest(plan)]
+        both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        if both[:2].tolist() != mine or [-v for v in both[2:].tolist()] != mine:
+            self.describe = {**self.describe, "traced graph": graph, "plan": plan}
+            self._disagree(group, None, 0)
+
+    def _disagree(self, group, error: BaseException | None, values: int) -> None:
+        """Second exchange: every rank's description and error; the same message raised everywhere."""
+        me = {"sequence": str(_SEQUENCE[0]), **self.describe}
+        if values:
+            me["input values"] = f"digest {values:x}"
+        failure = None if error is None else f"{type(error).__name__}: {error}"
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, (me, failure), group=group)
+        failed = [r for r, (_, f) in enumerate(everyone) if f is not None]
+        if error is not None and len({f for _, f in everyone}) == 1:
+            raise error  # every rank failed alike in its own checks: its own error, as in a world of one
+        lines = []
+        for k in sorted({k for d, _ in everyone for k in d} - {"sequence"}):
+            lines += _differs(k, [d.get(k, "(not given)") for d, _ in everyone])
+        if failed:
+            lines += _differs("could not prepare this call", [f or "(prepared)" for _, f in everyone])
+        if not lines:  # the same call, but some rank made more calls: one skipped or repeated one
+            lines = _differs("calls made so far", [d["sequence"] for d, _ in everyone])
+        message = (f"{self.what}: the ranks are not making the same call, so its collectives would not match (a "
+                   "hang or wrong numbers); every rank stops here. What differs:\n" + "\n".join(lines) + "\n"
+                   "Every rank must call sharded callables in the same order with the same strategies and arguments "
+                   "of the same shapes, dtypes and layouts (with dataset_strategy='data_parallel', equal batch "
+                   "slices: drop or pad an uneven last batch).")
+        raise ValueError(message) from error
+
+
+def _differs(what: str, per_rank: list[str]) -> list[str]:
+    """``what``'s values grouped by the ranks that hold them, or nothing when all ranks hold the same."""
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(per_rank):
+        groups.setdefault(v, []).append(r)
+    if len(groups) == 1:
+        return []
+    return [f"  {what}: " + "; ".join(f"{_ranks(rs)}: {v}" for v, rs in groups.items())]
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
+
+
+def _group():
+    """The control group, or None where there is nothing to agree on (a world of one, a simulated world)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or runtime.is_simulated():
+        return None
+    if dist.get_backend() == "fake":
+        return None
+    control = getattr(runtime, "control_group", None)
+    return control() if control is not None else dist.group.WORLD

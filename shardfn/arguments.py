@@ -1,0 +1,188 @@
+"""A call's arguments against the config: every tensor they hold, its strategy, and how it arrives.
+
+Every tensor reachable in a call's args and kwargs through tuples, lists, dicts and other pytree containers is an
+input of the sharded program, in pytree order (:func:`bind`). ``in_strategy`` gives them layouts:
+
+* a tuple: one entry per positional argument (MindSpore's form); tensors passed by keyword are left to the
+  search;
+* a dict ``{argument name: entry}``: arguments by the names in fn's signature (a module's forward), positional or
+  keyword alike; arguments not named are left to the search.
+
+An entry is a strategy (a tuple of split counts or a layout) for a tensor argument, None (the search decides, for
+a tensor or for everything inside a container), or a tuple/list/dict shaped like a container argument with an
+entry for each of its items.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
+
+from .capture import input_names
+from .config import ShardConfig, is_container_entry
+from .layout import TensorLayout, TensorSpec, normalize_strategy, spec_of_dtensor
+
+__all__ = ["BoundCall", "bind", "call_key"]
+
+
+def _is_strategy(e: Any) -> bool:
+    return isinstance(e, TensorLayout) or (
+        isinstance(e, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in e))
+
+
+def _align(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str]]:
+    """(strategy, the argument that gave it) for each leaf of ``value`` (pytree order), from its in_strategy
+    ``entry``."""
+    if entry is None:
+        return [(None, where)] * len(pytree.tree_leaves(value))
+    if isinstance(value, torch.Tensor):
+        if not _is_strategy(entry):
+            raise ValueError(f"{where} is {entry!r} but {what} is one tensor; give one strategy (a tuple of split "
+                             "counts or a layout) or None")
+        return [(entry, where)]
+    if isinstance(value, (tuple, list)) and is_container_entry(entry):
+        if len(entry) != len(value):
+            raise ValueError(f"{where} has {len(entry)} entries but {what} holds {len(value)} items; give one entry "
+                             "per item (None to let shardfn decide)")
+        return [s for i, (v, e) in enumerate(zip(value, entry)) for s in _align(v, e, f"{where}[{i}]", f"{what}[{i}]")]
+    if isinstance(value, dict) and isinstance(entry, dict):
+        unknown = [k for k in entry if k not in value]
+        if unknown:
+            raise ValueError(f"{where} names {unknown} but {what} has only the keys {list(value)}")
+        return [s for k, v in value.items() for s in _align(v, entry.get(k), f"{where}[{k!r}]", f"{what}[{k!r}]")]
+    if len(pytree.tree_leaves(value)) == 1 and pytree.tree_leaves(value)[0] is value:
+        raise ValueError(f"{where} is {entry!r} but {what} is a {type(value).__name__}, not a tensor; use None")
+    raise ValueError(f"{where} is {entry!r} but {what} is a {type(value).__name__}; give None, or for a tuple, "
+                     "list or dict of tensors an entry of the same shape")
+
+
+def _strategies(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwargs: dict) -> list:
+    """(in_strategy's entry, the argument naming it) for every leaf of (args, kwargs), in pytree order."""
+    if isinstance(config.in_strategy, tuple):
+        if len(config.in_strategy) != len(args):
+            raise ValueError(
+                f"in_strategy has {len(config.in_strategy)} entries but {name} was called with {len(args)} "
+                f"positional inputs; give one entry per positional input (None for non-tensors or to let shardfn "
+                f"decide), or a dict {{argument name: entry}}")
+        found = [s for i, (a, e) in enumerate(zip(args, config.in_strategy))
+                 for s in _align(a, e, f"in_strategy[{i}]", f"input {i}")]
+        return found + [(None, "in_strategy")] * len(pytree.tree_leaves(dict(kwargs)))
+    by_name = _argument_names(fn, args, kwargs)
+    given = config.in_strategy
+    found = []
+    for i, a in enumerate(args):
+        key = by_name[i]
+        entry = given.get(key[0]) if key[1] is None else _item(given.get(key[0]), key[1])
+        found += _align(a, entry, f"in_strategy[{key[0]!r}]", f"input {i} ({key[0]})")
+    for k, v in kwargs.items():
+        found += _align(v, given.get(k), f"in_strategy[{k!r}]", f"argument {k!r}")
+    return found
+
+
+def _argument_names(fn: Callable, args: Sequence[Any], kwargs: dict) -> list[tuple[str, int | None]]:
+    """For each positional argument: (its parameter's name, its index within ``*args`` or None)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        raise TypeError("in_strategy is a dict but fn's signature cannot be read; give a tuple, one entry per "
+                        "positional input") from None
+    out = []
+    for i in range(len(args)):
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if i < len(positional):
+            out.append((positional[i].name, None))
+            continue
+        star = next((p for p in params if p.kind is p.VAR_POSITIONAL), None)
+        if star is None:
+            raise TypeError(f"fn takes {len(positional)} positional arguments but {len(args)} were given")
+        out.append((star.name, i - len(positional)))
+    return out
+
+
+def _item(entry: Any, index: int) -> Any:
+    """The entry of the index-th extra positional argument, from the entry given for ``*args``."""
+    if entry is None:
+        return None
+    if _is_strategy(entry) or not isinstance(entry, (tuple, list)):
+        raise ValueError(f"the entry for *args must be a tuple with one entry per extra positional argument, got "
+                         f"{entry!r}")
+    return entry[index] if index < len(entry) else None
+
+
+@dataclass
+class BoundCall:
+    """One call's tensor inputs (pytree order of args then kwargs) and what the config says of them."""
+
+    tensors: list[torch.Tensor]
+    names: list[str]  # "input 0", "input 2[1]", "attention_mask", ...
+    shapes: list[tuple[int, ...]]  # global shapes
+    held: list[TensorSpec]  # how each arrives: whole, this rank's batch slice, a DTensor's own layout
+    fixed: list[TensorSpec | None]  # the layout asked for, or None for the search to decide
+
+
+def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwargs: dict,
+         world: int) -> BoundCall:
+    """Check a call's arguments against the config (local, every rank) and lay out what each tensor is."""
+    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    strategies = _strategies(config, fn, name, args, kwargs)
+    names = input_names(args, kwargs)
+    bound = BoundCall([], [], [], [], [])
+    for leaf, (s, arg), where in zip(leaves, strategies, names):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        if isinstance(leaf, DTensor):
+            shape = tuple(leaf.shape)
+            held = spec_of_dtensor(leaf, world, where)
+            fixed = held if s is None else normalize_strategy(s, shape, world, arg, where)
+        elif config.dataset_strategy == "data_parallel":
+            if leaf.dim() == 0:
+                raise ValueError(f"{where}: data_parallel inputs need a batch dim 0; got a 0-dim tensor (pass a "
+                                 "Python number instead, or use dataset_strategy='full_batch')")
+            shape = (leaf.shape[0] * world,) + tuple(leaf.shape[1:])
+            dp = (world,) + (1,) * (leaf.dim() - 1)
+            held = normalize_strategy(dp, shape, world, f"{where} (data_parallel)")
+            if s is not None and normalize_strategy(s, shape, world, arg, where) != held:
+                raise ValueError(
+                    f"{arg} = {s!r}: with dataset_strategy='data_parallel' each input arrives split over all "
+                    f"{world} ranks on dim 0; use None or {dp!r}")
+            fixed = held
+        else:
+            shape = tuple(leaf.shape)
+            held = TensorSpec.replicated(leaf.dim())
+            fixed = None if s is None else normalize_strategy(s, shape, world, arg, where)
+        bound.tensors.append(leaf)
+        bound.names.append(where)
+        bound.shapes.append(shape)
+        bound.held.append(held)
+        bound.fixed.append(fixed)
+    return bound
+
+
+def _leaf_key(a: Any):
+    if isinstance(a, DTensor):
+        return ("D", tuple(a.shape), a.dtype, a.requires_grad, tuple(a.placements), tuple(a.device_mesh.shape))
+    if isinstance(a, torch.Tensor):
+        return ("T", tuple(a.shape), a.dtype, a.requires_grad, a.device.type)
+    try:
+        hash(a)
+    except TypeError:
+        return ("C", repr(a))
+    return ("C", type(a), a)
+
+
+def call_key(args: Sequence[Any], kwargs: dict) -> tuple[tuple, list[torch.Tensor]]:
+    """A call's signature (structure, tensors' shapes, dtypes, requires_grad, layouts, other values, grad mode,
+    autocast) and its tensor leaves in pytree order."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    key = (spec, tuple(_leaf_key(a) for a in leaves), torch.is_grad_enabled(), _autocast_state())
+    return key, [a for a in leaves if isinstance(a, torch.Tensor)]
+
+
+def _autocast_state() -> tuple:
+    """torch.autocast regions change the captured ops' dtypes: a program traced inside one is not reused outside."""
+    return tuple(torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None for d in ("cpu", "cuda"))

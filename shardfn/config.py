@@ -1,0 +1,191 @@
+"""ShardConfig: the arguments of ``shard`` (and ``explain``), checked once, frozen.
+
+Every check here is local (no communication) and runs on every rank, so a bad argument raises the same error
+everywhere. What can only be checked against a call's inputs (shapes, the number of arguments) is checked when
+the call binds them (:mod:`shardfn.arguments`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.nn as nn
+
+from .layout import Layout, TensorLayout
+
+__all__ = ["ShardConfig", "check_strategy", "is_container_entry"]
+
+DATASET_STRATEGIES = ("full_batch", "data_parallel")
+
+
+def check_strategy(s: Any, arg: str) -> None:
+    """One tensor's strategy: a tuple of split counts, a layout, or None."""
+    if s is None or isinstance(s, TensorLayout):
+        return
+    if isinstance(s, Layout):
+        raise TypeError(f"{arg} is a Layout; call it to lay out one tensor, e.g. layout('dp', 'None')")
+    if not isinstance(s, (tuple, list)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in s):
+        raise TypeError(
+            f"{arg} must be a tuple of ints (split count per dim), an sf.Layout(...)(...), or None; got {s!r}"
+        )
+
+
+def _check_entry(e: Any, arg: str) -> None:
+    """An in_strategy entry: a strategy, or (for an argument that is a container of tensors) a tuple, list or dict
+    of entries matching it. Which one it is shows when a call binds it to its argument."""
+    if isinstance(e, dict):
+        for k, v in e.items():
+            _check_entry(v, f"{arg}[{k!r}]")
+    elif is_container_entry(e):
+        for i, v in enumerate(e):
+            _check_entry(v, f"{arg}[{i}]")
+    else:
+        check_strategy(e, arg)
+
+
+def is_container_entry(e: Any) -> bool:
+    """A tuple/list of entries (for a container argument), as opposed to a strategy (a tuple of ints)."""
+    return isinstance(e, (tuple, list)) and bool(e) and all(
+        v is None or isinstance(v, (tuple, list, dict, TensorLayout)) for v in e)
+
+
+def _check_in_strategy(in_strategy: Any, fn: Callable) -> tuple | dict:
+    if in_strategy is None:
+        raise TypeError("in_strategy is required: a tuple with one entry per positional input (a tuple of ints, a "
+                        "layout, or None), or a dict {argument name: entry}")
+    if isinstance(in_strategy, TensorLayout):
+        in_strategy = (in_strategy,)
+    if isinstance(in_strategy, dict):
+        names = _parameter_names(fn)
+        for key, entry in in_strategy.items():
+            if not isinstance(key, str):
+                raise TypeError(f"in_strategy keys must be argument names (str), got {key!r}")
+            if names is not None and key not in names:
+                close = difflib.get_close_matches(key, names, n=3, cutoff=0.3) or names[:5]
+                raise ValueError(f"in_strategy names {key!r}, which is not an argument of {_name(fn)}; its "
+                                 f"arguments are {names}. Closest: {close}")
+            _check_entry(entry, f"in_strategy[{key!r}]")
+        return dict(in_strategy)
+    if not isinstance(in_strategy, (tuple, list)):
+        raise TypeError(f"in_strategy must be a tuple with one entry per positional input, or a dict {{argument "
+                        f"name: entry}}; got {type(in_strategy).__name__}")
+    for i, e in enumerate(in_strategy):
+        _check_entry(e, f"in_strategy[{i}]")
+    return tuple(in_strategy)
+
+
+def _check_out_strategy(out_strategy: Any) -> tuple | None:
+    if out_strategy is None:
+        return None
+    if isinstance(out_strategy, TensorLayout):
+        out_strategy = (out_strategy,)
+    if not isinstance(out_strategy, (tuple, list)):
+        raise TypeError(f"out_strategy must be a tuple with one entry per output tensor, got "
+                        f"{type(out_strategy).__name__}")
+    for i, s in enumerate(out_strategy):
+        check_strategy(s, f"out_strategy[{i}]")
+    return tuple(out_strategy)
+
+
+def _parameter_names(fn: Callable) -> list[str] | None:
+    """fn's argument names, or None where any keyword is accepted (``**kwargs``) or there is no signature."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params]
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", type(fn).__name__)
+
+
+def _strip_self(name: str) -> str:
+    return name[len("self.") :] if name.startswith("self.") else name
+
+
+def _check_parameter_plan(module: nn.Module | None, parameter_plan: Any) -> dict[str, Any]:
+    if parameter_plan is None:
+        return {}
+    if module is None:
+        raise TypeError("parameter_plan applies to nn.Module parameters; fn is a function, so pass its tensors as "
+                        "inputs and give their layouts in in_strategy")
+    if not isinstance(parameter_plan, dict):
+        raise TypeError(f"parameter_plan must be a dict {{name: strategy}}, got {type(parameter_plan).__name__}")
+    # every name a parameter answers to -> its first name (tied weights: head.weight -> emb.weight)
+    first: dict[int, str] = {}
+    canonical = {n: first.setdefault(id(p), n) for n, p in module.named_parameters(remove_duplicate=False)}
+    names = list(canonical)
+    plan, given = {}, {}
+    for raw, strategy in parameter_plan.items():
+        if not isinstance(raw, str):
+            raise TypeError(f"parameter_plan keys must be parameter names (str), got {raw!r}")
+        name = _strip_self(raw)
+        if name not in canonical:
+            close = difflib.get_close_matches(name, names, n=3, cutoff=0.3) or names[:5]
+            raise ValueError(
+                f"parameter_plan names an unknown parameter {raw!r} of {type(module).__name__}; "
+                f"names are relative to the module. Closest real names: {close}"
+            )
+        check_strategy(strategy, f"parameter_plan[{raw!r}]")
+        name = canonical[name]
+        if name in plan and plan[name] != strategy:
+            raise ValueError(f"parameter_plan gives {raw!r} and {given[name]!r}, one tied parameter, two different "
+                             "strategies; give one")
+        plan[name], given[name] = strategy, raw
+    return plan
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """What a sharded callable was asked to do: shard's arguments, validated (see :func:`shardfn.shard`)."""
+
+    in_strategy: tuple | dict
+    out_strategy: tuple | None
+    parameter_plan: dict  # canonical parameter name -> strategy
+    level: int
+    device: str | None
+    dataset_strategy: str
+
+    @classmethod
+    def make(cls, fn: Callable, in_strategy: Any, out_strategy: Any = None, parameter_plan: Any = None,
+             level: Any = 0, device: Any = None, dataset_strategy: Any = "full_batch",
+             module: nn.Module | None = None) -> "ShardConfig":
+        in_strategy = _check_in_strategy(in_strategy, fn)
+        out_strategy = _check_out_strategy(out_strategy)
+        if isinstance(level, bool) or not isinstance(level, int) or level not in (0, 1, 2):
+            raise ValueError(
+                f"level must be 0 (max compute/communication ratio), 1 (min memory) or 2 (min step time), "
+                f"got {level!r}")
+        if device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or None (cuda when available), got {device!r}")
+        if dataset_strategy not in DATASET_STRATEGIES:
+            raise ValueError(
+                f"dataset_strategy must be 'full_batch' (inputs are global, identical on every rank) or "
+                f"'data_parallel' (each rank passes its dim-0 slice), got {dataset_strategy!r}")
+        plan = _check_parameter_plan(module, parameter_plan)
+        return cls(in_strategy, out_strategy, plan, level, device, dataset_strategy)
+
+    def strategies(self) -> list:
+        """Every strategy given (for mesh axis names), in a fixed order."""
+        found: list = []
+
+        def walk(e):
+            if isinstance(e, dict):
+                for v in e.values():
+                    walk(v)
+            elif is_container_entry(e):
+                for v in e:
+                    walk(v)
+            elif e is not None:
+                found.append(e)
+
+        walk(self.in_strategy)
+        found += [s for s in self.parameter_plan.values() if s is not None]
+        found += [s for s in (self.out_strategy or ()) if s is not None]
+        return found
