@@ -64,9 +64,9 @@ def _check_in_strategy(in_strategy: Any, fn: Callable) -> tuple | dict:
             if not isinstance(key, str):
                 raise TypeError(f"in_strategy keys must be argument names (str), got {key!r}")
             if names is not None and key not in names:
-                close = difflib.get_close_matches(key, names, n=3, cutoff=0.3) or names[:5]
-                raise ValueError(f"in_strategy names {key!r}, which is not an argument of {_name(fn)}; its "
-                                 f"arguments are {names}. Closest: {close}")
+                close = difflib.get_close_matches(key, names, n=1, cutoff=0.3)
+                raise ValueError(f"in_strategy names {key!r}, which is not an argument of {_name(fn)} (its "
+                                 f"arguments: {', '.join(names)})" + (f"; did you mean {close[0]!r}?" if close else ""))
             _check_entry(entry, f"in_strategy[{key!r}]")
         return dict(in_strategy)
     if not isinstance(in_strategy, (tuple, list)):

@@ -1,0 +1,80 @@
+"""fn's outputs: tensors in containers and in plain objects (transformers' ModelOutput, DynamicCache) come back
+in the structure fn built, around the computed values."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from shardfn.capture.outputs import split_outputs
+from tests.parity import check_parity
+
+
+class Cache:
+    """Like transformers' DynamicCache: layers holding key/value tensors, and a reference back to the cache."""
+
+    def __init__(self):
+        self.layers, self.seen = [], 0
+
+    def update(self, k, v):
+        layer = Layer(k, v, self)
+        self.layers.append(layer)
+        self.seen += k.shape[-2]
+        return layer
+
+
+class Layer:
+    def __init__(self, keys, values, cache):
+        self.keys, self.values, self.cache = keys, values, cache
+
+
+@dataclasses.dataclass
+class Result:
+    logits: torch.Tensor
+    cache: Cache
+    note: str = "done"
+
+
+def decoder(x, w):
+    cache = Cache()
+    h = torch.tanh(x @ w)
+    cache.update(h * 2, h + 1)
+    cache.update(h.exp(), h)
+    return Result(h.sum(-1), cache), "tag", 3
+
+
+def test_objects_holding_tensors_come_back_rebuilt():
+    with_grad = lambda: (torch.randn(8, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True))  # noqa
+    check_parity(decoder, with_grad, ((4, 1), None))
+    from shardfn.runtime import simulated_world
+    import shardfn as sf
+
+    with simulated_world(4):
+        x, w = with_grad()
+        result, tag, three = sf.shard(decoder, in_strategy=((4, 1), None))(x, w)
+        ref, _, _ = decoder(x, w)
+        assert (tag, three, result.note, result.cache.seen) == ("tag", 3, "done", 16)
+        first, second = result.cache.layers
+        assert first.cache is result.cache and second.cache is result.cache  # references kept, not copied twice
+        torch.testing.assert_close(second.keys, ref.cache.layers[1].keys)
+
+
+def test_the_template_rebuilds_fresh_objects_each_time():
+    tensors, template = split_outputs(decoder(torch.randn(2, 3), torch.randn(3, 3)))
+    assert len(tensors) == 5
+    a, b = template.rebuild([torch.zeros(1)] * 5), template.rebuild([torch.ones(1)] * 5)
+    assert a[0] is not b[0] and a[0].cache is not b[0].cache
+    assert float(a[0].logits) == 0 and float(b[0].cache.layers[0].values) == 1
+
+
+class Slotted:
+    __slots__ = ("t",)
+
+    def __init__(self, t):
+        self.t = t
+
+
+def test_an_object_whose_tensors_cannot_be_reached_is_refused():
+    with pytest.raises(TypeError, match=r"returns output\[1\] = a Slotted holding tensors that shardfn cannot reach.*"
+                                        r"register_pytree_node"):
+        split_outputs((torch.zeros(1), Slotted(torch.zeros(2))))

@@ -1,0 +1,55 @@
+"""Capture: fn is traced the way library code expects tracing to look, and every tensor it reads is accounted
+for (an input, a constant of the graph, or an error naming it)."""
+
+import pytest
+import torch
+
+import shardfn as sf
+from shardfn.capture import capture
+from tests.parity import check_parity
+
+
+def test_library_code_sees_that_it_is_traced():
+    # transformers (and torch.utils.checkpoint) skip value-dependent shortcuts when torch.compiler says so
+    seen = []
+
+    def packed(position_ids):
+        seen.append(torch.compiler.is_compiling())
+        if not torch.compiler.is_compiling() and bool((position_ids[:, -1] == 0).all()):  # value-dependent
+            return position_ids
+        return position_ids * 2
+
+    check_parity(packed, lambda: (torch.arange(16).unsqueeze(0).expand(4, 16).contiguous(),), ((4, 1),))
+    assert seen[0] is True  # the capture (the eager reference call sees False)
+    assert False in seen and not torch.compiler.is_compiling()  # restored after it
+
+
+MASK = torch.rand(8, 6) > 0.5
+
+
+def test_a_tensor_read_from_outside_fn_is_a_constant_of_the_graph():
+    plan = check_parity(lambda x: x.masked_fill(MASK, 0.0) * 2, lambda: (torch.randn(8, 6, requires_grad=True),),
+                        ((4, 1),))
+    assert any(n.rule == "constant" for n in plan.nodes.values())
+
+
+def test_a_tensor_made_inside_fn_is_a_constant_too():
+    # indexing with a list makes a tensor inside the trace (a graph constant)
+    check_parity(lambda x: x[[0, 2, 5]] * x[:, [1, 3]].sum(), lambda: (torch.randn(8, 6, requires_grad=True),),
+                 (None,))
+
+
+def test_a_tensor_from_outside_that_requires_grad_is_refused():
+    w = torch.randn(6, 6, requires_grad=True)
+    with pytest.raises(sf.CaptureError, match=r"reads a tensor of shape \(6, 6\) that requires grad but is not one "
+                                              r"of its inputs.*Pass it as an argument"):
+        capture(lambda x: x @ w, [torch.empty(8, 6, device="meta")], {})
+
+
+def test_tensors_in_keyword_arguments_and_containers_are_inputs():
+    graph = capture(lambda x, pair=None, scale=None: x * pair[0] + pair[1] * scale,
+                    [torch.empty(4, 3, device="meta")],
+                    {"pair": (torch.empty(3, device="meta"), torch.empty(4, 3, device="meta")),
+                     "scale": torch.empty(1, device="meta")})
+    assert [gi.name for gi in graph.inputs] == ["input 0", "pair[0]", "pair[1]", "scale"]
+    assert [gi.shape for gi in graph.inputs] == [(4, 3), (3,), (4, 3), (1,)]
