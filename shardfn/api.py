@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from . import runtime
 from .agreement import Agreement, check_mode, digest, values_digest
 from .arguments import BoundCall, bind, call_key
-from .capture import capture, capturing, check_not_transformed, input_names
+from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.graph import CapturedGraph
 from .config import ShardConfig
 from .exec.lower import ParallelProgram, lower
@@ -61,8 +61,8 @@ class _Engine:
         self.name = getattr(target, "__qualname__", type(target).__name__)  # before a module's class is swapped
 
     def __call__(self, *args, **kwargs):
-        self._check_not_nested_or_transformed(args, kwargs)
-        key, tensors = call_key(args, kwargs)
+        key, tensors, objects = call_key(args, kwargs)
+        self._check_not_nested_or_transformed(tensors)
         if self.module is not None:
             key += (self.module.training,)
         group = dist.group.WORLD if dist.is_initialized() else None
@@ -74,18 +74,17 @@ class _Engine:
         elif check_mode() != "first":
             compiled.agreement.check(first=False, values=self._values(tensors))
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
-        return compiled.captured.outputs.rebuild(outs)
+        return compiled.captured.result(outs, tensors, objects)
 
     # -- the steps ---------------------------------------------------------------------------------------------
 
-    def _check_not_nested_or_transformed(self, args, kwargs) -> None:
+    def _check_not_nested_or_transformed(self, tensors: list[torch.Tensor]) -> None:
         if capturing():
             raise ValueError(
                 f"{self.name} is a sharded callable called while another shard call traces its fn: nested "
                 "shard calls are not supported. Shard the outer function only, or call the inner one outside it."
             )
-        check_not_transformed([a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)],
-                              lambda: self.name)
+        check_not_transformed(tensors, lambda: self.name)
 
     def _first_call(self, key: tuple, args, kwargs) -> _Compiled:
         device = runtime.resolve_device(self.config.device)
@@ -98,8 +97,7 @@ class _Engine:
             compiled.agreement = agreement
         except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
             error = e
-        _, tensors = call_key(args, kwargs)
-        agreement.check(first=True, error=error, values=self._values(tensors))
+        agreement.check(first=True, error=error, values=self._values(call_key(args, kwargs)[1]))
         agreement.check_program(compiled.captured.gm.code, str(compiled.plan))
         mesh = runtime.device_mesh(compiled.mesh_spec, device)
         if self.module is not None:
@@ -137,7 +135,8 @@ class _Engine:
                 return a
             return torch.empty(next(shapes), dtype=a.dtype, device="meta").requires_grad_(a.requires_grad)
 
-        ex_args, ex_kwargs = pytree.tree_map(example, (tuple(args), dict(kwargs)))
+        tensors, _, structure = split_arguments(args, kwargs)
+        ex_args, ex_kwargs = structure.rebuild([example(t) for t in tensors])
         params, buffers = self._state()
         meta = {n: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
                 for n, t in {**params, **buffers}.items()}
@@ -164,14 +163,14 @@ class _Engine:
         return requests
 
     def _output_requests(self, captured, world: int, mesh_spec) -> list[OutputRequest]:
-        vals = [n.meta["val"] for n in captured.output_nodes]
+        vals = [n.meta["val"] for n in captured.output_nodes]  # fn's outputs, then argument objects' new tensors
         out_strategy = self.config.out_strategy
-        if out_strategy is not None and len(out_strategy) != len(vals):
-            raise ValueError(f"out_strategy has {len(out_strategy)} entries but {self.name} returns {len(vals)} "
-                             "tensors; give one entry per output tensor")
+        if out_strategy is not None and len(out_strategy) != captured.n_outputs:
+            raise ValueError(f"out_strategy has {len(out_strategy)} entries but {self.name} returns "
+                             f"{captured.n_outputs} tensors; give one entry per output tensor")
         requests = []
         for j, v in enumerate(vals):
-            s = out_strategy[j] if out_strategy is not None else None
+            s = out_strategy[j] if out_strategy is not None and j < captured.n_outputs else None
             if s is not None:
                 spec = normalize_strategy(s, tuple(v.shape), world, f"out_strategy[{j}]", f"output {j}")
             elif self.config.dataset_strategy == "data_parallel" and v.dim() > 0:
@@ -222,17 +221,18 @@ class _Engine:
         return f"{self.name} ({where})|{self.config!r}"
 
     def _describe(self, args, kwargs) -> dict[str, str]:
+        tensors, names, _ = split_arguments(args, kwargs, names=True)
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        tensors = "; ".join(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
-                            + (" requires_grad" if t.requires_grad else "")
-                            + (f" {tuple(t.placements)}" if isinstance(t, DTensor) else "")
-                            for n, t in zip(input_names(args, kwargs), leaves) if isinstance(t, torch.Tensor))
-        others = [repr(a) for a in leaves if not isinstance(a, torch.Tensor)]
+        described = "; ".join(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                              + (" requires_grad" if t.requires_grad else "")
+                              + (f" {tuple(t.placements)}" if isinstance(t, DTensor) else "")
+                              for n, t in zip(names, tensors))
+        others = [_short(a) for a in leaves if not isinstance(a, torch.Tensor)]
         mode = f"grad {'on' if torch.is_grad_enabled() else 'off'}"
         if self.module is not None:
             mode += ", train" if self.module.training else ", eval"
         config = {f.name: repr(getattr(self.config, f.name)) for f in dataclasses.fields(self.config)}
-        return {"callable": self._identity().split("|")[0], **config, "tensor inputs": tensors,
+        return {"callable": self._identity().split("|")[0], **config, "tensor inputs": described,
                 "other arguments": f"{others} in {spec}", "mode": mode}
 
     def _values(self, tensors: list[torch.Tensor]) -> int:
@@ -253,6 +253,11 @@ class _Engine:
             return torch.func.functional_call(self.module, state, args, kwargs)
         finally:
             self.capturing_self = False
+
+
+def _short(a: Any) -> str:
+    """A constant argument as ranks compare it: its value, or for an object its type."""
+    return repr(a) if isinstance(a, (int, float, str, bool, type(None), torch.dtype)) else type(a).__name__
 
 
 def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:

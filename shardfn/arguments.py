@@ -23,7 +23,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from .capture import input_names
+from .capture import split_arguments
+from .capture.structure import split
 from .config import ShardConfig, is_container_entry
 from .layout import TensorLayout, TensorSpec, normalize_strategy, spec_of_dtensor
 
@@ -39,7 +40,7 @@ def _align(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str
     """(strategy, the argument that gave it) for each leaf of ``value`` (pytree order), from its in_strategy
     ``entry``."""
     if entry is None:
-        return [(None, where)] * len(pytree.tree_leaves(value))
+        return [(None, where)] * len(split(value)[0])
     if isinstance(value, torch.Tensor):
         if not _is_strategy(entry):
             raise ValueError(f"{where} is {entry!r} but {what} is one tensor; give one strategy (a tuple of split "
@@ -71,7 +72,7 @@ def _strategies(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any
                 f"decide), or a dict {{argument name: entry}}")
         found = [s for i, (a, e) in enumerate(zip(args, config.in_strategy))
                  for s in _align(a, e, f"in_strategy[{i}]", f"input {i}")]
-        return found + [(None, "in_strategy")] * len(pytree.tree_leaves(dict(kwargs)))
+        return found + [(None, "in_strategy")] * len(split(dict(kwargs))[0])
     by_name = _argument_names(fn, args, kwargs)
     given = config.in_strategy
     found = []
@@ -128,13 +129,10 @@ class BoundCall:
 def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwargs: dict,
          world: int) -> BoundCall:
     """Check a call's arguments against the config (local, every rank) and lay out what each tensor is."""
-    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
+    tensors, names, _ = split_arguments(args, kwargs, names=True, where=lambda: name)
     strategies = _strategies(config, fn, name, args, kwargs)
-    names = input_names(args, kwargs)
     bound = BoundCall([], [], [], [], [])
-    for leaf, (s, arg), where in zip(leaves, strategies, names):
-        if not isinstance(leaf, torch.Tensor):
-            continue
+    for leaf, (s, arg), where in zip(tensors, strategies, names):
         if isinstance(leaf, DTensor):
             shape = tuple(leaf.shape)
             held = spec_of_dtensor(leaf, world, where)
@@ -163,24 +161,18 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
     return bound
 
 
-def _leaf_key(a: Any):
+def _tensor_key(a: torch.Tensor):
     if isinstance(a, DTensor):
         return ("D", tuple(a.shape), a.dtype, a.requires_grad, tuple(a.placements), tuple(a.device_mesh.shape))
-    if isinstance(a, torch.Tensor):
-        return ("T", tuple(a.shape), a.dtype, a.requires_grad, a.device.type)
-    try:
-        hash(a)
-    except TypeError:
-        return ("C", repr(a))
-    return ("C", type(a), a)
+    return ("T", tuple(a.shape), a.dtype, a.requires_grad, a.device.type)
 
 
-def call_key(args: Sequence[Any], kwargs: dict) -> tuple[tuple, list[torch.Tensor]]:
+def call_key(args: Sequence[Any], kwargs: dict) -> tuple[tuple, list[torch.Tensor], list]:
     """A call's signature (structure, tensors' shapes, dtypes, requires_grad, layouts, other values, grad mode,
-    autocast) and its tensor leaves in pytree order."""
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    key = (spec, tuple(_leaf_key(a) for a in leaves), torch.is_grad_enabled(), _autocast_state())
-    return key, [a for a in leaves if isinstance(a, torch.Tensor)]
+    autocast), its tensors (the program's inputs, in order) and its argument objects (by number)."""
+    tensors, _, structure = split_arguments(args, kwargs)
+    key = (structure.key(lambda i: _tensor_key(tensors[i])), torch.is_grad_enabled(), _autocast_state())
+    return key, tensors, structure.objects() if structure.n_objects else []
 
 
 def _autocast_state() -> tuple:

@@ -9,7 +9,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import shardfn as sf
-from shardfn.capture.outputs import split_outputs
+from shardfn.capture.structure import split
 from shardfn.runtime import simulated_world
 from tests.harness import on_rank
 
@@ -28,7 +28,7 @@ def _clone(tree):
 
 def tensors_of(out) -> list[torch.Tensor]:
     """The tensors in an output, in containers and plain objects alike (the order shardfn rebuilds them in)."""
-    return split_outputs(out)[0]
+    return split(out)[0]
 
 
 def _loss(out) -> torch.Tensor:

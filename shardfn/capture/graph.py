@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .outputs import OutputTemplate
+from .structure import Structure
 
 __all__ = ["CapturedGraph", "GraphInput", "is_in_place"]
 
@@ -36,14 +36,25 @@ class CapturedGraph:
     """An aten-level fx graph of ``fn`` on fake tensors of the global shapes.
 
     Placeholders are ``inputs`` in order (parameters, buffers, then the tensors reachable in the call's args and
-    kwargs, in pytree order); every node carries ``meta["val"]``, the fake value of its global result. The graph
-    returns fn's tensors as a flat list; ``outputs`` rebuilds fn's return value around them. The graph is forward
-    only: backward is derived at lowering.
+    kwargs, in :func:`~shardfn.capture.structure.split` order); every node carries ``meta["val"]``, the fake value
+    of its global result. The graph returns fn's tensors (``n_outputs`` of them; ``outputs`` rebuilds fn's return
+    value around them), then the new tensors of the argument objects fn changed (``states``: argument object
+    number, first output index, its new state). The graph is forward only: backward is derived at lowering.
     """
 
     gm: torch.fx.GraphModule
     inputs: list[GraphInput]
-    outputs: OutputTemplate
+    arguments: Structure
+    outputs: Structure
+    n_outputs: int
+    states: list[tuple[int, int, Structure]]
+
+    def result(self, values: list, inputs: list, arguments: list) -> Any:
+        """fn's return value from the graph's outputs; first each changed argument object gets its new state.
+        ``inputs`` are the call's argument tensors, ``arguments`` its argument objects (the caller's)."""
+        for number, first, state in self.states:
+            state.write_back(arguments[number], values[first:], inputs, arguments)
+        return self.outputs.rebuild(values, inputs, arguments)
 
     def __post_init__(self):
         # the graph is final once captured: its placeholders and outputs are read on every call

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 import threading
 import traceback
@@ -23,9 +24,9 @@ from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
 from ._tracing import looks_like_tracing
 from .graph import CapturedGraph, GraphInput
-from .outputs import split_outputs
+from .structure import split
 
-__all__ = ["CaptureError", "capture", "capturing", "check_not_transformed", "input_names"]
+__all__ = ["CaptureError", "argument_name", "capture", "capturing", "check_not_transformed", "split_arguments"]
 
 _STATE = threading.local()
 
@@ -80,14 +81,20 @@ def _user_frame(tb) -> str:
     return f'File "{found.filename}", line {found.lineno}, in {found.name}: {found.line}'
 
 
-def input_names(args: Sequence[Any], kwargs: dict[str, Any]) -> list[str]:
-    """A name for every leaf of (args, kwargs) in flat order: ``input 0``, ``input 2[1]``, ``scale``,
-    ``pair[0]``, as errors and plans show them."""
-    names = []
-    for path, _ in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
-        top, first, rest = path[0].idx, path[1], pytree.keystr(path[2:])
-        names.append(f"input {first.idx}{rest}" if top == 0 else f"{first.key}{rest}")
-    return names
+def argument_name(path: str) -> str:
+    """A tensor's path in (args, kwargs) as errors and plans show it: ``input 0``, ``input 2[1]``, ``scale``,
+    ``pair[0]``, ``past_key_values.layers[0].keys``."""
+    m = re.match(r"\[0\]\[(\d+)\](.*)", path, re.S)
+    if m:
+        return f"input {m.group(1)}{m.group(2)}"
+    m = re.match(r"\[1\]\[(.+?)\](.*)", path, re.S)
+    return f"{m.group(1).strip(chr(39))}{m.group(2)}" if m else path
+
+
+def split_arguments(args: Sequence[Any], kwargs: dict[str, Any], names: bool = False, where=lambda: "fn"):
+    """The tensors in a call's (args, kwargs), their names (when asked for) and the Structure of the call."""
+    tensors, paths, structure = split((tuple(args), dict(kwargs)), where, path="" if names else None)
+    return tensors, [argument_name(p) for p in paths] if names else [], structure
 
 
 def capture(
@@ -101,35 +108,42 @@ def capture(
 ) -> CapturedGraph:
     """Trace ``fn(*args, **kwargs)`` into an aten graph on fake tensors of the global shapes.
 
-    Every tensor reachable in ``args`` and ``kwargs`` through pytree containers is an input of the graph (real,
-    fake or meta: only shape, dtype and requires_grad are read); other leaves are constants of the trace. For a
-    module, ``params``/``buffers`` are its state and ``call(state, *args, **kwargs)`` runs it with that state
-    substituted; they become the first placeholders, then the tensor leaves in flat order.
+    Every tensor reachable in ``args`` and ``kwargs`` (through pytree containers and the attributes of plain
+    objects) is an input of the graph; only its shape, dtype and requires_grad are read (it may be real, fake or
+    meta). Other values are constants of the trace. fn runs on copies of argument objects: what it changes in them
+    becomes extra graph outputs and a new state written back after each call. For a module, ``params``/``buffers``
+    are its state and ``call(state, *args, **kwargs)`` runs it with that state substituted; they become the first
+    placeholders, then the argument tensors in order.
     """
+    what = lambda: getattr(fn, "__qualname__", type(fn).__name__)  # noqa: E731
     params, buffers = params or {}, buffers or {}
     inputs: list[GraphInput] = []
     for kind, state in (("param", params), ("buffer", buffers)):
         for i, (name, t) in enumerate(state.items()):
             inputs.append(GraphInput(kind, name, i, tuple(t.shape), t.dtype, bool(t.requires_grad)))
-    leaves, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    tensor_pos = [i for i, a in enumerate(leaves) if isinstance(a, torch.Tensor)]
-    names = input_names(args, kwargs)
-    for j, i in enumerate(tensor_pos):
-        a = leaves[i]
-        inputs.append(GraphInput("input", names[i], j, tuple(a.shape), a.dtype, bool(a.requires_grad)))
+    arg_tensors, names, arg_structure = split_arguments(args, kwargs, names=True, where=what)
+    for j, (a, name) in enumerate(zip(arg_tensors, names)):
+        inputs.append(GraphInput("input", name, j, tuple(a.shape), a.dtype, bool(a.requires_grad)))
 
     n_state = len(params) + len(buffers)
     state_names = list(params) + list(buffers)
-    what = lambda: getattr(fn, "__qualname__", type(fn).__name__)  # noqa: E731
+    traced: dict[str, Any] = {}
 
     def flat_fn(*flat):
         state = dict(zip(state_names, flat[:n_state]))
-        full = list(leaves)
-        for pos, t in zip(tensor_pos, flat[n_state:]):
-            full[pos] = t
-        a, k = pytree.tree_unflatten(full, in_spec)
+        fakes = list(flat[n_state:])
+        (a, k), copies = arg_structure.rebuild_with_objects(fakes)
+        kept = {id(t): j for j, t in enumerate(fakes)}
+        numbers = {id(c): n for n, c in enumerate(copies)}
+        before = [split(c, what, kept=kept, copies=numbers)[2].key(lambda i: i) for c in copies]
         out = call(state, *a, **k) if call is not None else fn(*a, **k)
-        tensors, flat_fn.template = split_outputs(out, what)
+        tensors, _, traced["outputs"] = split(out, what, copies=numbers)
+        traced["n_outputs"], traced["states"] = len(tensors), []
+        for n, c in enumerate(copies):  # argument objects fn changed: their new state, written back per call
+            new, _, after = split(c, what, kept=kept, copies=numbers)
+            if after.key(lambda i: i) != before[n] or new:
+                traced["states"].append((n, len(tensors), after))
+                tensors = tensors + new
         return tensors
 
     # real tensors fn reads that are not its inputs (a closure's mask) become constants of the graph
@@ -159,7 +173,7 @@ def capture(
     # identical ops on the same inputs (q, k and v each viewing the same normalised activations) become one node,
     # so the search sees one value with several readers; random ops are never merged
     gm = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
-    return CapturedGraph(gm, inputs, flat_fn.template)
+    return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"])
 
 
 def _check_constants(gm: torch.fx.GraphModule, fake_mode: FakeTensorMode, what: Callable[[], str]) -> None:

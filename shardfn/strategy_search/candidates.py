@@ -257,3 +257,8 @@ def warn_fallbacks(fallbacks: set[str]) -> None:
 def is_alias(node: torch.fx.Node) -> bool:
     """getitem on a multi-output node: takes its producer's placement, no decision of its own."""
     return node.op == "call_function" and node.target is operator.getitem
+
+
+def replicated_candidates(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    """The replicated rule alone: every input and output whole, the op run on whole tensors by every rank."""
+    return _replicated(node, mesh)

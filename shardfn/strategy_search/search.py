@@ -24,6 +24,7 @@ from .candidates import (
     input_candidates,
     is_alias,
     node_candidates,
+    replicated_candidates,
     tensor_inputs,
     warn_fallbacks,
     with_accumulation,
@@ -129,6 +130,26 @@ def _without_unit_dims(cands: list[Candidate], mesh_shape: Sequence[int]) -> lis
     return kept or cands
 
 
+def _fits(cands: list[Candidate], node: torch.fx.Node, inputs: list[torch.fx.Node]) -> list[Candidate]:
+    """Candidates whose every Shard(d) names a dim its tensor has (a rule may offer a placement for the other
+    operands' rank: cat with the empty 1-D tensor a cache starts from)."""
+
+    def ok(pl, val) -> bool:
+        return pl is None or not isinstance(val, torch.Tensor) or all(
+            not isinstance(p, Shard) or p.dim < val.dim() for p in pl)
+
+    out_vals = _outputs(node)
+    in_vals = [a.meta.get("val") for a in inputs]
+    kept = [c for c in cands if all(ok(pl, v) for pl, v in zip(c.inputs, in_vals))
+            and all(ok(pl, v) for pl, v in zip(c.outputs, out_vals))]
+    return kept if len(kept) == len(cands) else (kept or cands)
+
+
+def _outputs(node: torch.fx.Node) -> list:
+    val = node.meta.get("val")
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
 def _distinct(keys: list) -> tuple[list, np.ndarray]:
     """The distinct keys in first-seen order, and each key's position among them."""
     pos: dict = {}
@@ -208,7 +229,12 @@ def make_plan(
             src, idx = node.args
             producer[node] = (producer[src][0], idx)
             continue
-        cands = _without_unit_dims(node_candidates(node, mesh, fallbacks), mesh_shape)
+        if node in constant and node.all_input_nodes:
+            # computed from constants only: every rank computes it whole (no rule needed)
+            cands = replicated_candidates(node, mesh)
+        else:
+            cands = _fits(_without_unit_dims(node_candidates(node, mesh, fallbacks), mesh_shape), node,
+                          tensor_inputs(node))
         if node in write_into:  # an update of an input: written where the caller holds it
             into = write_into[node]
             cands = [c for c in cands if c.inputs[0] == into and c.outputs[0] == into]

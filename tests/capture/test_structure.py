@@ -1,12 +1,12 @@
-"""fn's outputs: tensors in containers and in plain objects (transformers' ModelOutput, DynamicCache) come back
-in the structure fn built, around the computed values."""
+"""Values with tensors inside: fn's outputs come back in the structure fn built (containers, plain objects such
+as transformers' ModelOutput and DynamicCache); argument objects fn changes get their new state."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from shardfn.capture.outputs import split_outputs
+from shardfn.capture.structure import split
 from tests.parity import check_parity
 
 
@@ -60,7 +60,7 @@ def test_objects_holding_tensors_come_back_rebuilt():
 
 
 def test_the_template_rebuilds_fresh_objects_each_time():
-    tensors, template = split_outputs(decoder(torch.randn(2, 3), torch.randn(3, 3)))
+    tensors, _, template = split(decoder(torch.randn(2, 3), torch.randn(3, 3)))
     assert len(tensors) == 5
     a, b = template.rebuild([torch.zeros(1)] * 5), template.rebuild([torch.ones(1)] * 5)
     assert a[0] is not b[0] and a[0].cache is not b[0].cache
@@ -75,6 +75,35 @@ class Slotted:
 
 
 def test_an_object_whose_tensors_cannot_be_reached_is_refused():
-    with pytest.raises(TypeError, match=r"returns output\[1\] = a Slotted holding tensors that shardfn cannot reach.*"
+    with pytest.raises(TypeError, match=r"output\[1\] is a Slotted holding tensors that shardfn cannot reach.*"
                                         r"register_pytree_node"):
-        split_outputs((torch.zeros(1), Slotted(torch.zeros(2))))
+        split((torch.zeros(1), Slotted(torch.zeros(2))), path="output")
+
+
+def append_to(x, cache):
+    """Like a transformers decoder layer: appends this call's keys to the cache it is given."""
+    layer = cache.layers[0] if cache.layers else cache.update(x[:0], x[:0])
+    layer.keys = torch.cat([layer.keys, x * 2])
+    cache.seen += x.shape[0]
+    return x + 1
+
+
+def test_an_argument_object_fn_changes_gets_its_new_state_after_each_call():
+    from shardfn.runtime import simulated_world
+    import shardfn as sf
+
+    with simulated_world(4):
+        f = sf.shard(append_to, in_strategy=((4, 1), None))
+        cache, ref_cache = Cache(), Cache()
+        for step in range(3):
+            x = torch.randn(8, 6)
+            y = f(x, cache)
+            ref = append_to(x, ref_cache)
+            torch.testing.assert_close(y, ref)
+            assert cache.seen == ref_cache.seen == 8 * (step + 1)
+            assert len(cache.layers) == 1 and cache.layers[0].cache is cache
+            torch.testing.assert_close(cache.layers[0].keys, ref_cache.layers[0].keys)
+        # an empty cache, then caches of 8 and 16 rows: three signatures, no recapture for a repeated one
+        assert len(f._engine.cache) == 3
+        f(torch.randn(8, 6), Cache())
+        assert len(f._engine.cache) == 3
