@@ -117,10 +117,10 @@ class _Engine:
             mesh_spec = common_mesh([*call.held, *(f for f in call.fixed if f is not None), *param_specs.values(),
                                      *out_given], world, _alias_names(self.config.strategies()))
             captured = self._capture(args, kwargs, call, device)
-            request = PlanRequest(
-                inputs=self._input_requests(captured, call, param_specs, mesh_spec),
-                outputs=self._output_requests(captured, world, mesh_spec),
-                grad=torch.is_grad_enabled(), level=self.config.level, profile=profile_for(device))
+            inputs = self._input_requests(captured, call, param_specs, mesh_spec)
+            request = PlanRequest(inputs, self._output_requests(captured, world, mesh_spec),
+                                  grad=torch.is_grad_enabled(), level=self.config.level, profile=profile_for(device),
+                                  keep_split=self._data_parallel_dims(call, mesh_spec))
             plan = make_plan(captured, mesh_of(mesh_spec), mesh_spec, request)
         params, buffers = self._state()
         return _Compiled(captured, plan, mesh_spec, Agreement(self.name, 0),
@@ -152,6 +152,8 @@ class _Engine:
         for gi in captured.inputs:
             if gi.kind == "param":
                 spec = param_specs.get(gi.name)
+                if spec is None and self.config.dataset_strategy == "data_parallel" and self.config.level != 1:
+                    spec = TensorSpec.replicated(len(gi.shape))  # data parallelism: every rank holds it whole
                 requests.append(InputRequest(None, None if spec is None else to_placements(spec, mesh_spec)))
             elif gi.kind == "buffer":
                 requests.append(InputRequest(whole, whole))  # buffers stay whole
@@ -161,6 +163,13 @@ class _Engine:
                 requests.append(InputRequest(to_placements(call.held[j], mesh_spec),
                                              None if fixed is None else to_placements(fixed, mesh_spec)))
         return requests
+
+    def _data_parallel_dims(self, call: BoundCall, mesh_spec) -> tuple[int, ...]:
+        """Under data parallelism, the mesh dims the batch is split over: it stays split over them."""
+        if self.config.dataset_strategy != "data_parallel" or not call.held:
+            return ()
+        placements = to_placements(call.held[0], mesh_spec)
+        return tuple(d for d, p in enumerate(placements) if not p.is_replicate())
 
     def _output_requests(self, captured, world: int, mesh_spec) -> list[OutputRequest]:
         vals = [n.meta["val"] for n in captured.output_nodes]  # fn's outputs, then argument objects' new tensors

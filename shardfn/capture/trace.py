@@ -30,12 +30,34 @@ __all__ = ["CaptureError", "argument_name", "capture", "capturing", "check_not_t
 
 _STATE = threading.local()
 
-# batch norms whose schema does not declare that they update running_mean/var in place: functionalization would
-# keep them as they are, and the update would land in whatever layout the plan gives those buffers (on a copy).
-# Decomposed, the update is an explicit copy_ into the buffer, planned and run like any other write.
-_HIDDEN_MUTATIONS = get_decompositions([
-    torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,
-])
+def _var_mean_two_pass(x, dim=None, *, correction=None, keepdim=False):
+    """var_mean as sums (mean first, then squared deviations): each sum over a split dim is a pending sum that one
+    small all-reduce resolves, so statistics over a split batch (batch norm under data parallelism) need no
+    gather, and equal single-device eager's (a two-pass variance, not E[x^2] - E[x]^2)."""
+    if x.is_complex():
+        return torch._refs.var_mean(x, dim, keepdim=keepdim, correction=correction)
+    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else [d % max(x.dim(), 1) for d in dim]
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    mean = x.sum(dims, keepdim=True) / n
+    deviation = x - mean
+    var = (deviation * deviation).sum(dims, keepdim=keepdim) / (n - (1 if correction is None else correction))
+    return var, (mean if keepdim else mean.squeeze(dims))
+
+
+# Ops decomposed while capturing:
+# - batch norms, whose schema does not declare that they update running_mean/var in place: functionalization
+#   would keep them as they are, and the update would land in whatever layout the plan gives those buffers (on a
+#   copy). Decomposed, the update is an explicit copy_ into the buffer, planned and run like any other write;
+# - nll_loss's mean over a batch, and var_mean: as sums, they run on batch slices (a pending sum each) instead of
+#   gathering the batch, as data parallelism needs.
+_DECOMPOSITIONS = {
+    **get_decompositions([torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm,
+                          torch.ops.aten.miopen_batch_norm, torch.ops.aten.nll_loss_forward,
+                          torch.ops.aten.nll_loss2d_forward]),
+    torch.ops.aten.var_mean.correction: _var_mean_two_pass,
+}
 
 
 class CaptureError(RuntimeError):
@@ -153,7 +175,7 @@ def capture(
     try:
         with _capture_scope(), torch.no_grad(), fake_mode, looks_like_tracing():
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
-            gm = make_fx(torch.func.functionalize(flat_fn), decomposition_table=_HIDDEN_MUTATIONS,
+            gm = make_fx(torch.func.functionalize(flat_fn), decomposition_table=_DECOMPOSITIONS,
                          tracing_mode="real")(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise CaptureError(

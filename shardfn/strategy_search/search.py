@@ -64,6 +64,9 @@ class PlanRequest:
     grad: bool = True  # a backward pass runs
     level: int = 0
     profile: cm.DeviceProfile = cm.CPU
+    # mesh dims over which the batch stays split (data parallelism): values computed from the inputs split there
+    # are not gathered over them in forward, wherever a plan can avoid it
+    keep_split: tuple[int, ...] = ()
 
     def held(self) -> dict[int, Placements]:
         return {i: r.held for i, r in enumerate(self.inputs) if r.held is not None}
@@ -131,12 +134,12 @@ def _without_unit_dims(cands: list[Candidate], mesh_shape: Sequence[int]) -> lis
 
 
 def _fits(cands: list[Candidate], node: torch.fx.Node, inputs: list[torch.fx.Node]) -> list[Candidate]:
-    """Candidates whose every Shard(d) names a dim its tensor has (a rule may offer a placement for the other
-    operands' rank: cat with the empty 1-D tensor a cache starts from)."""
+    """Candidates whose every Shard(d) names a dim its tensor has, and that split no empty tensor (a rule may offer
+    the other operands' placement for cat's empty 1-D tensor, which a cache starts from)."""
 
     def ok(pl, val) -> bool:
         return pl is None or not isinstance(val, torch.Tensor) or all(
-            not isinstance(p, Shard) or p.dim < val.dim() for p in pl)
+            not isinstance(p, Shard) or (p.dim < val.dim() and val.numel() > 0) for p in pl)
 
     out_vals = _outputs(node)
     in_vals = [a.meta.get("val") for a in inputs]
@@ -258,8 +261,11 @@ def make_plan(
     needs_grad = _needs_grad(captured, request.grad)
     trainable = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param" and n in needs_grad}
     _offer_accumulation(decisions, needs_grad)
-    terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile, held)
+    split_values = _computed_from(captured, [i for i, r in enumerate(request.inputs)
+                                             if r.held is not None and _splits(r.held, request.keep_split)])
+    terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, request.keep_split, split_values)
     solution = _solve_level(level, terms, profile, time_limit_s)
+    why = _why_gathered(captured, request, decisions, terms, solution, profile, time_limit_s)
 
     # --- read the plan off the solution -------------------------------------------------------------------
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
@@ -288,6 +294,7 @@ def make_plan(
     comm_s = terms.comm_of(solution.choice)
     peak = _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable)
     notes = [solution.message] if solution.message not in ("optimal", "") else []
+    notes += why
     if fallbacks:
         notes.append("replicated fallback for: " + ", ".join(sorted(fallbacks)))
     inputs = [InputPlan(gi.kind, gi.name, gi.shape, held.get(i, chosen[i].outputs[0]), chosen[i].outputs[0])
@@ -304,6 +311,39 @@ def make_plan(
         optimal=solution.optimal,
         notes=notes,
     )
+
+
+def _why_gathered(captured, request, decisions, terms, solution, profile, time_limit_s) -> list[str]:
+    """Notes for explain() where the plan gathers a batch that was given split: unavoidably (data_parallel), or
+    because the objective prefers it (an in_strategy split), with what keeping it split would have cost."""
+    if request.keep_split:
+        at = _gathered_at(decisions, solution.choice, terms.violations)
+        return [f"data_parallel: no rule runs these on batch slices, so the batch is gathered for them: "
+                f"{', '.join(at)}"] if at else []
+    dims = sorted({d for r in request.inputs if r.fixed is not None for d, p in enumerate(r.fixed)
+                   if isinstance(p, Shard)})
+    given = [i for i, r in enumerate(request.inputs) if r.fixed is not None and _splits(r.fixed, tuple(dims))
+             and captured.inputs[i].kind == "input"]
+    if not given:
+        return []
+    values = _computed_from(captured, given)
+    terms.violations = _violations(decisions, terms.comm_ops, tuple(dims), values)
+    at = _gathered_at(decisions, solution.choice, terms.violations)
+    if not at:
+        return []
+    alternative = _solve_level(request.level, terms, profile, time_limit_s)
+    names = ", ".join(captured.inputs[i].name for i in given)
+    if terms.violations_of(alternative.choice):
+        return [f"{names} split as given, then gathered where no rule runs on the pieces: {', '.join(at)}"]
+
+    def figures(choice):
+        c, m = terms.compute_of(choice), terms.comm_of(choice)
+        ratio = terms.savings_of(choice) / m if m > 0 else float("inf")
+        return f"compute {c * 1e3:.3f} ms, comm {m * 1e3:.3f} ms, ratio {ratio:.3g}"
+
+    return [f"{names} split as given, but the level-{request.level} objective gathers it at {', '.join(at)}: "
+            f"this plan {figures(solution.choice)}; keeping it split {figures(alternative.choice)}. "
+            "For data parallelism give dataset_strategy='data_parallel'."]
 
 
 def _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable) -> int:
@@ -358,6 +398,11 @@ class _Terms:
     # a graph input's move from the layout it arrives in to its planned one (and its gradient's way back)
     reductions: list[np.ndarray]
     comm_ops: Any  # (value, src, dst, pending, grad, accumulate) -> (forward CommOps, backward CommOps)
+    # edges where a choice gathers a value that must stay split (keep_split): 1 per such pair of choices
+    violations: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+
+    def violations_of(self, choice) -> int:
+        return int(sum(m[choice[u], choice[v]] for u, v, m in self.violations))
 
     def compute_of(self, choice) -> float:
         return float(sum(self.compute[v][k] for v, k in enumerate(choice)))
@@ -377,7 +422,25 @@ _EDGE_MEMO: dict = {}
 _COMM_MEMO: dict = {}
 
 
-def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held) -> _Terms:
+def _splits(placements: Placements, dims: tuple[int, ...]) -> bool:
+    return any(isinstance(placements[d], Shard) for d in dims)
+
+
+def _computed_from(captured: CapturedGraph, inputs: list[int]) -> set[torch.fx.Node]:
+    """The values computed (forward) from these graph inputs."""
+    found = {captured.placeholders[i] for i in inputs}
+    for node in captured.gm.graph.nodes:
+        if node.op == "call_function" and any(a in found for a in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _gathers(ops, dims) -> bool:
+    return any(o.kind in ("all_gather", "all_to_all") and o.mesh_dim in dims for o in ops)
+
+
+def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, keep_split=(), split_values=frozenset()
+           ) -> _Terms:
     bwd_factor = 3.0  # backward ~ twice the forward's work
     compute, savings, memory = [], [], []
     for d in decisions:
@@ -438,7 +501,34 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held) -> _Term
                                          mesh_shape)
             secs[k] = sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd + bwd)
         reductions.append(secs)
-    return _Terms(decisions, compute, savings, memory, edges, reductions, lambda *a: comm_ops(*a)[:2])
+    terms = _Terms(decisions, compute, savings, memory, edges, reductions, lambda *a: comm_ops(*a)[:2])
+    terms.violations = _violations(decisions, terms.comm_ops, keep_split, split_values)
+    return terms
+
+
+def _violations(decisions, comm_ops, keep_split, split_values) -> list[tuple[int, int, np.ndarray]]:
+    """Edges where a pair of choices gathers, in forward, a value that must stay split over ``keep_split``."""
+    found = []
+    if not keep_split:
+        return found
+    for v, d in enumerate(decisions):
+        for slot, (u, out_idx, value_node) in enumerate(d.sources):
+            if value_node not in split_values:
+                continue
+            val = _val(value_node)
+            src_keys, src_idx = _distinct([sc.outputs[out_idx] for sc in decisions[u].candidates])
+            dst_keys, dst_idx = _distinct([c.inputs[slot] for c in d.candidates])
+            bad = np.array([[float(_gathers(comm_ops(val, a, b, (), False, False)[0], keep_split))
+                             for b in dst_keys] for a in src_keys])
+            if bad.any():
+                found.append((u, v, bad[np.ix_(src_idx, dst_idx)]))
+    return found
+
+
+def _gathered_at(decisions, choice, violations) -> list[str]:
+    """Where the chosen plan gathers a value that was to stay split: "value -> reader"."""
+    return [f"{decisions[u].name if decisions[u].node.op == 'placeholder' else decisions[u].node.name} -> "
+            f"{decisions[v].name}" for u, v, m in violations if m[choice[u], choice[v]]]
 
 
 def _node_collectives(d: _Decision, c: Candidate, held, grad: bool, mesh_shape) -> tuple[list, list]:
@@ -485,13 +575,19 @@ def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s:
     2: minimise step time (compute + communication) within the device's memory.
     """
     unary_time = [c + r for c, r in zip(t.compute, t.reductions)]
-    time_problem = Problem(unary_time, t.edges)
+    upper_time = sum(float(c.max()) for c in unary_time) + sum(float(m.max()) for _, _, m in t.edges) + 1e-12
+
+    def kept_split(edges, scale):
+        # one gather of a value that must stay split outweighs everything the objective can gain elsewhere
+        return edges + [(u, v, (10 * scale + 1) * m) for u, v, m in t.violations]
+
+    time_problem = Problem(unary_time, kept_split(t.edges, upper_time))
     if level == 2:
         sol = solve(time_problem, time_limit_s)
         if t.memory_of(sol.choice) <= profile.memory_bytes:
             return sol
         try:
-            sol = solve(Problem(time_problem.costs, t.edges, (t.memory, profile.memory_bytes)), time_limit_s)
+            sol = solve(Problem(time_problem.costs, time_problem.edges, (t.memory, profile.memory_bytes)), time_limit_s)
         except Infeasible:
             raise ValueError(
                 f"level=2: no plan fits the per-rank memory of the {profile.name} profile "
@@ -499,16 +595,18 @@ def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s:
             ) from None
         sol.message = sol.message if sol.message != "optimal" else "memory limit binding"
         return sol
-    upper_time = sum(float(c.max()) for c in unary_time) + sum(float(m.max()) for _, _, m in t.edges) + 1e-12
     if level == 1:
         eps = 1e-3 / upper_time  # all time together is worth less than a thousandth of a byte
         costs = [mem + eps * c for mem, c in zip(t.memory, unary_time)]
-        return solve(Problem(costs, [(u, v, eps * m) for u, v, m in t.edges]), time_limit_s)
+        scale = sum(float(m.max()) for m in t.memory) + 1.0
+        return solve(Problem(costs, kept_split([(u, v, eps * m) for u, v, m in t.edges], scale)), time_limit_s)
     eps = 1e-6 * max(sum(float(s.max()) for s in t.savings), 1e-12) / upper_time
     lam, best = 0.0, None
     for _ in range(50):
         costs = [-s + lam * r + eps * c for s, r, c in zip(t.savings, t.reductions, unary_time)]
-        sol = solve(Problem(costs, [(u, v, (lam + eps) * m) for u, v, m in t.edges]), time_limit_s)
+        scale = sum(float(np.abs(s).max()) for s in t.savings) + (lam + 1) * upper_time
+        sol = solve(Problem(costs, kept_split([(u, v, (lam + eps) * m) for u, v, m in t.edges], scale)),
+                    time_limit_s)
         saved, comm = t.savings_of(sol.choice), t.comm_of(sol.choice)
         best = sol
         if comm <= 0 or saved - lam * comm <= 1e-9 * max(saved, 1e-12):
