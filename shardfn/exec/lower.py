@@ -102,6 +102,10 @@ class ParallelProgram:
         self.entries, self.as_dtensor = plan.inputs, plan.returns_dtensor
         self.graphs: dict[str, torch.fx.GraphModule] = {}
         self.out_vals = [n.meta["val"] for n in captured.output_nodes]
+        # the graph's constant tensors (made inside fn, or read from outside it): extra inputs of the traced
+        # program, read from their objects at every call
+        self.constants = [getattr(captured.gm, n.target) for n in captured.gm.graph.nodes
+                          if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
         self._n_params = sum(e.kind == "param" for e in self.entries)
         self._run: Callable = self._compile() if compiled else self.local_step
         self._graph_step: bool | None = None if compiled else False  # decided after the first traced call
@@ -147,29 +151,30 @@ class ParallelProgram:
             return type(out)(_conform(o, p) for o, p in zip(out, np_.outputs))
         return _conform(out, np_.outputs[0])
 
-    def interpret(self, *inputs: DTensor) -> list[Any]:
+    def interpret(self, inputs: list[DTensor], constants: list[torch.Tensor]) -> list[Any]:
         env: dict[torch.fx.Node, Any] = {}
-        it = iter(inputs)
+        it, consts = iter(inputs), iter(constants)
         for node in self.captured.gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(it)
             elif node.op == "call_function":
                 env[node] = self._run_node(node, env)
             elif node.op == "get_attr":
-                env[node] = getattr(self.captured.gm, node.target)
+                env[node] = next(consts) if isinstance(node.meta.get("val"), torch.Tensor) else \
+                    getattr(self.captured.gm, node.target)
             elif node.op == "output":
                 return [_conform(_to(env[o], p, self.mesh), p) for o, p in zip(node.args[0], self.plan.outputs)]
         raise AssertionError("graph has no output node")
 
     def local_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
-        """The whole call on this rank's local tensors: entry, program, exit."""
+        """The whole call on this rank's local tensors (then the graph's constants): entry, program, exit."""
         inputs = []
         for x, e in zip(locals_, self.entries):
             # from_local's backward returns the gradient in the held layout (a pending sum reduced)
             d = DTensor.from_local(x, self.mesh, e.held, run_check=False, shape=torch.Size(e.shape),
                                    stride=global_stride(x, e.shape))
             inputs.append(d if e.held == e.planned else d.redistribute(self.mesh, e.planned))
-        return [o.to_local() for o in self.interpret(*inputs)]
+        return [o.to_local() for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
 
     # --- compilation --------------------------------------------------------------------------------------
 
@@ -214,7 +219,8 @@ class ParallelProgram:
         bw_out = next(n for n in bw.graph.nodes if n.op == "output").args[0]
         n_out, n_saved = len(self.out_vals), len(fw_out) - len(self.out_vals)
         tangents = [name for name in bw_in if name.startswith("tangents")]
-        return (len(fw_in) == len(self.entries) and len(tangents) == n_out and bw_in[n_saved:] == tangents
+        return (len(fw_in) == len(self.entries) + len(self.constants) and len(tangents) == n_out
+                and bw_in[n_saved:] == tangents
                 and len(bw_in) == n_saved + n_out and len(bw_out) == len(fw_in))
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
@@ -237,7 +243,7 @@ class ParallelProgram:
             picked = [args[i] for i in dtensor_pos]
             for i, t in zip(dtensor_pos, LocalsOf.apply(*picked)):
                 locals_[i] = t
-        outs = self._run(*locals_)
+        outs = self._run(*locals_, *self.constants)
         return [
             _from_local(o, self.mesh, self.plan.outputs[k], v) if self.as_dtensor[k] else o
             for k, (o, v) in enumerate(zip(outs, self.out_vals))
@@ -252,10 +258,11 @@ class GraphStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: ParallelProgram, *args):
         n_params = program._n_params
-        out = program.graphs["forward"](*program.parameter_locals(args[:n_params]), *args[n_params:])
+        out = program.graphs["forward"](*program.parameter_locals(args[:n_params]), *args[n_params:],
+                                        *program.constants)
         n_out = len(program.out_vals)
         ctx.save_for_backward(*out[n_out:])
-        ctx.program, ctx.layouts = program, program._layouts
+        ctx.program, ctx.layouts, ctx.n_args = program, program._layouts, len(args)
         return tuple(out[:n_out])
 
     @staticmethod
@@ -264,7 +271,7 @@ class GraphStep(torch.autograd.Function):
         grads = [g.contiguous() for g in grads]
         local = program.graphs["backward"](*ctx.saved_tensors, *grads)
         wrapped = [None if g is None else local_as(layout, g) for g, layout in zip(local, ctx.layouts)]
-        return (None, *wrapped, *local[len(wrapped):])
+        return (None, *wrapped, *local[len(wrapped):ctx.n_args])
 
 
 def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool = True) -> ParallelProgram:

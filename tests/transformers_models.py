@@ -1,0 +1,162 @@
+"""Models from transformers as users call them (small configs, random weights), and how the tests shard them.
+
+Each model is trained a few AdamW steps sharded and unsharded on the same batches; the losses and every
+parameter's gradient must agree. Ways of sharding (``MODES``):
+
+* ``dp``: the whole model with dataset_strategy="data_parallel" (each rank passes its slice of the batch);
+* ``tp``: the whole model with a Megatron parameter_plan on every layer (column-parallel in, row-parallel out);
+* ``search``: the whole model, every layout left to the search at level 2;
+* ``layer``: one layer sharded in place inside the model (Megatron plan), called by the model's own forward.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import transformers as tf
+from torch.distributed.tensor import DTensor
+
+import shardfn as sf
+from tests.harness import on_rank
+
+MODES = ("dp", "tp", "search", "layer")
+VOCAB, SEQ, BATCH = 128, 16, 8
+
+
+def _decoder_config(cls):
+    return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64)
+
+
+def _encoder_config(cls, **kw):
+    return cls(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, **kw)
+
+
+@dataclass(frozen=True)
+class Spec:
+    make: Callable[[], torch.nn.Module]
+    inputs: str  # "tokens" (labels = the tokens), "classes" (tokens, one label each), "images"
+    layers: str  # the attribute path of the layer list
+    column: tuple[str, ...] = ()  # names (within a layer) of weights split by output rows
+    row: tuple[str, ...] = ()  # names (within a layer) of weights split by input columns; Conv1D: the reverse
+
+
+_LLAMA_COLUMN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "mlp.gate_proj.weight", "mlp.up_proj.weight")
+_LLAMA_ROW = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_BERT_COLUMN = ("attention.self.query.weight", "attention.self.key.weight", "attention.self.value.weight",
+                "intermediate.dense.weight")
+_BERT_ROW = ("attention.output.dense.weight", "output.dense.weight")
+
+MODELS = {
+    "llama": Spec(lambda: tf.LlamaForCausalLM(_decoder_config(tf.LlamaConfig)), "tokens", "model.layers",
+                  _LLAMA_COLUMN, _LLAMA_ROW),
+    "qwen2": Spec(lambda: tf.Qwen2ForCausalLM(_decoder_config(tf.Qwen2Config)), "tokens", "model.layers",
+                  _LLAMA_COLUMN + ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                  _LLAMA_ROW),
+    # GPT-2's Conv1D weights are (in, out): the column split is on dim 1, the row split on dim 0
+    "gpt2": Spec(lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB,
+                                                          n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                          attn_pdrop=0.0)),
+                 "tokens", "transformer.h", ("attn.c_proj.weight", "mlp.c_proj.weight"),
+                 ("attn.c_attn.weight", "mlp.c_fc.weight")),
+    "bert": Spec(lambda: tf.BertForSequenceClassification(_encoder_config(
+        tf.BertConfig, vocab_size=VOCAB, max_position_embeddings=64, num_labels=3)), "classes",
+        "bert.encoder.layer", _BERT_COLUMN, _BERT_ROW),
+    "vit": Spec(lambda: tf.ViTForImageClassification(_encoder_config(
+        tf.ViTConfig, image_size=16, patch_size=4, num_labels=5)), "images", "vit.layers",
+        ("attention.q_proj.weight", "attention.k_proj.weight", "attention.v_proj.weight", "mlp.fc1.weight"),
+        ("attention.o_proj.weight", "mlp.fc2.weight")),
+    "resnet": Spec(lambda: tf.ResNetForImageClassification(tf.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=5)), "images", "resnet.encoder.stages"),
+}
+
+
+def batch(spec: Spec, seed: int, n: int = BATCH) -> tuple[tuple, dict]:
+    torch.manual_seed(seed)  # the global generator: the same batch on every rank, simulated ranks included
+    if spec.inputs == "tokens":
+        ids = torch.randint(0, VOCAB, (n, SEQ))
+        return (ids,), {"labels": ids}
+    if spec.inputs == "classes":
+        return (torch.randint(0, VOCAB, (n, SEQ)),), {"labels": torch.randint(0, 3, (n,))}
+    return (torch.randn(n, 3, 16, 16),), {"labels": torch.randint(0, 5, (n,))}
+
+
+def _get(obj, path: str):
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def megatron(spec: Spec, world: int, prefix: str = "") -> dict:
+    """A Megatron parameter_plan for one layer's names (prefixed)."""
+    plan = {prefix + n: (world, 1) for n in spec.column}
+    plan.update({prefix + n: (1, world) for n in spec.row})
+    if spec.inputs == "tokens" and spec.layers == "transformer.h":  # Conv1D: (in, out)
+        plan = {prefix + n: (world, 1) for n in spec.row} | {prefix + n: (1, world) for n in spec.column}
+    for n in list(plan):
+        if n.endswith(".bias"):
+            plan[n] = (world,)
+    return plan
+
+
+def shard(model: torch.nn.Module, spec: Spec, mode: str, world: int) -> torch.nn.Module:
+    layers = _get(model, spec.layers)
+    if mode == "dp":
+        return sf.shard(model, in_strategy=(None,), dataset_strategy="data_parallel")
+    if mode == "tp":
+        plan = {k: v for i in range(len(layers)) for k, v in megatron(spec, world, f"{spec.layers}.{i}.").items()}
+        return sf.shard(model, in_strategy=(None,), parameter_plan=plan)
+    if mode == "search":
+        return sf.shard(model, in_strategy=(None,), level=2)
+    # the layer as the model calls it: hidden states, then keyword arguments (masks, positions, the cache)
+    layers[0] = sf.shard(layers[0], in_strategy={}, parameter_plan=megatron(spec, world))
+    return model
+
+
+def train_and_compare(name: str, mode: str, world: int, rank_slice: Callable, ranks: int = 1, steps: int = 3,
+                      rtol: float = 1e-4, atol: float = 1e-5) -> list[float]:
+    """Train ``name`` sharded as ``mode`` and unsharded on the same batches; assert losses and gradients agree
+    at every step. ``rank_slice(t)`` gives this rank's dim-0 slice (data_parallel inputs); ``ranks``: how many
+    ranks' values each tensor holds (a simulated world's). Returns the losses (rank 0's)."""
+
+    def close(a, b, what):
+        for r in range(ranks):
+            torch.testing.assert_close(on_rank(a, r), on_rank(b, r), rtol=rtol, atol=atol,
+                                       msg=lambda m: f"{what} (rank {r}): {m}")
+
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    reference = spec.make()
+    model = shard(copy.deepcopy(reference), spec, mode, world)
+    # torch's foreach kernels take no mix of DTensor and plain parameters in one group: one group per kind
+    groups = [[p for p in model.parameters() if isinstance(p, DTensor) == kind] for kind in (True, False)]
+    opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-3, foreach=True)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, foreach=True)
+    losses = []
+    for step in range(steps):
+        args, kwargs = batch(spec, seed=step)
+        if mode == "dp":
+            out = model(*map(rank_slice, args), **{k: rank_slice(v) for k, v in kwargs.items()})
+        else:
+            out = model(*args, **kwargs)
+        ref = reference(*args, **kwargs)
+        close(out.loss, ref.loss, f"step {step} loss")
+        out.loss.backward()
+        ref.loss.backward()
+        for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            if q.grad is None:
+                assert p.grad is None, f"step {step}: {n} got a gradient eager does not"
+                continue
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            close(g, q.grad, f"step {step} {n}.grad")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses.append(float(on_rank(ref.loss, 0)))
+    return losses
