@@ -108,3 +108,30 @@ def check_module_parity(make_module: Callable[[], torch.nn.Module], make_args: C
                 torch.testing.assert_close(on_rank(p.grad.full_tensor(), r), on_rank(q.grad, r), rtol=rtol,
                                            atol=atol, msg=lambda m: f"{name}: {m}")
         return sf.explain(sharded, *call.args, kwargs=call.kwargs)
+
+
+def check_parity_here(fn: Callable, make_args: Callable[[], Any], in_strategy, rtol: float = 1e-5,
+                      atol: float = 1e-5, seed: int = 0, **shard_kwargs):
+    """:func:`check_parity` on the ranks this process is one of (real ranks run the traced, post-pass graphs):
+    outputs and input gradients of the sharded call equal eager on this rank. Returns the sharded callable."""
+    torch.manual_seed(seed)
+    call = _as_call(make_args())
+    ref_call = _clone(call)
+    sharded = sf.shard(fn, in_strategy, **shard_kwargs)
+    for _ in range(2):  # the first call traces; the second runs the cached graphs
+        torch.manual_seed(seed + 1)
+        out = sharded(*call.args, **call.kwargs)
+    torch.manual_seed(seed + 1)
+    ref = fn(*ref_call.args, **ref_call.kwargs)
+    for o, e in zip(tensors_of(out), tensors_of(ref), strict=True):
+        torch.testing.assert_close(o, e, rtol=rtol, atol=atol)
+    inputs = [a for a in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(a, torch.Tensor)]
+    ref_inputs = [a for a in pytree.tree_leaves((ref_call.args, ref_call.kwargs)) if isinstance(a, torch.Tensor)]
+    if any(a.requires_grad for a in inputs):
+        _loss(out).backward()
+        _loss(ref).backward()
+        for i, (a, e) in enumerate(zip(inputs, ref_inputs)):
+            if a.requires_grad:
+                assert a.grad is not None, f"tensor input {i} got no gradient"
+                torch.testing.assert_close(a.grad, e.grad, rtol=rtol, atol=atol)
+    return sharded

@@ -79,3 +79,25 @@ def test_vmap_inside_fn():
         return torch.func.vmap(lambda row: torch.tanh(row @ w))(x)
 
     check_parity(f, lambda: (rand(8, 6), rand(6, 4)), ((4, 1), None), world=4)
+
+
+def _cases_on_this_rank(names):
+    """Every named case on the real ranks of this process; the failures (name: error)."""
+    import traceback
+
+    from tests.parity import check_parity_here
+
+    failures = {}
+    for name in names:
+        fn, make_args, in_strategy = CASES[name]
+        try:
+            check_parity_here(fn, make_args, in_strategy)
+        except Exception:  # noqa: BLE001 - reported per case
+            failures[name] = traceback.format_exc(limit=-3)
+    return failures
+
+
+def test_op_parity_on_real_ranks(gloo4):
+    # real ranks run what the simulated world does not: the traced forward/backward graphs after their passes
+    results = gloo4.run(_cases_on_this_rank, sorted(CASES))
+    assert results == [{}] * 4, next(r for r in results if r)
