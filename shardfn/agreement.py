@@ -114,7 +114,7 @@ class Agreement:
             lines += _differs("could not prepare this call", [f or "(prepared)" for _, f in everyone])
         if not lines:  # the same call, but some rank made more calls: one skipped or repeated one
             lines = _differs("calls made so far", [d["sequence"] for d, _ in everyone])
-        message = (f"{self.what}: the ranks are not making the same call, so its collectives would not match (a "
+        message = ("shardfn: the ranks are not making the same call, so its collectives would not match (a "
                    "hang or wrong numbers); every rank stops here. What differs:\n" + "\n".join(lines) + "\n"
                    "Every rank must call sharded callables in the same order with the same strategies and arguments "
                    "of the same shapes, dtypes and layouts (with dataset_strategy='data_parallel', equal batch "

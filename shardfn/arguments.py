@@ -170,7 +170,11 @@ def _tensor_key(a: torch.Tensor):
 def call_key(args: Sequence[Any], kwargs: dict) -> tuple[tuple, list[torch.Tensor], list]:
     """A call's signature (structure, tensors' shapes, dtypes, requires_grad, layouts, other values, grad mode,
     autocast), its tensors (the program's inputs, in order) and its argument objects (by number)."""
-    tensors, _, structure = split_arguments(args, kwargs)
+    try:
+        tensors, _, structure = split_arguments(args, kwargs)
+    except TypeError:  # an argument shardfn cannot take apart: again with names, for an error that names it
+        split_arguments(args, kwargs, names=True)
+        raise
     key = (structure.key(lambda i: _tensor_key(tensors[i])), torch.is_grad_enabled(), _autocast_state())
     return key, tensors, structure.objects() if structure.n_objects else []
 

@@ -140,13 +140,13 @@ class _Rebuild:
 
 def split(value: Any, where: Callable[[], str] = lambda: "fn", path: str | None = None,
           kept: dict[int, int] | None = None, copies: dict[int, int] | None = None,
-          ) -> tuple[list[torch.Tensor], list[str], Structure]:
+          display: Callable[[str], str] = str) -> tuple[list[torch.Tensor], list[str], Structure]:
     """``value``'s tensors in a fixed order, a name for each (its path from ``path``; names are made only when
     ``path`` is given), and the Structure that rebuilds ``value`` around new tensors.
 
     ``kept`` maps id(tensor) -> input index: such tensors are recorded as kept inputs, not split off;
     ``copies`` maps id(object) -> argument number: such objects, below the top, are references to the caller's
-    argument objects.
+    argument objects. ``display(path)`` is how an error names a path.
     """
     tensors: list[torch.Tensor] = []
     names: list[str] = []
@@ -178,7 +178,7 @@ def split(value: Any, where: Callable[[], str] = lambda: "fn", path: str | None 
             if not _holds_tensors(x, set()):
                 return x
             raise TypeError(
-                f"{where()}: {at or 'a value'} is a {type(x).__name__} holding tensors that shardfn cannot reach "
+                f"{where()}: {display(at) if at is not None else 'a value'} is a {type(x).__name__} holding tensors that shardfn cannot reach "
                 "(it has no __dict__); pass or return the tensors themselves, or register the class as a pytree "
                 "node with torch.utils._pytree.register_pytree_node")
         number = seen[id(x)] = len(seen)

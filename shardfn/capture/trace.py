@@ -115,7 +115,8 @@ def argument_name(path: str) -> str:
 
 def split_arguments(args: Sequence[Any], kwargs: dict[str, Any], names: bool = False, where=lambda: "fn"):
     """The tensors in a call's (args, kwargs), their names (when asked for) and the Structure of the call."""
-    tensors, paths, structure = split((tuple(args), dict(kwargs)), where, path="" if names else None)
+    tensors, paths, structure = split((tuple(args), dict(kwargs)), where, path="" if names else None,
+                                      display=argument_name)
     return tensors, [argument_name(p) for p in paths] if names else [], structure
 
 
