@@ -35,6 +35,7 @@ from .solver import Infeasible, Problem, solve
 __all__ = ["InputRequest", "OutputRequest", "PlanRequest", "make_plan"]
 
 Placements = tuple[Placement, ...]
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -256,6 +257,7 @@ def make_plan(
     sink_inputs = tuple(r.placements for r in request.outputs)
     decisions.append(_Decision(None, "output", [Candidate((), sink_inputs, "output")],
                                [(*producer[a], a) for a in outs]))
+    _check_core_rules(fallbacks)
     warn_fallbacks(fallbacks)
 
     needs_grad = _needs_grad(captured, request.grad)
@@ -344,6 +346,24 @@ def _why_gathered(captured, request, decisions, terms, solution, profile, time_l
     return [f"{names} split as given, but the level-{request.level} objective gathers it at {', '.join(at)}: "
             f"this plan {figures(solution.choice)}; keeping it split {figures(alternative.choice)}. "
             "For data parallelism give dataset_strategy='data_parallel'."]
+
+
+# ops every model leans on: running one of them replicated because its rule could not be read would make every
+# plan silently serial, so that is an error naming the torch release instead
+_CORE_OPS = {str(op) for op in (
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.native_layer_norm.default,
+    aten.embedding.default, aten._softmax.default, aten._log_softmax.default, aten.sum.dim_IntList,
+    aten.mean.dim, aten.add.Tensor, aten.mul.Tensor, aten.view.default, aten.t.default, aten.transpose.int,
+)}
+
+
+def _check_core_rules(fallbacks: set[str]) -> None:
+    missing = sorted(fallbacks & _CORE_OPS)
+    if missing:
+        raise RuntimeError(
+            f"shardfn could not read DTensor's sharding rules for {', '.join(missing)} in torch {torch.__version__}: "
+            "plans would run these whole on every rank. shardfn supports torch >=2.11,<2.16; use one of those "
+            "releases, or report this torch release as unsupported.")
 
 
 def _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable) -> int:

@@ -1,5 +1,7 @@
 """Where candidates come from: DTensor's rules through the adapter, own rules, the replicated fallback."""
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,3 +65,13 @@ def test_random_fills_are_candidates_in_any_layout():
     cands = node_candidates(node, _mesh(4), set())
     assert {c.outputs[0] for c in cands} == {(Replicate(),), (Shard(0),), (Shard(1),)}
     assert all(c.rule == "random" for c in cands)
+
+
+def test_a_core_rule_that_cannot_be_read_is_an_error_naming_the_torch_release(monkeypatch):
+    import shardfn as sf
+    import shardfn.strategy_search.candidates as candidates
+
+    monkeypatch.setattr(candidates, "_from_dtensor", lambda node, mesh: None)  # as if DTensor had no rules
+    monkeypatch.setattr(candidates, "_CACHE", {})
+    with pytest.raises(RuntimeError, match=rf"rules for aten.mm.default in torch {re.escape(torch.__version__)}.*>=2.11,<2.16"):
+        sf.explain(torch.mm, torch.empty(8, 4), torch.empty(4, 6), world_size=4)
