@@ -49,18 +49,30 @@ class DeviceProfile:
     """Roofline and link constants of one device kind. Override by building your own profile."""
 
     name: str
-    flops_per_s: float  # sustained matmul throughput, fp32
+    flops_per_s: float  # sustained matmul throughput, fp32 (full precision: no TF32)
     mem_bytes_per_s: float  # memory bandwidth, for memory-bound (elementwise) ops
     alpha_s: float  # per-hop collective latency
     launch_s: float  # fixed cost of issuing one collective (software, kernel launch)
     beta_s_per_byte: float  # inverse link bandwidth
     memory_bytes: float  # per-device memory, the budget of level 2
+    half_flops_per_s: float = 0.0  # bf16/fp16 matmul throughput (0: as fp32)
+    tf32_flops_per_s: float = 0.0  # fp32 matmuls when TF32 is allowed (0: as fp32)
+
+    def matmul_flops_per_s(self, dtype: torch.dtype) -> float:
+        """Throughput for ops computing in ``dtype``; fp32 uses TF32's when torch allows it on CUDA."""
+        if dtype in (torch.bfloat16, torch.float16) and self.half_flops_per_s:
+            return self.half_flops_per_s
+        if dtype == torch.float32 and self.tf32_flops_per_s and torch.backends.cuda.matmul.allow_tf32:
+            return self.tf32_flops_per_s
+        return self.flops_per_s
 
 
 # A CPU rank with gloo over loopback/TCP, and an H100 SXM with NVLink (NCCL). Order-of-magnitude constants:
-# they rank plans, they do not predict wall time to the percent.
+# they rank plans, they do not predict wall time to the percent. H100 matmul rates as measured on one H100 (a
+# GPT block: fp32 without TF32 ~60 TFLOP/s, bf16 ~800 TFLOP/s), TF32 between.
 CPU = DeviceProfile("cpu", 5e10, 2e10, 5e-5, 2e-5, 1 / 2e9, 16e9)
-H100 = DeviceProfile("h100", 4e14, 3e12, 1e-5, 5e-6, 1 / 4.5e11, 80e9)
+H100 = DeviceProfile("h100", 6e13, 3e12, 1e-5, 5e-6, 1 / 4.5e11, 80e9, half_flops_per_s=8e14,
+                     tf32_flops_per_s=4e14)
 
 
 def profile_for(device: str) -> DeviceProfile:
@@ -229,9 +241,10 @@ def node_bytes(node) -> int:
     return total
 
 
-def compute_seconds(flops: int, nbytes: int, split: int, profile: DeviceProfile) -> float:
-    """Roofline time of one op whose work is split ``split`` ways."""
-    return max(flops / profile.flops_per_s, nbytes / profile.mem_bytes_per_s) / max(split, 1)
+def compute_seconds(flops: int, nbytes: int, split: int, profile: DeviceProfile,
+                    dtype: torch.dtype = torch.float32) -> float:
+    """Roofline time of one op computing in ``dtype`` whose work is split ``split`` ways."""
+    return max(flops / profile.matmul_flops_per_s(dtype), nbytes / profile.mem_bytes_per_s) / max(split, 1)
 
 
 def is_alias_op(node) -> bool:

@@ -475,8 +475,9 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, keep_spl
         else:
             flops, nbytes = cm.node_flops(d.node), cm.node_bytes(d.node)
             factor = bwd_factor if d.node in needs_grad else 1.0
-            whole = factor * cm.compute_seconds(flops, nbytes, 1, profile)
-            per = np.array([factor * cm.compute_seconds(flops, nbytes, _split(c, mesh_shape), profile)
+            dtype = vals[0].dtype if vals else torch.float32
+            whole = factor * cm.compute_seconds(flops, nbytes, 1, profile, dtype)
+            per = np.array([factor * cm.compute_seconds(flops, nbytes, _split(c, mesh_shape), profile, dtype)
                             for c in d.candidates])
             compute.append(per), savings.append(whole - per)
             keep = 1 if d.node in needs_grad and not cm.is_alias_op(d.node) else 0

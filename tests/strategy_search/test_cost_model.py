@@ -1,0 +1,53 @@
+"""The cost model: compute by dtype, alpha-beta collectives, redistributions and their backward duals."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from shardfn.strategy_search import cost_model as cm
+
+
+def test_compute_knows_the_dtype(monkeypatch):
+    flops = 10**12
+    fp32 = cm.compute_seconds(flops, 0, 1, cm.H100, torch.float32)
+    bf16 = cm.compute_seconds(flops, 0, 1, cm.H100, torch.bfloat16)
+    assert fp32 / bf16 == pytest.approx(cm.H100.half_flops_per_s / cm.H100.flops_per_s)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert cm.compute_seconds(flops, 0, 1, cm.H100, torch.float32) == pytest.approx(flops / cm.H100.tf32_flops_per_s)
+    # a profile without separate rates (the CPU's) costs every dtype alike; split work costs its share
+    assert cm.compute_seconds(flops, 0, 4, cm.CPU, torch.bfloat16) == pytest.approx(flops / cm.CPU.flops_per_s / 4)
+
+
+def test_memory_bound_ops_cost_their_bytes():
+    assert cm.compute_seconds(0, 10**9, 2, cm.CPU) == pytest.approx(1e9 / cm.CPU.mem_bytes_per_s / 2)
+
+
+@pytest.mark.parametrize("kind, hops, volume", [("all_reduce", 2 * 3, 2 * 3 / 4), ("all_gather", 3, 3 / 4),
+                                                ("reduce_scatter", 3, 3 / 4), ("all_to_all", 3, 3 / 16)])
+def test_alpha_beta_ring_formulas(kind, hops, volume):
+    p, nbytes = cm.CPU, 1 << 20
+    got = cm.collective_seconds(cm.CommOp(kind, 0, nbytes), (4,), p)
+    assert got == pytest.approx(p.launch_s + hops * p.alpha_s + volume * nbytes * p.beta_s_per_byte)
+    assert cm.collective_seconds(cm.CommOp(kind, 0, nbytes), (1,), p) == 0.0  # a dim of one rank moves nothing
+
+
+@pytest.mark.parametrize("src, dst, kinds", [
+    ((Shard(0),), (Replicate(),), ["all_gather"]),
+    ((Partial(),), (Replicate(),), ["all_reduce"]),
+    ((Partial(),), (Shard(1),), ["reduce_scatter"]),
+    ((Shard(0),), (Shard(1),), ["all_to_all"]),
+    ((Replicate(),), (Shard(0),), []),  # a slice: free
+    ((Shard(0), Partial()), (Replicate(), Replicate()), ["all_reduce", "all_gather"]),  # sums first
+])
+def test_redistributions(src, dst, kinds):
+    mesh = (4,) * len(src)
+    ops = cm.redistribute_collectives((8, 8), 4, src, dst, mesh)
+    assert [o.kind for o in ops] == kinds
+
+
+def test_backward_of_a_replicated_read_in_split_work_reduces_the_gradient():
+    # a weight read whole by a batch-split matmul: its gradient is a pending sum, all-reduced on the way back
+    ops = cm.backward_collectives((8, 8), 4, (Replicate(),), (Replicate(),), (True,), (4,))
+    assert [o.kind for o in ops] == ["all_reduce"]
+    # read as the same shard it was produced in: nothing to move back
+    assert cm.backward_collectives((8, 8), 4, (Shard(0),), (Shard(0),), (False,), (4,)) == []
