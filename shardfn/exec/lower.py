@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from ..capture.graph import CapturedGraph
-from ..strategy_search._dtensor_adapter import layout_of, local_as
+from ._dtensor_internals import layout_of, local_as, local_of
 from ..strategy_search.plan import Plan
 from .passes import simplify
 from .run import LocalsOf, global_stride
@@ -87,7 +87,7 @@ _VIEWS = (aten.view.default, aten._unsafe_view.default)
 
 def _contiguous(x: Any) -> Any:
     # DTensor checks a view against its global strides, the kernel against the local ones: both must allow it
-    if isinstance(x, DTensor) and not (x.is_contiguous() and x._local_tensor.is_contiguous()):
+    if isinstance(x, DTensor) and not (x.is_contiguous() and local_of(x).is_contiguous()):
         return x.contiguous()
     return x
 

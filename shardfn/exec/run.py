@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..strategy_search._dtensor_adapter import layout_of, local_as
+from ._dtensor_internals import layout_of, local_as
 
 __all__ = ["LocalsOf", "global_stride"]
 
