@@ -170,6 +170,9 @@ def _tensor_key(a: torch.Tensor):
 def call_key(args: Sequence[Any], kwargs: dict) -> tuple[tuple, list[torch.Tensor], list]:
     """A call's signature (structure, tensors' shapes, dtypes, requires_grad, layouts, other values, grad mode,
     autocast), its tensors (the program's inputs, in order) and its argument objects (by number)."""
+    if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call: plain tensors only
+        key = (("plain", tuple(_tensor_key(a) for a in args)), torch.is_grad_enabled(), _autocast_state())
+        return key, list(args), []
     try:
         tensors, _, structure = split_arguments(args, kwargs)
     except TypeError:  # an argument shardfn cannot take apart: again with names, for an error that names it

@@ -12,6 +12,7 @@ collectives (``program.graphs``), so a call runs two flat graphs, not Python per
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -30,6 +31,7 @@ from .run import LocalsOf, global_stride
 __all__ = ["ParallelProgram", "lower"]
 
 aten = torch.ops.aten
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
 def _conform(x: Any, placements: tuple[Placement, ...] | None):
     """Put an op result in its planned placement. A pending sum stays as the op left it: one the op resolved
@@ -107,8 +109,11 @@ class ParallelProgram:
         self.constants = [getattr(captured.gm, n.target) for n in captured.gm.graph.nodes
                           if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
         self._n_params = sum(e.kind == "param" for e in self.entries)
-        self._run: Callable = self._compile() if compiled else self.local_step
-        self._graph_step: bool | None = None if compiled else False  # decided after the first traced call
+        if mesh.size() == 1:  # one rank holds everything: the captured graph itself, eager, nothing to lay out
+            self._run, self._graph_step = self.whole_step, False
+        else:
+            self._run = self._compile() if compiled else self.local_step
+            self._graph_step = None if compiled else False  # decided after the first traced call
         self._locals: list[torch.Tensor] = []
         self._layouts: list = []
         self._locals_of: list[DTensor] = []
@@ -175,6 +180,14 @@ class ParallelProgram:
                                    stride=global_stride(x, e.shape))
             inputs.append(d if e.held == e.planned else d.redistribute(self.mesh, e.planned))
         return [o.to_local() for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
+
+    def whole_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
+        """A world of one: the captured graph on the whole tensors, under eager autograd, as fn ran at capture.
+        The graph holds torch.autocast's casts already; they are not applied twice."""
+        with contextlib.ExitStack() as stack:
+            for device in _AUTOCAST_DEVICES:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return list(self.captured.gm(*locals_[:len(self.entries)]))
 
     # --- compilation --------------------------------------------------------------------------------------
 

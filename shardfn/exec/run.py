@@ -14,9 +14,10 @@ from typing import Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from ._dtensor_internals import layout_of, local_as
+from ._dtensor_internals import layout_of, local_as, local_of
 
 __all__ = ["LocalsOf", "global_stride"]
+
 
 class LocalsOf(torch.autograd.Function):
     """DTensors -> their local tensors, in one autograd node; gradients go back as DTensors of the same layout."""
@@ -24,7 +25,7 @@ class LocalsOf(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *dtensors: DTensor):
         ctx.layouts = [layout_of(d) for d in dtensors]
-        return tuple(d.to_local().detach() for d in dtensors)
+        return tuple(local_of(d).detach() for d in dtensors)
 
     @staticmethod
     def backward(ctx, *grads):
