@@ -1,7 +1,8 @@
 """A call's arguments against the config: every tensor they hold, its strategy, and how it arrives.
 
-Every tensor reachable in a call's args and kwargs through tuples, lists, dicts and other pytree containers is an
-input of the sharded program, in pytree order (:func:`bind`). ``in_strategy`` gives them layouts:
+Every tensor reachable in a call's args and kwargs (through pytree containers and the attributes of plain
+objects, in :func:`shardfn.capture.structure.split`'s order) is an input of the sharded program (:func:`bind`).
+``in_strategy`` gives them layouts:
 
 * a tuple: one entry per positional argument (MindSpore's form); tensors passed by keyword are left to the
   search;
@@ -37,7 +38,7 @@ def _is_strategy(e: Any) -> bool:
 
 
 def _align(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str]]:
-    """(strategy, the argument that gave it) for each leaf of ``value`` (pytree order), from its in_strategy
+    """(strategy, the argument that gave it) for each tensor in ``value`` (split's order), from its in_strategy
     ``entry``."""
     if entry is None:
         return [(None, where)] * len(split(value)[0])
@@ -63,7 +64,7 @@ def _align(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str
 
 
 def _strategies(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwargs: dict) -> list:
-    """(in_strategy's entry, the argument naming it) for every leaf of (args, kwargs), in pytree order."""
+    """(in_strategy's entry, the argument naming it) for every tensor in (args, kwargs), in split's order."""
     if isinstance(config.in_strategy, tuple):
         if len(config.in_strategy) != len(args):
             raise ValueError(
@@ -92,9 +93,9 @@ def _argument_names(fn: Callable, args: Sequence[Any], kwargs: dict) -> list[tup
     except (TypeError, ValueError):
         raise TypeError("in_strategy is a dict but fn's signature cannot be read; give a tuple, one entry per "
                         "positional input") from None
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     out = []
     for i in range(len(args)):
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         if i < len(positional):
             out.append((positional[i].name, None))
             continue
@@ -117,7 +118,7 @@ def _item(entry: Any, index: int) -> Any:
 
 @dataclass
 class BoundCall:
-    """One call's tensor inputs (pytree order of args then kwargs) and what the config says of them."""
+    """One call's tensor inputs (split's order: args, then kwargs) and what the config says of them."""
 
     tensors: list[torch.Tensor]
     names: list[str]  # "input 0", "input 2[1]", "attention_mask", ...
@@ -132,7 +133,7 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
     tensors, names, _ = split_arguments(args, kwargs, names=True, where=lambda: name)
     strategies = _strategies(config, fn, name, args, kwargs)
     bound = BoundCall([], [], [], [], [])
-    for leaf, (s, arg), where in zip(tensors, strategies, names):
+    for leaf, (s, arg), where in zip(tensors, strategies, names, strict=True):
         if isinstance(leaf, DTensor):
             shape = tuple(leaf.shape)
             held = spec_of_dtensor(leaf, world, where)
