@@ -129,6 +129,11 @@ def _differs(what: str, per_rank: list[str]) -> list[str]:
         groups.setdefault(v, []).append(r)
     if len(groups) == 1:
         return []
+    if any("\n" in v for v in groups):  # a traced graph or a plan: the first line where they part
+        texts = [v.splitlines() for v in groups]
+        at = next((i for i in range(max(map(len, texts))) if len({t[i] if i < len(t) else "" for t in texts}) > 1), 0)
+        groups = {f"line {at + 1}: {(t[at] if at < len(t) else '(end)').strip()}": rs
+                  for t, rs in zip(texts, groups.values())}
     return [f"  {what}: " + "; ".join(f"{_ranks(rs)}: {v}" for v, rs in groups.items())]
 
 
