@@ -57,22 +57,30 @@ def check_parity(fn: Callable, make_args: Callable[[], Any], in_strategy, world:
         out = sharded(*call.args, **call.kwargs)
         torch.manual_seed(seed + 1)
         ref = fn(*ref_call.args, **ref_call.kwargs)
-        out_leaves, ref_leaves = tensors_of(out), tensors_of(ref)
-        assert len(out_leaves) == len(ref_leaves)
-        for r in range(world):
-            for o, e in zip(out_leaves, ref_leaves):
-                torch.testing.assert_close(on_rank(o, r), on_rank(e, r), rtol=rtol, atol=atol)
-        inputs = [a for a in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(a, torch.Tensor)]
-        ref_inputs = [a for a in pytree.tree_leaves((ref_call.args, ref_call.kwargs)) if isinstance(a, torch.Tensor)]
-        if any(a.requires_grad for a in inputs):
-            _loss(out).backward()
-            _loss(ref).backward()
-            for i, (a, e) in enumerate(zip(inputs, ref_inputs)):
-                if a.requires_grad:
-                    assert a.grad is not None, f"tensor input {i} got no gradient"
-                    for r in range(world):
-                        torch.testing.assert_close(on_rank(a.grad, r), on_rank(e.grad, r), rtol=rtol, atol=atol)
+        compare(out, ref, call, ref_call, world, rtol, atol)
         return sf.explain(sharded, *call.args, kwargs=call.kwargs)
+
+
+def compare(out, ref, call: Call, ref_call: Call, ranks: int, rtol: float, atol: float,
+            backward: bool = False) -> None:
+    """Outputs equal on each of ``ranks`` ranks; then, after a backward of both (where an input requires grad, or
+    ``backward``), every input's gradient."""
+    out_leaves, ref_leaves = tensors_of(out), tensors_of(ref)
+    assert len(out_leaves) == len(ref_leaves)
+    for r in range(ranks):
+        for o, e in zip(out_leaves, ref_leaves):
+            torch.testing.assert_close(on_rank(o, r), on_rank(e, r), rtol=rtol, atol=atol)
+    inputs = [a for a in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(a, torch.Tensor)]
+    ref_inputs = [a for a in pytree.tree_leaves((ref_call.args, ref_call.kwargs)) if isinstance(a, torch.Tensor)]
+    if not (backward or any(a.requires_grad for a in inputs)):
+        return
+    _loss(out).backward()
+    _loss(ref).backward()
+    for i, (a, e) in enumerate(zip(inputs, ref_inputs)):
+        if a.requires_grad:
+            assert a.grad is not None, f"tensor input {i} got no gradient"
+            for r in range(ranks):
+                torch.testing.assert_close(on_rank(a.grad, r), on_rank(e.grad, r), rtol=rtol, atol=atol)
 
 
 def check_module_parity(make_module: Callable[[], torch.nn.Module], make_args: Callable[[], Any], in_strategy,
@@ -89,17 +97,7 @@ def check_module_parity(make_module: Callable[[], torch.nn.Module], make_args: C
         ref_call = _clone(call)
         out = sharded(*call.args, **call.kwargs)
         ref = reference(*ref_call.args, **ref_call.kwargs)
-        for r in range(world):
-            for o, e in zip(tensors_of(out), tensors_of(ref)):
-                torch.testing.assert_close(on_rank(o, r), on_rank(e, r), rtol=rtol, atol=atol)
-        _loss(out).backward()
-        _loss(ref).backward()
-        inputs = [a for a in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(a, torch.Tensor)]
-        ref_inputs = [a for a in pytree.tree_leaves((ref_call.args, ref_call.kwargs)) if isinstance(a, torch.Tensor)]
-        for a, e in zip(inputs, ref_inputs):
-            if a.requires_grad:
-                for r in range(world):
-                    torch.testing.assert_close(on_rank(a.grad, r), on_rank(e.grad, r), rtol=rtol, atol=atol)
+        compare(out, ref, call, ref_call, world, rtol, atol, backward=True)
         for (name, p), (_, q) in zip(sharded.named_parameters(), reference.named_parameters()):
             if q.grad is None:
                 assert p.grad is None, name
@@ -123,15 +121,5 @@ def check_parity_here(fn: Callable, make_args: Callable[[], Any], in_strategy, r
         out = sharded(*call.args, **call.kwargs)
     torch.manual_seed(seed + 1)
     ref = fn(*ref_call.args, **ref_call.kwargs)
-    for o, e in zip(tensors_of(out), tensors_of(ref), strict=True):
-        torch.testing.assert_close(o, e, rtol=rtol, atol=atol)
-    inputs = [a for a in pytree.tree_leaves((call.args, call.kwargs)) if isinstance(a, torch.Tensor)]
-    ref_inputs = [a for a in pytree.tree_leaves((ref_call.args, ref_call.kwargs)) if isinstance(a, torch.Tensor)]
-    if any(a.requires_grad for a in inputs):
-        _loss(out).backward()
-        _loss(ref).backward()
-        for i, (a, e) in enumerate(zip(inputs, ref_inputs)):
-            if a.requires_grad:
-                assert a.grad is not None, f"tensor input {i} got no gradient"
-                torch.testing.assert_close(a.grad, e.grad, rtol=rtol, atol=atol)
+    compare(out, ref, call, ref_call, 1, rtol, atol)
     return sharded
