@@ -473,7 +473,10 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, keep_spl
             compute.append(np.zeros(n)), savings.append(np.zeros(n))
             keep = 4 if d.node in trainable else 1  # value, gradient, two optimizer states
         else:
-            flops, nbytes = cm.node_flops(d.node), cm.node_bytes(d.node)
+            # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose
+            # only to gather it back for its reader)
+            flops = cm.node_flops(d.node)
+            nbytes = 0 if cm.is_alias_op(d.node) else cm.node_bytes(d.node)
             factor = bwd_factor if d.node in needs_grad else 1.0
             dtype = vals[0].dtype if vals else torch.float32
             whole = factor * cm.compute_seconds(flops, nbytes, 1, profile, dtype)

@@ -127,3 +127,14 @@ def test_updates_of_buffers_are_written_where_the_buffers_are_held():
     whole = (Replicate(),)
     assert all(p.inputs[0] == whole and p.outputs[0] == whole for p in writes)
     assert any(p.outputs[0] != whole for p in plan.nodes.values() if p.op == "aten.mul.Tensor")
+
+
+@pytest.mark.parametrize("level", [0, 2])
+def test_data_parallel_mode_plans_data_parallelism(level):
+    # the batch stays split, every parameter whole, one all-reduce per gradient, nothing else
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                              torch.nn.Linear(32, 8))
+    plan = sf.explain(mlp, torch.empty(4, 16), in_strategy=(None,), dataset_strategy="data_parallel",
+                      level=level, world_size=4)
+    assert [(c.kind, c.phase) for c in plan.collectives] == [("all_reduce", "backward")] * 6, str(plan)
+    assert all(i.planned == (Replicate(),) for i in plan.inputs if i.kind == "param")
