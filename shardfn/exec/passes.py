@@ -20,6 +20,7 @@ unchanged.
 from __future__ import annotations
 
 import operator
+import os
 
 import torch
 import torch.fx
@@ -165,10 +166,86 @@ def _overlap(graph: torch.fx.Graph) -> None:
             first.prepend(node)
 
 
+def bucket_bytes() -> int:
+    """The size limit of one fused gradient all-reduce: SHARDFN_BUCKET_MB (default 25, as DDP's; 0 turns
+    fusion off)."""
+    return int(float(os.environ.get("SHARDFN_BUCKET_MB", "25")) * 2**20)
+
+
+def _reduced_for_output(node: torch.fx.Node, out: torch.fx.Node) -> torch.fx.Node | None:
+    """``node`` if it is a sum all-reduce whose result only leaves the graph (a gradient handed back), else None."""
+    if node.target is not _c10d.all_reduce.default or node.args[1] != "sum" or len(node.users) != 1:
+        return None
+    (wait,) = node.users
+    if wait.target is not _c10d.wait_tensor.default or set(wait.users) != {out}:
+        return None
+    val = _val(node.args[0])
+    return node if isinstance(val, torch.Tensor) else None
+
+
+def _fuse_reductions(graph: torch.fx.Graph, limit: int) -> None:
+    """Gradients' all-reduces into buckets of up to ``limit`` bytes: one collective each, launched where the
+    bucket's last gradient is ready (the overlap pass then starts it as early as that allows). A bucket holds
+    all-reduces of one group and dtype, in the order their inputs are ready; a gradient read inside the graph is
+    never in one."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    found = [n for n in graph.nodes if _reduced_for_output(n, out) is not None]
+    buckets: list[list[torch.fx.Node]] = []
+    open_by_kind: dict[tuple, list[torch.fx.Node]] = {}
+    for node in found:
+        val = _val(node.args[0])
+        kind = (node.args[2], val.dtype)
+        bucket = open_by_kind.get(kind)
+        size = val.numel() * val.element_size()
+        if bucket is None or sum(_val(n.args[0]).numel() * val.element_size() for n in bucket) + size > limit:
+            bucket = open_by_kind[kind] = []
+            buckets.append(bucket)
+        bucket.append(node)
+    for bucket in buckets:
+        if len(bucket) > 1:
+            _fuse(graph, bucket)
+
+
+def _meta(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> None:
+    vals = [_val(n.args[0]) for n in bucket]
+    dtype, group = vals[0].dtype, bucket[0].args[2]
+    sizes = [v.numel() for v in vals]
+    with graph.inserting_before(bucket[-1]):
+        flat = []
+        for n, v in zip(bucket, vals):
+            flat.append(graph.call_function(aten.reshape.default, (n.args[0], [-1])))
+            flat[-1].meta["val"] = _meta((v.numel(),), dtype)
+        joined = graph.call_function(aten.cat.default, (flat,))
+        joined.meta["val"] = _meta((sum(sizes),), dtype)
+        reduced = graph.call_function(_c10d.all_reduce.default, (joined, "sum", group))
+        reduced.meta["val"] = joined.meta["val"]
+        waited = graph.call_function(_c10d.wait_tensor.default, (reduced,))
+        waited.meta["val"] = joined.meta["val"]
+        parts = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
+        parts.meta["val"] = [_meta((k,), dtype) for k in sizes]
+        for i, (n, v) in enumerate(zip(bucket, vals)):
+            part = graph.call_function(operator.getitem, (parts, i))
+            part.meta["val"] = parts.meta["val"][i]
+            shaped = graph.call_function(aten.view.default, (part, list(v.shape)))
+            shaped.meta["val"] = _meta(tuple(v.shape), dtype)
+            (old_wait,) = n.users
+            old_wait.replace_all_uses_with(shaped)
+    for n in bucket:
+        (old_wait,) = n.users
+        graph.erase_node(old_wait)
+        graph.erase_node(n)
+
+
 def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     _drop_identities(graph, set(out.all_input_nodes))
+    if bucket_bytes() > 0:
+        _fuse_reductions(graph, bucket_bytes())
     _reduce_in_place(graph)
     _accumulate_in_place(graph)
     _overlap(graph)

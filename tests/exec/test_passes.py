@@ -2,6 +2,8 @@
 
 import operator
 
+import pytest
+
 import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -23,7 +25,8 @@ def _all_reduce(g, buf):
     return ar, _node(g, c10d.wait_tensor.default, (ar,), buf.meta["val"])
 
 
-def test_all_reduce_in_place_only_on_owned_buffers():
+def test_all_reduce_in_place_only_on_owned_buffers(monkeypatch):
+    monkeypatch.setenv("SHARDFN_BUCKET_MB", "0")  # each all-reduce on its own here (fusion: below)
     g = torch.fx.Graph()
     x = g.placeholder("x")
     x.meta["val"] = torch.empty(4, 4)
@@ -149,3 +152,61 @@ def test_a_collective_whose_result_nothing_reads_is_kept_and_waited_for():
     gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g))
     order = [n for n in gm.graph.nodes if n.op == "call_function"]
     assert order.index(reduced) < order.index(waited)  # still issued, and still waited for
+
+
+def _gradient_graph(sizes, dtypes=None, read_inside=()):
+    """A backward-like graph: each input's mm is all-reduced and handed back; ``read_inside`` ones are read too."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    outs, reduces = [], []
+    for i, n in enumerate(sizes):
+        dtype = (dtypes or [torch.float32] * len(sizes))[i]
+        grad = _node(g, aten.mm.default, (x, x), torch.empty(n, 4, dtype=dtype))
+        ar, w = _all_reduce(g, grad)
+        reduces.append(ar)
+        outs.append(_node(g, aten.add.Tensor, (w, 1), torch.empty(n, 4)) if i in read_inside else w)
+    g.output(tuple(outs))
+    return g, reduces
+
+
+def _collectives(g):
+    return [n for n in g.nodes if n.op == "call_function" and "all_reduce" in str(n.target)]
+
+
+def test_gradient_reductions_fuse_into_buckets(monkeypatch):
+    from shardfn.exec import passes
+
+    g, _ = _gradient_graph([4, 8, 2])
+    passes._fuse_reductions(g, limit=1 << 20)
+    (fused,) = _collectives(g)
+    assert tuple(fused.args[0].meta["val"].shape) == (56,)  # (4 + 8 + 2) rows of 4
+    g.lint()
+    # a size limit splits them; another dtype, or a gradient read inside the graph, stays out
+    g, _ = _gradient_graph([4, 8, 2], dtypes=[torch.float32, torch.float32, torch.float16], read_inside=(1,))
+    passes._fuse_reductions(g, limit=1 << 20)
+    assert len(_collectives(g)) == 3
+    g, _ = _gradient_graph([4, 4, 4, 4])
+    passes._fuse_reductions(g, limit=2 * 16 * 4)  # two gradients' bytes
+    assert [tuple(n.args[0].meta["val"].shape) for n in _collectives(g)] == [(32,), (32,)]
+
+
+def test_fused_reductions_keep_the_values():
+    # with the collectives as identities, every output is its own gradient again, fused or not
+    from shardfn.exec import passes
+
+    x = torch.randn(4, 4)
+    g, _ = _gradient_graph([4, 4, 4])
+    want = torch.fx.GraphModule(torch.nn.Module(), _identity_collectives(_gradient_graph([4, 4, 4])[0]))(x)
+    passes._fuse_reductions(g, limit=1 << 20)
+    assert len(_collectives(g)) == 1
+    got = torch.fx.GraphModule(torch.nn.Module(), _identity_collectives(g))(x)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def _identity_collectives(g):
+    for n in list(g.nodes):
+        if n.op == "call_function" and ("all_reduce" in str(n.target) or n.target is c10d.wait_tensor.default):
+            n.target, n.args = aten.alias.default, n.args[:1]
+    return g
