@@ -13,7 +13,7 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from ._dtensor_adapter import valid_placements
+from ._dtensor_adapter import local_shapes, valid_placements
 from .candidates import RANDOM_FILLS, Candidate, _per_mesh_dim, register_check, register_rule, tensor_inputs
 
 aten = torch.ops.aten
@@ -127,6 +127,27 @@ def _cuda_attention_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate
             return False
         dims.append(d)
     return _attention_ok(q, k, tuple(dims), mesh)
+
+
+# --- views --------------------------------------------------------------------------------------------------
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
+
+
+@register_check(*_VIEWS)
+def _view_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
+    # DTensor's view rule maps a split dim to the merged or split dim it becomes, but with uneven or nested shards
+    # a rank's piece may not hold the elements of its piece of the result (view (6, 5) -> (2, 3, 5) split (S0, S0)
+    # on 2x2: 6 rows go 2, 1, 2, 1 while 2 leading rows go 1, 0, 1, 0): DTensor's dispatch then raises. Keep the
+    # candidates where every rank's input and output pieces hold as many elements.
+    x, out = node.args[0].meta["val"], node.meta["val"]
+    if cand.outputs[0] is None or any(p.is_partial() for p in cand.inputs[0]):
+        return True
+
+    def numels(shape, pl):
+        return [int(torch.Size(s).numel()) for s in local_shapes(shape, pl, mesh)]
+
+    return numels(x.shape, cand.inputs[0]) == numels(out.shape, cand.outputs[0])
 
 
 # --- statistics ---------------------------------------------------------------------------------------------

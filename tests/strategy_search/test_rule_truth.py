@@ -86,6 +86,64 @@ def test_every_own_rule_has_ground_truth():
     assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction}
 
 
+# DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims
+DTENSOR_CASES = {
+    "mm": (aten.mm.default, lambda: (r(6, 5), r(5, 3))),
+    "mm_unit": (aten.mm.default, lambda: (r(1, 7), r(7, 1))),
+    "addmm": (aten.addmm.default, lambda: (r(3), r(5, 6), r(6, 3))),
+    "addmm_2d_bias": (aten.addmm.default, lambda: (r(5, 1), r(5, 7), r(7, 3))),
+    "bmm": (aten.bmm.default, lambda: (r(3, 5, 2), r(3, 2, 7))),
+    "bmm_unit": (aten.bmm.default, lambda: (r(1, 4, 3), r(1, 3, 5))),
+    "layer_norm": (aten.native_layer_norm.default, lambda: (r(3, 5, 6), [6], r(6), r(6), 1e-5)),
+    "layer_norm_2dims": (aten.native_layer_norm.default, lambda: (r(5, 2, 3), [2, 3], r(2, 3), r(2, 3), 1e-5)),
+    "softmax": (aten._softmax.default, lambda: (r(5, 7), 1, False)),
+    "softmax_dim0": (aten._softmax.default, lambda: (r(5, 3, 2), 0, False)),
+    "log_softmax": (aten._log_softmax.default, lambda: (r(3, 5), -1, False)),
+    "embedding": (aten.embedding.default, lambda: (r(10, 3), torch.randint(0, 10, (5, 3)))),
+    "view_merge": (aten.view.default, lambda: (r(5, 3, 2), [15, 2])),
+    "view_split": (aten.view.default, lambda: (r(6, 5), [2, 3, 5])),
+    "view_unit": (aten.view.default, lambda: (r(1, 6, 1), [6])),
+    "unsafe_view": (aten._unsafe_view.default, lambda: (r(3, 4, 5), [12, 5])),
+    "transpose": (aten.transpose.int, lambda: (r(5, 3, 2), 0, 2)),
+    "permute": (aten.permute.default, lambda: (r(5, 1, 3), [2, 0, 1])),
+    "expand": (aten.expand.default, lambda: (r(5, 1, 3), [5, 4, 3])),
+    "unsqueeze": (aten.unsqueeze.default, lambda: (r(5, 3), 1)),
+    "squeeze": (aten.squeeze.dim, lambda: (r(5, 1, 3), 1)),
+    "slice": (aten.slice.Tensor, lambda: (r(7, 5), 1, 1, 4)),
+    "select": (aten.select.int, lambda: (r(7, 5), 1, 2)),
+    "sum_dim": (aten.sum.dim_IntList, lambda: (r(5, 3), [0])),
+    "add_broadcast": (aten.add.Tensor, lambda: (r(5, 1, 3), r(4, 3))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DTENSOR_CASES))
+def test_dtensor_rule(name):
+    op, make = DTENSOR_CASES[name]
+    torch.manual_seed(0)
+    args = make()
+    assert failures(op, tuple(args), {}) == []
+
+
+def _random_cases(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = lambda: int(torch.tensor([1, 2, 3, 5, 6, 8])[torch.randint(0, 6, (1,), generator=g)])  # noqa: E731
+    a, b, c, d = n(), n(), n(), n()
+    yield aten.mm.default, (r(a, b), r(b, c))
+    yield aten.bmm.default, (r(d, a, b), r(d, b, c))
+    yield aten.view.default, (r(a, b, c), [a * b, c])
+    yield aten.view.default, (r(a * b, c), [a, b, c])
+    yield aten._softmax.default, (r(a, b, c), 1, False)
+    yield aten.native_layer_norm.default, (r(a, b, c), [c], r(c), r(c), 1e-5)
+    yield SDPA, (r(a, 2 * b, c, 4), r(a, b, d, 4), r(a, b, d, 4))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rules_on_random_shapes(seed):
+    torch.manual_seed(seed)
+    for op, args in _random_cases(seed):
+        assert failures(op, args, {}) == [], (op, [tuple(t.shape) for t in args if isinstance(t, torch.Tensor)])
+
+
 def test_dtensor_cuda_attention_rules_kept_only_where_right():
     # DTensor splits the bias like q (on its size-1 dim when broadcast), GQA kv heads unevenly, and dropout per
     # rank; shardfn keeps only its candidates that agree with the CPU rule's layouts (no CUDA kernel here to run)
