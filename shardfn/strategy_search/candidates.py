@@ -178,7 +178,7 @@ def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | No
 
 def _replicated(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     rep = (Replicate(),) * mesh.ndim
-    outs = tuple(rep if v is not None else None for v in _outputs_of(node.meta["val"]))
+    outs = tuple(rep if v is not None else None for v in _outputs_of(node.meta.get("val")))
     return [Candidate(outs, (rep,) * len(tensor_inputs(node)), "local")]
 
 

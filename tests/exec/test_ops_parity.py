@@ -78,6 +78,12 @@ CASES = {
     "sdpa_gqa_heads_split": (
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         lambda: (rand(2, 8, 8, 8), rand(2, 4, 8, 8), rand(2, 4, 8, 8)), ((1, 4, 1, 1), None, None)),
+    # regressions: backward ops DTensor had no rule for (shardfn registers them in DTensor's form)
+    "avg_pool2d_backward": (lambda x: F.avg_pool2d(x, 2), lambda: (rand(4, 3, 6, 6),), ((4, 1, 1, 1),)),
+    "adaptive_max_pool2d_backward": (lambda x: F.adaptive_max_pool2d(x, (2, 3)), lambda: (rand(4, 3, 5, 7),),
+                                     ((2, 1, 1, 1),)),
+    "hardtanh_logsigmoid_backward": (lambda x: F.hardtanh(x, -0.5, 0.5) + F.logsigmoid(x) + F.hardswish(x),
+                                     lambda: (rand(8, 6),), ((2, 2),)),
     "cross_entropy": (lambda x, t: F.cross_entropy(x, t), lambda: (rand(8, 10), torch.randint(0, 10, (8,))),
                       ((4, 1), None)),
     "mse_loss": (lambda x, y: F.mse_loss(x, y), lambda: (rand(8, 6), rand(8, 6, grad=False)), ((2, 2), None)),

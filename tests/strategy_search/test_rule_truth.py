@@ -161,3 +161,40 @@ def test_dtensor_cuda_attention_rules_kept_only_where_right():
     assert {c.inputs[0] for c in cands} == {(Replicate(),), (Shard(0),)}
     cands = _from_dtensor(op_node(flash, (q, q, q, 0.1), {}), planning(4))  # dropout: replicated
     assert {c.inputs[0] for c in cands} == {(Replicate(),)}
+
+
+def _pool_backward_cases():
+    x2, x3 = r(4, 6, 5, 7), r(2, 4, 3, 5, 4)
+    g = r(4, 6, 2, 3)
+    yield aten.avg_pool2d_backward.default, (g, x2, [2, 2], [2, 2], [0, 0], False, True, None)
+    yield aten.avg_pool2d_backward.default, (r(6, 2, 3), x2[0], [2, 2], [2, 2], [0, 0], False, True, None)  # no batch
+    yield aten.avg_pool3d_backward.default, (r(2, 4, 1, 2, 2), x3, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, True, None)
+    out, idx = aten.adaptive_max_pool2d.default(x2, [2, 3])
+    yield aten.adaptive_max_pool2d_backward.default, (r(*out.shape), x2, idx)
+    out, idx = aten.adaptive_max_pool3d.default(x3, [2, 2, 2])
+    yield aten.adaptive_max_pool3d_backward.default, (r(*out.shape), x3, idx)
+    out, idx = aten.max_pool3d_with_indices.default(x3, [2, 2, 2], [1, 1, 1])
+    yield aten.max_pool3d_with_indices_backward.default, (r(*out.shape), x3, [2, 2, 2], [1, 1, 1], [0, 0, 0],
+                                                          [1, 1, 1], False, idx)
+    out, idx = aten.fractional_max_pool2d.default(x2, [2, 2], [3, 4], torch.rand(4, 6, 2))
+    yield aten.fractional_max_pool2d_backward.default, (r(*out.shape), x2, [2, 2], [3, 4], idx)
+    yield aten.hardtanh_backward.default, (r(5, 3), r(5, 3), -0.5, 0.5)
+    yield aten.hardswish_backward.default, (r(5, 1, 3), r(5, 1, 3))
+    yield aten.hardsigmoid_backward.default, (r(3, 5), r(3, 5))
+    yield aten.softshrink_backward.default, (r(7, 2), r(7, 2), 0.5)
+    yield aten.hardshrink_backward.default, (r(7, 2), r(7, 2), 0.5)
+    x = r(5, 6)
+    yield aten.log_sigmoid_backward.default, (r(5, 6), x, aten.log_sigmoid_forward.default(x)[1])
+    yield aten._adaptive_avg_pool3d_backward.default, (r(2, 4, 2, 2, 2), x3)
+    yield aten._adaptive_avg_pool3d_backward.default, (r(4, 2, 2, 2), x3[0])  # no batch
+    yield aten.tril_.default, (r(3, 5, 4), 1)
+    yield aten.triu_.default, (r(2, 4, 4), -1)
+
+
+@pytest.mark.parametrize("case", list(_pool_backward_cases()), ids=lambda c: str(c[0]))
+def test_rules_registered_in_dtensor_form(case):
+    from shardfn.strategy_search.dtensor_rules import REGISTERED
+
+    op, args = case
+    assert op in REGISTERED
+    assert failures(op, tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), {}) == []
