@@ -260,6 +260,18 @@ class Pool:
             self.proc.join()
 
 
+def run_inline(names: list[str], modes=MODES) -> dict:
+    """The named ops in this process (no worker, no time limit): {mode: {op name: (result, detail, seconds)}}."""
+    db = _op_db()
+    results = {m: {} for m in modes}
+    for i in select(db, ",".join(names)):
+        for m in modes:
+            t0 = time.monotonic()
+            r, detail = run_one(db[i], m)
+            results[m][op_name(db[i])] = (r, detail, time.monotonic() - t0)
+    return results
+
+
 def select(db, spec: str | None) -> list[int]:
     if not spec:
         return list(range(len(db)))
