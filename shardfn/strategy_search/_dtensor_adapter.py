@@ -31,7 +31,8 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-__all__ = ["dtensor_strategies", "is_local_from_replicate", "layout_of", "local_as", "valid_placements"]
+__all__ = ["dtensor_strategies", "is_local_from_replicate", "layout_of", "local_as", "local_shapes",
+           "valid_placements"]
 
 Placements = tuple[Placement, ...]
 # (output placements: one tuple, or one per output with None for non-tensor outputs; input placements)
@@ -69,6 +70,18 @@ def valid_placements(shape: torch.Size | tuple[int, ...], mesh: DeviceMesh) -> l
         combo
         for combo in itertools.product(per_dim, repeat=mesh.ndim)
         if is_tensor_shardable(meta.shape, DTensorSpec(mesh, combo, tensor_meta=meta))
+    ]
+
+
+def local_shapes(shape, placements: Placements, mesh: DeviceMesh) -> list[tuple[int, ...]]:
+    """Each rank's local shape (mesh order) of a tensor of ``shape`` laid out as ``placements``: DTensor's own
+    slicing, uneven and nested shards included."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    return [
+        tuple(_compute_local_shape_and_global_offset(tuple(shape), tuple(mesh.shape), list(coord), placements,
+                                                     skip_offset=True)[0])
+        for coord in itertools.product(*[range(n) for n in mesh.shape])
     ]
 
 

@@ -2,7 +2,7 @@
 
 Where they come from, first match wins:
 
-1. shardfn's own rules, registered with :func:`register_rule` below (ops DTensor has no rule for);
+1. shardfn's own rules (:mod:`.rules`), registered with :func:`register_rule` (ops DTensor has no right rule for);
 2. DTensor's registered op strategies, through :mod:`._dtensor_adapter`;
 3. the replicated fallback (Paddle's replicated SPMD rule): every input and output replicated, the op run on
    whole tensors by every rank. Correct for any op, never parallel; the ops that use it are named in one warning.
@@ -34,6 +34,7 @@ __all__ = [
     "Candidate",
     "input_candidates",
     "node_candidates",
+    "register_check",
     "register_rule",
     "tensor_inputs",
     "warn_fallbacks",
@@ -99,6 +100,21 @@ def register_rule(*ops):
     return deco
 
 
+_CHECKS: dict[Any, Callable[[torch.fx.Node, DeviceMesh, Candidate], bool]] = {}
+
+
+def register_check(*ops):
+    """Register ``fn(node, mesh, candidate) -> bool`` to keep only the DTensor candidates of ``ops`` it accepts
+    (where DTensor's rule is wrong for some shapes)."""
+
+    def deco(fn):
+        for op in ops:
+            _CHECKS[op] = fn
+        return fn
+
+    return deco
+
+
 def _per_mesh_dim(mesh: DeviceMesh, choices: list[tuple[Placements | None, tuple[Placement, ...]]], rule: str):
     """Expand single-mesh-dim choices (outputs, inputs) to every combination over the mesh dims."""
     out = []
@@ -108,40 +124,6 @@ def _per_mesh_dim(mesh: DeviceMesh, choices: list[tuple[Placements | None, tuple
         ins = tuple(tuple(c[1][i] for c in combo) for i in range(n_in))
         out.append(Candidate(outs, ins, rule))
     return out
-
-
-@register_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
-def _sdpa_cpu(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
-    # Attention is independent per (batch, head): q, k, v and both outputs split together on dim 0 or 1.
-    n_in = len(tensor_inputs(node))
-    choices = [((Replicate(), Replicate()), (Replicate(),) * n_in)]
-    for d in (0, 1):
-        choices.append(((Shard(d), Shard(d)), (Shard(d),) * n_in))
-    return _per_mesh_dim(mesh, choices, "local")
-
-
-@register_rule(aten.var_mean.correction)
-def _var_mean(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
-    # Statistics per slice (a batch norm's per-channel mean and variance): local wherever the split dim is not
-    # reduced; a reduced dim must be whole (DTensor has no rule for var_mean).
-    x = node.args[0].meta["val"]
-    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-    reduced = set(range(x.dim())) if dims is None else {d % max(x.dim(), 1) for d in dims}
-    keepdim = node.kwargs.get("keepdim", False)
-    choices = [((Replicate(), Replicate()), (Replicate(),))]
-    for d in range(x.dim()):
-        if d not in reduced:
-            out = d if keepdim else d - sum(r < d for r in reduced)
-            choices.append(((Shard(out), Shard(out)), (Shard(d),)))
-    valid = set(valid_placements(x.shape, mesh))
-    return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
-
-
-@register_rule(*RANDOM_FILLS)
-def _random_fill(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
-    # drawn whole and sliced: any layout, the shape-carrying input in the same layout (no communication)
-    n_in = len(tensor_inputs(node))
-    return [Candidate((p,), (p,) * n_in, "random") for p in valid_placements(node.meta["val"].shape, mesh)]
 
 
 # --- assembling ---------------------------------------------------------------------------------------------
@@ -188,12 +170,15 @@ def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | No
             continue
         ins = tuple(tuple(Replicate() if is_local_from_replicate(p) else p for p in pl) for pl in ins)
         cands.append(Candidate(outs, ins, "dtensor"))
+    check = _CHECKS.get(node.target)
+    if check is not None:
+        cands = [c for c in cands if check(node, mesh, c)]
     return cands or None
 
 
 def _replicated(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     rep = (Replicate(),) * mesh.ndim
-    outs = tuple(rep if v is not None else None for v in _outputs_of(node.meta["val"]))
+    outs = tuple(rep if v is not None else None for v in _outputs_of(node.meta.get("val")))
     return [Candidate(outs, (rep,) * len(tensor_inputs(node)), "local")]
 
 
@@ -262,3 +247,6 @@ def is_alias(node: torch.fx.Node) -> bool:
 def replicated_candidates(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     """The replicated rule alone: every input and output whole, the op run on whole tensors by every rank."""
     return _replicated(node, mesh)
+
+
+from . import rules  # noqa: E402,F401 - registers shardfn's own rules and checks

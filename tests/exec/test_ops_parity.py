@@ -53,6 +53,37 @@ CASES = {
              lambda: (rand(2, 4, 8, 6), rand(2, 4, 8, 6), rand(2, 4, 8, 6)), ((2, 2, 1, 1), None, None)),
     "sdpa_causal": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                     lambda: (rand(2, 4, 8, 6), rand(2, 4, 8, 6), rand(2, 4, 8, 6)), ((1, 4, 1, 1), None, None)),
+    # regressions: the mask broadcast over heads (or batch) is never split on its size-1 dim; GQA heads split only
+    # into equal parts of both head counts (else replicated: 2 kv heads on 4 ranks)
+    "sdpa_mask_broadcast_over_heads": (
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+        lambda: (rand(2, 4, 8, 6), rand(2, 4, 8, 6), rand(2, 4, 8, 6),
+                 torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8).contiguous()),
+        ((1, 4, 1, 1), (1, 4, 1, 1), (1, 4, 1, 1), None)),
+    "sdpa_float_mask_batch_split": (
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+        lambda: (rand(4, 2, 6, 8), rand(4, 2, 6, 8), rand(4, 2, 6, 8), rand(1, 2, 6, 6, grad=False)),
+        ((4, 1, 1, 1), None, None, None)),
+    "sdpa_2d_bool_mask": (
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.5),
+        lambda: (rand(6, 2, 6, 8), rand(6, 2, 4, 8), rand(6, 2, 4, 8), rand(6, 4, grad=False) > 0),
+        ((2, 2, 1, 1), None, None, None)),
+    "sdpa_query_rows_split": (
+        lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+        lambda: (rand(1, 2, 8, 4), rand(1, 2, 6, 4), rand(1, 2, 6, 4), rand(1, 1, 8, 6, grad=False)),
+        ((1, 1, 4, 1), None, None, None)),
+    "sdpa_gqa_causal": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        lambda: (rand(2, 4, 8, 8), rand(2, 2, 8, 8), rand(2, 2, 8, 8)), ((1, 4, 1, 1), None, None)),
+    "sdpa_gqa_heads_split": (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+        lambda: (rand(2, 8, 8, 8), rand(2, 4, 8, 8), rand(2, 4, 8, 8)), ((1, 4, 1, 1), None, None)),
+    # regressions: backward ops DTensor had no rule for (shardfn registers them in DTensor's form)
+    "avg_pool2d_backward": (lambda x: F.avg_pool2d(x, 2), lambda: (rand(4, 3, 6, 6),), ((4, 1, 1, 1),)),
+    "adaptive_max_pool2d_backward": (lambda x: F.adaptive_max_pool2d(x, (2, 3)), lambda: (rand(4, 3, 5, 7),),
+                                     ((2, 1, 1, 1),)),
+    "hardtanh_logsigmoid_backward": (lambda x: F.hardtanh(x, -0.5, 0.5) + F.logsigmoid(x) + F.hardswish(x),
+                                     lambda: (rand(8, 6),), ((2, 2),)),
     "cross_entropy": (lambda x, t: F.cross_entropy(x, t), lambda: (rand(8, 10), torch.randint(0, 10, (8,))),
                       ((4, 1), None)),
     "mse_loss": (lambda x, y: F.mse_loss(x, y), lambda: (rand(8, 6), rand(8, 6, grad=False)), ((2, 2), None)),

@@ -39,11 +39,14 @@ def test_matmul_candidates_from_dtensor_rules():
 def test_own_rule_for_causal_attention_on_cpu():
     from shardfn.strategy_search.candidates import node_candidates
 
-    q = torch.empty(2, 4, 8, 16, device="meta")
+    q = torch.empty(4, 4, 8, 16, device="meta")
     node = _node(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q, q)
     cands = node_candidates(node, _mesh(4), set())
+    # batch or heads, never the causal sequence (each rank's mask would start at its first row)
     assert {c.inputs[0] for c in cands} == {(Replicate(),), (Shard(0),), (Shard(1),)}
     assert all(c.rule == "local" for c in cands)
+    node = _node(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), q, q, q)
+    assert (Shard(2),) in {c.inputs[0] for c in node_candidates(node, _mesh(4), set())}  # query rows
 
 
 def test_ops_without_any_rule_run_replicated_with_one_warning():

@@ -1,0 +1,98 @@
+"""Sharding rules in DTensor's own form (``torch.distributed.tensor.experimental.register_sharding``) for ops DTensor
+has no rule for, so that its dispatch finds them: chiefly the backward ops autograd records for a forward op
+DTensor does shard (avg_pool2d runs split by batch; its avg_pool2d_backward had no rule, and the backward raised).
+
+Registered only where DTensor has no rule of its own (never overriding one), each proven by ground truth in
+tests/strategy_search/test_rule_truth.py. Each rule lists, per mesh dim, (output placements, input placements),
+None for non-tensor arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import register_sharding
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+aten = torch.ops.aten
+R = Replicate()
+
+__all__ = ["REGISTERED"]
+
+REGISTERED: list = []
+
+
+def _lacking(*ops):
+    """Register the decorated rule for those of ``ops`` DTensor has no rule for."""
+    sp = DTensor._op_dispatcher.sharding_propagator
+    missing = [op for op in ops if op not in sp.op_strategy_funcs and op not in sp.op_single_dim_strategy_funcs]
+
+    def deco(fn):
+        if missing:
+            register_sharding(missing)(fn)
+            REGISTERED.extend(missing)
+        return fn
+
+    return deco
+
+
+def _ndim(x) -> int:
+    return len(x.shape)
+
+
+def _per_batch(n_out: int, args, spatial: int):
+    """Every tensor argument and the outputs split alike on the batch dim: pooling reads each (batch, channel)
+    plane alone. Not the channel dim: an uneven split leaves a rank no channels, and these kernels refuse an empty
+    non-batch dim (an empty batch they take)."""
+    tensors = [a for a in args if hasattr(a, "shape")]
+    rules = [([R] * n_out, [R if hasattr(a, "shape") else None for a in args])]
+    if all(_ndim(t) == spatial + 2 for t in tensors):
+        rules.append(([Shard(0)] * n_out, [Shard(0) if hasattr(a, "shape") else None for a in args]))
+    return rules
+
+
+@_lacking(aten.avg_pool2d_backward.default)
+def _avg_pool2d_backward(*args):
+    return _per_batch(1, args, 2)
+
+
+@_lacking(aten.avg_pool3d_backward.default)
+def _avg_pool3d_backward(*args):
+    return _per_batch(1, args, 3)
+
+
+@_lacking(aten.adaptive_max_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default,
+          aten.fractional_max_pool2d_backward.default)
+def _max_pool2d_backward(*args):
+    return _per_batch(1, args, 2)
+
+
+@_lacking(aten.adaptive_max_pool3d_backward.default, aten.max_pool3d_with_indices_backward.default,
+          aten.fractional_max_pool3d_backward.default)
+def _max_pool3d_backward(*args):
+    return _per_batch(1, args, 3)
+
+
+def _elementwise(args):
+    """Elementwise over tensor arguments of one shape: any split, the same on all of them."""
+    shape = next(a.shape for a in args if hasattr(a, "shape"))
+    if any(hasattr(a, "shape") and tuple(a.shape) != tuple(shape) for a in args):
+        return [([R], [R if hasattr(a, "shape") else None for a in args])]
+    return [([p], [p if hasattr(a, "shape") else None for a in args]) for p in [R] + [Shard(d) for d in range(len(shape))]]
+
+
+@_lacking(aten.hardtanh_backward.default, aten.hardswish_backward.default, aten.hardsigmoid_backward.default,
+          aten.softshrink_backward.default, aten.hardshrink_backward.default, aten.log_sigmoid_backward.default)
+def _elementwise_backward(*args):
+    return _elementwise(args)
+
+
+@_lacking(aten._adaptive_avg_pool3d_backward.default)
+def _adaptive_avg_pool3d_backward(grad_output, self):
+    return _per_batch(1, (grad_output, self), 3)
+
+
+@_lacking(aten.tril_.default, aten.triu_.default)
+def _tri_inplace(self, diagonal=0):
+    # the triangle is taken in each matrix (the last two dims) alone
+    return [([R], [R, None])] + [([Shard(d)], [Shard(d), None]) for d in range(_ndim(self) - 2)]

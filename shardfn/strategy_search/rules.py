@@ -1,0 +1,179 @@
+"""shardfn's own sharding rules, next to each other, and its checks on DTensor's rules.
+
+Every rule and check here is proven against ground truth by tests/strategy_search/test_rule_truth.py: inputs laid
+out as a candidate says, the op run on each rank's pieces, the pieces assembled and compared with the whole op.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+from . import dtensor_rules  # noqa: F401 - rules in DTensor's form, for ops DTensor lacks
+from ._dtensor_adapter import local_shapes, valid_placements
+from .candidates import RANDOM_FILLS, Candidate, _per_mesh_dim, register_check, register_rule, tensor_inputs
+
+aten = torch.ops.aten
+R = Replicate()
+
+
+# --- attention ----------------------------------------------------------------------------------------------
+#
+# Attention is independent per (batch, head) and, without a causal mask, per query row. q is (B, H, T, E), k and
+# v (B, Hkv, S, E) where query head h reads kv head h // (H // Hkv) (grouped-query attention), and the mask
+# broadcasts to (B, H, T, S) from the right (2-D (T, S) or 4-D with size-1 dims). Per mesh dim one of:
+#   batch: q, k, v split on dim 0; the mask split on its batch dim where it has one of size B, else whole;
+#   heads: q, k, v split on dim 1 (into equal parts of both head counts, so each rank's query heads read exactly
+#          its kv heads); the mask split on its head dim where it has one of size H, else whole;
+#   rows : q split on dim 2 (not causal: a causal mask is aligned to each rank's first row), k and v whole, the
+#          mask split on its query dim where it has one of size T.
+# Random dropout inside the kernel runs replicated, so a seed gives eager's numbers. The CPU kernel fails (SIGFPE)
+# on zero heads or zero query rows: those dims are split only into non-empty equal parts.
+
+def _mask_dim(mask: torch.Tensor | None, q: torch.Tensor, d: int) -> int | None:
+    """The mask's dim aligned with q's dim ``d`` where it has q's size there (else the mask is whole there)."""
+    if mask is None:
+        return None
+    md = d - (q.dim() - mask.dim())
+    return md if md >= 0 and mask.shape[md] == q.shape[d] and q.shape[d] > 1 else None
+
+
+def _attention_layout(q, k, mask, d: int) -> tuple[Placement, Placement, Placement | None] | None:
+    """(q, k/v, mask) placements for splitting q's dim ``d`` (None: replicated); None where that is not valid."""
+    if d is None:
+        return R, R, (R if mask is not None else None)
+    if d == 2:
+        kv = R
+    elif k.shape[d] == q.shape[d] or d == 1:
+        kv = Shard(d)
+    else:
+        return None  # batch sizes differ: not an attention this rule knows
+    md = _mask_dim(mask, q, d)
+    return Shard(d), kv, (None if mask is None else (R if md is None else Shard(md)))
+
+
+def _attention_ok(q, k, dims: tuple, mesh: DeviceMesh) -> bool:
+    """Head and row splits into non-empty equal parts (of both head counts); batch splits any way."""
+    for d in (1, 2):
+        n = 1
+        for m, dd in enumerate(dims):
+            if dd == d:
+                n *= mesh.shape[m]
+        if n > 1 and (q.shape[d] % n or (d == 1 and k.shape[1] % n)):
+            return False
+    return True
+
+
+def _attention_dims(causal: bool, dropout_p: float) -> tuple:
+    if dropout_p:
+        return (None,)
+    return (None, 0, 1) if causal else (None, 0, 1, 2)
+
+
+@register_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _sdpa_cpu(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    q, k, v = (a.meta["val"] for a in node.args[:3])
+    dropout_p = node.args[3] if len(node.args) > 3 else node.kwargs.get("dropout_p", 0.0)
+    causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
+    mask_node = node.kwargs.get("attn_mask")
+    mask = mask_node.meta["val"] if isinstance(mask_node, torch.fx.Node) else None
+    valid = {id(t): set(valid_placements(t.shape, mesh)) for t in (q, k, v) + ((mask,) if mask is not None else ())}
+    cands = []
+    for dims in itertools.product(_attention_dims(causal, dropout_p), repeat=mesh.ndim):
+        layouts = [_attention_layout(q, k, mask, d) for d in dims]
+        if any(lay is None for lay in layouts) or not _attention_ok(q, k, dims, mesh):
+            continue
+        pq, pkv = tuple(lay[0] for lay in layouts), tuple(lay[1] for lay in layouts)
+        inputs = (pq, pkv, pkv) + ((tuple(lay[2] for lay in layouts),) if mask is not None else ())
+        tensors = (q, k, v) + ((mask,) if mask is not None else ())
+        if all(p in valid[id(t)] for p, t in zip(inputs, tensors)):
+            cands.append(Candidate((pq, pq), inputs, "local"))  # output (B, H, T, E) and logsumexp (B, H, T)
+    return cands
+
+
+# DTensor's rules for the CUDA kernels split q, k, v and the bias alike on the batch or head dim whatever their
+# sizes: a bias broadcast over heads or batch would be split on its size-1 dim, GQA kv heads split unevenly, and
+# dropout drawn per rank. Its candidates are kept only where they agree with the layouts above.
+_CUDA_ATTENTION = {  # op: (index of the bias argument or None, index of dropout_p, index of is_causal)
+    aten._scaled_dot_product_flash_attention.default: (None, 3, 4),
+    aten._scaled_dot_product_efficient_attention.default: (3, 5, 6),
+    aten._scaled_dot_product_cudnn_attention.default: (3, 5, 6),
+}
+
+
+def _arg(node: torch.fx.Node, i: int, name: str, default):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+@register_check(*_CUDA_ATTENTION)
+def _cuda_attention_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
+    bias_i, drop_i, causal_i = _CUDA_ATTENTION[node.target]
+    q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+    bias_node = _arg(node, bias_i, "attn_bias", None) if bias_i is not None else None
+    mask = bias_node.meta["val"] if isinstance(bias_node, torch.fx.Node) else None
+    allowed = _attention_dims(bool(_arg(node, causal_i, "is_causal", False)),
+                              _arg(node, drop_i, "dropout_p", 0.0))
+    dims = []
+    for m, p in enumerate(cand.inputs[0]):
+        d = p.dim if isinstance(p, Shard) else (None if p.is_replicate() else -1)
+        if d not in allowed or _attention_layout(q, k, mask, d) is None:
+            return False
+        pq, pkv, pm = _attention_layout(q, k, mask, d)
+        want = (pq, pkv, pkv) + ((pm,) if mask is not None else ())
+        if tuple(pl[m] for pl in cand.inputs[:len(want)]) != want:
+            return False
+        dims.append(d)
+    return _attention_ok(q, k, tuple(dims), mesh)
+
+
+# --- views --------------------------------------------------------------------------------------------------
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
+
+
+@register_check(*_VIEWS)
+def _view_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
+    # DTensor's view rule maps a split dim to the merged or split dim it becomes, but with uneven or nested shards
+    # a rank's piece may not hold the elements of its piece of the result (view (6, 5) -> (2, 3, 5) split (S0, S0)
+    # on 2x2: 6 rows go 2, 1, 2, 1 while 2 leading rows go 1, 0, 1, 0): DTensor's dispatch then raises. Keep the
+    # candidates where every rank's input and output pieces hold as many elements.
+    x, out = node.args[0].meta["val"], node.meta["val"]
+    if cand.outputs[0] is None or any(p.is_partial() for p in cand.inputs[0]):
+        return True
+
+    def numels(shape, pl):
+        return [int(torch.Size(s).numel()) for s in local_shapes(shape, pl, mesh)]
+
+    return numels(x.shape, cand.inputs[0]) == numels(out.shape, cand.outputs[0])
+
+
+# --- statistics ---------------------------------------------------------------------------------------------
+
+@register_rule(aten.var_mean.correction)
+def _var_mean(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    # Statistics per slice (a batch norm's per-channel mean and variance): local wherever the split dim is not
+    # reduced; a reduced dim must be whole (DTensor has no rule for var_mean).
+    x = node.args[0].meta["val"]
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    reduced = set(range(x.dim())) if dims is None else {d % max(x.dim(), 1) for d in dims}
+    keepdim = node.kwargs.get("keepdim", False)
+    choices = [((R, R), (R,))]
+    for d in range(x.dim()):
+        if d not in reduced:
+            out = d if keepdim else d - sum(r < d for r in reduced)
+            choices.append(((Shard(out), Shard(out)), (Shard(d),)))
+    valid = set(valid_placements(x.shape, mesh))
+    return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
+
+
+# --- random fills -------------------------------------------------------------------------------------------
+
+@register_rule(*RANDOM_FILLS)
+def _random_fill(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    # drawn whole and sliced: any layout, the shape-carrying input in the same layout (no communication)
+    n_in = len(tensor_inputs(node))
+    return [Candidate((p,), (p,) * n_in, "random") for p in valid_placements(node.meta["val"].shape, mesh)]

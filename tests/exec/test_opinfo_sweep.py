@@ -1,0 +1,25 @@
+"""A fast slice of bench/opinfo_sweep.py: OpInfo samples sharded on 4 simulated ranks, never wrong numbers."""
+
+import pytest
+
+pytest.importorskip("expecttest")  # torch's OpInfo database imports it
+
+# ops whose rules shardfn leans on or fixed: attention (masks, GQA), views, pads, pools and their backward
+# rules, norms, matmuls, reductions, random fills
+SLICE = [
+    "nn.functional.scaled_dot_product_attention", "nn.functional.pad.circular", "nn.functional.pad.constant",
+    "nn.functional.pad.reflect", "nn.functional.avg_pool2d", "nn.functional.adaptive_max_pool2d",
+    "nn.functional.hardtanh", "nn.functional.logsigmoid", "nn.functional.layer_norm", "nn.functional.softmax",
+    "nn.functional.embedding", "matmul", "bmm", "addmm", "view", "reshape", "transpose", "sum", "var_mean",
+    "nn.functional.dropout", "tril", "linalg.inv", "cumsum",
+]
+
+
+def test_fast_slice_is_never_wrong():
+    from bench.opinfo_sweep import run_inline
+
+    results = run_inline(SLICE)
+    wrong = {(m, name): detail for m, per in results.items() for name, (r, detail, _) in per.items()
+             if r == "WRONG"}
+    assert wrong == {}
+    assert sum(r == "pass" for per in results.values() for r, _, _ in per.values()) >= 40

@@ -1,0 +1,200 @@
+"""Ground truth for every own rule and the DTensor rules shardfn leans on: each candidate, on meshes of 2, 3, 4
+ranks and 2x2, laid out and run on real numbers, gives the whole op's (tests/strategy_search/truth.py)."""
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from shardfn.strategy_search.candidates import _RULES
+from tests.strategy_search.truth import failures
+
+aten = torch.ops.aten
+SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def r(*shape):
+    return torch.randn(*shape)
+
+
+def _sdpa_cases():
+    # (q shape, kv shape, mask shape or None, kwargs)
+    yield (2, 4, 8, 8), (2, 4, 8, 8), None, {}
+    yield (2, 4, 8, 8), (2, 4, 8, 8), None, {"is_causal": True}
+    yield (4, 4, 6, 8), (4, 4, 6, 8), (4, 1, 6, 6), {}  # HF's (B, 1, T, T) mask, broadcast over heads
+    yield (4, 4, 6, 8), (4, 4, 6, 8), (1, 1, 6, 6), {}
+    yield (4, 4, 6, 8), (4, 4, 6, 8), (1, 4, 6, 6), {}
+    yield (4, 4, 6, 8), (4, 4, 6, 8), (4, 4, 6, 6), {"scale": 0.3}
+    yield (4, 4, 6, 8), (4, 4, 6, 8), (4, 4, 1, 6), {}  # broadcast over query rows
+    yield (2, 4, 6, 8), (2, 4, 5, 8), (6, 5), {}  # 2-D (T, S) mask, T != S
+    yield (5, 3, 7, 4), (5, 3, 7, 4), (5, 1, 7, 7), {}  # uneven batch, 3 heads, 7 rows
+    yield (3, 1, 4, 4), (3, 1, 4, 4), None, {"is_causal": True}  # one head
+    yield (2, 4, 8, 8), (2, 2, 8, 8), None, {"is_causal": True, "enable_gqa": True}  # GQA: 2 kv heads
+    yield (2, 8, 4, 8), (2, 4, 4, 8), (2, 1, 4, 4), {"enable_gqa": True}
+    yield (2, 6, 4, 8), (2, 2, 4, 8), None, {"enable_gqa": True}  # 6 query heads over 3 groups
+    yield (2, 4, 8, 8), (2, 4, 8, 8), None, {"dropout_p": 0.0, "scale": 2.0}
+
+
+@pytest.mark.parametrize("case", list(_sdpa_cases()), ids=str)
+def test_attention_rule(case):
+    qs, kvs, ms, kwargs = case
+    kwargs = dict(kwargs)
+    gqa = kwargs.pop("enable_gqa", False)
+    if ms is not None:
+        kwargs["attn_mask"] = r(*ms)
+    q, k, v = r(*qs), r(*kvs), r(*kvs)
+    if gqa:  # the CPU kernel reads grouped kv heads itself (F.scaled_dot_product_attention passes them as they are)
+        assert qs[1] != kvs[1]
+    assert failures(SDPA, (q, k, v), kwargs) == []
+
+
+def test_attention_with_dropout_runs_replicated():
+    from tests.strategy_search.truth import op_node, planning
+    from shardfn.strategy_search.candidates import node_candidates
+
+    q = r(2, 4, 8, 8)
+    node = op_node(SDPA, (q, q, q, 0.5), {})
+    for shape in ((4,), (2, 2)):
+        cands = node_candidates(node, planning(*shape), set())
+        assert all(p.is_replicate() for c in cands for pl in c.inputs for p in pl)
+
+
+def test_attention_keeps_the_batch_split_with_a_broadcast_mask():
+    # data parallelism through an HF Llama: q split on the batch, the (B or 1, 1, T, T) mask with it or whole
+    from shardfn.strategy_search.candidates import node_candidates
+    from tests.strategy_search.truth import op_node, planning
+
+    q = r(4, 4, 6, 8)
+    for mask, want in ((r(4, 1, 6, 6), Shard(0)), (r(1, 1, 6, 6), Replicate())):
+        node = op_node(SDPA, (q, q, q), {"attn_mask": mask})
+        cands = node_candidates(node, planning(4), set())
+        assert any(c.inputs[0] == (Shard(0),) and c.inputs[3] == (want,) for c in cands)
+
+
+@pytest.mark.parametrize("case", [
+    ((r(8, 5), [0]), {"correction": 1}), ((r(8, 5), [1]), {"keepdim": True}),
+    ((r(3, 1, 6), [0, 2]), {"keepdim": True}), ((r(7, 4, 5), [2]), {"correction": 0}),
+], ids=str)
+def test_var_mean_rule(case):
+    args, kwargs = case
+    assert failures(aten.var_mean.correction, args, kwargs) == []
+
+
+def test_every_own_rule_has_ground_truth():
+    from shardfn.strategy_search.candidates import RANDOM_FILLS
+
+    # random fills are drawn whole and sliced by exec: their truth is test_dropout_same_numbers_whatever_the_layout
+    assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction}
+
+
+# DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims
+DTENSOR_CASES = {
+    "mm": (aten.mm.default, lambda: (r(6, 5), r(5, 3))),
+    "mm_unit": (aten.mm.default, lambda: (r(1, 7), r(7, 1))),
+    "addmm": (aten.addmm.default, lambda: (r(3), r(5, 6), r(6, 3))),
+    "addmm_2d_bias": (aten.addmm.default, lambda: (r(5, 1), r(5, 7), r(7, 3))),
+    "bmm": (aten.bmm.default, lambda: (r(3, 5, 2), r(3, 2, 7))),
+    "bmm_unit": (aten.bmm.default, lambda: (r(1, 4, 3), r(1, 3, 5))),
+    "layer_norm": (aten.native_layer_norm.default, lambda: (r(3, 5, 6), [6], r(6), r(6), 1e-5)),
+    "layer_norm_2dims": (aten.native_layer_norm.default, lambda: (r(5, 2, 3), [2, 3], r(2, 3), r(2, 3), 1e-5)),
+    "softmax": (aten._softmax.default, lambda: (r(5, 7), 1, False)),
+    "softmax_dim0": (aten._softmax.default, lambda: (r(5, 3, 2), 0, False)),
+    "log_softmax": (aten._log_softmax.default, lambda: (r(3, 5), -1, False)),
+    "embedding": (aten.embedding.default, lambda: (r(10, 3), torch.randint(0, 10, (5, 3)))),
+    "view_merge": (aten.view.default, lambda: (r(5, 3, 2), [15, 2])),
+    "view_split": (aten.view.default, lambda: (r(6, 5), [2, 3, 5])),
+    "view_unit": (aten.view.default, lambda: (r(1, 6, 1), [6])),
+    "unsafe_view": (aten._unsafe_view.default, lambda: (r(3, 4, 5), [12, 5])),
+    "transpose": (aten.transpose.int, lambda: (r(5, 3, 2), 0, 2)),
+    "permute": (aten.permute.default, lambda: (r(5, 1, 3), [2, 0, 1])),
+    "expand": (aten.expand.default, lambda: (r(5, 1, 3), [5, 4, 3])),
+    "unsqueeze": (aten.unsqueeze.default, lambda: (r(5, 3), 1)),
+    "squeeze": (aten.squeeze.dim, lambda: (r(5, 1, 3), 1)),
+    "slice": (aten.slice.Tensor, lambda: (r(7, 5), 1, 1, 4)),
+    "select": (aten.select.int, lambda: (r(7, 5), 1, 2)),
+    "sum_dim": (aten.sum.dim_IntList, lambda: (r(5, 3), [0])),
+    "add_broadcast": (aten.add.Tensor, lambda: (r(5, 1, 3), r(4, 3))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DTENSOR_CASES))
+def test_dtensor_rule(name):
+    op, make = DTENSOR_CASES[name]
+    torch.manual_seed(0)
+    args = make()
+    assert failures(op, tuple(args), {}) == []
+
+
+def _random_cases(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = lambda: int(torch.tensor([1, 2, 3, 5, 6, 8])[torch.randint(0, 6, (1,), generator=g)])  # noqa: E731
+    a, b, c, d = n(), n(), n(), n()
+    yield aten.mm.default, (r(a, b), r(b, c))
+    yield aten.bmm.default, (r(d, a, b), r(d, b, c))
+    yield aten.view.default, (r(a, b, c), [a * b, c])
+    yield aten.view.default, (r(a * b, c), [a, b, c])
+    yield aten._softmax.default, (r(a, b, c), 1, False)
+    yield aten.native_layer_norm.default, (r(a, b, c), [c], r(c), r(c), 1e-5)
+    yield SDPA, (r(a, 2 * b, c, 4), r(a, b, d, 4), r(a, b, d, 4))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rules_on_random_shapes(seed):
+    torch.manual_seed(seed)
+    for op, args in _random_cases(seed):
+        assert failures(op, args, {}) == [], (op, [tuple(t.shape) for t in args if isinstance(t, torch.Tensor)])
+
+
+def test_dtensor_cuda_attention_rules_kept_only_where_right():
+    # DTensor splits the bias like q (on its size-1 dim when broadcast), GQA kv heads unevenly, and dropout per
+    # rank; shardfn keeps only its candidates that agree with the CPU rule's layouts (no CUDA kernel here to run)
+    from tests.strategy_search.truth import op_node, planning
+    from shardfn.strategy_search.candidates import _from_dtensor
+
+    q = r(4, 4, 8, 8)
+    eff = aten._scaled_dot_product_efficient_attention.default
+    for bias, kept in (((4, 1, 8, 8), {0}), ((1, 4, 8, 8), {1}), ((1, 1, 8, 8), set()), ((4, 4, 8, 8), {0, 1})):
+        cands = _from_dtensor(op_node(eff, (q, q, q, r(*bias), True), {}), planning(4))
+        assert {c.inputs[0][0].dim for c in cands if not c.inputs[0][0].is_replicate()} == kept, bias
+    flash = aten._scaled_dot_product_flash_attention.default
+    kv = r(4, 2, 8, 8)
+    cands = _from_dtensor(op_node(flash, (q, kv, kv), {}), planning(4))  # 2 kv heads: no head split on 4 ranks
+    assert {c.inputs[0] for c in cands} == {(Replicate(),), (Shard(0),)}
+    cands = _from_dtensor(op_node(flash, (q, q, q, 0.1), {}), planning(4))  # dropout: replicated
+    assert {c.inputs[0] for c in cands} == {(Replicate(),)}
+
+
+def _pool_backward_cases():
+    x2, x3 = r(4, 6, 5, 7), r(2, 4, 3, 5, 4)
+    g = r(4, 6, 2, 3)
+    yield aten.avg_pool2d_backward.default, (g, x2, [2, 2], [2, 2], [0, 0], False, True, None)
+    yield aten.avg_pool2d_backward.default, (r(6, 2, 3), x2[0], [2, 2], [2, 2], [0, 0], False, True, None)  # no batch
+    yield aten.avg_pool3d_backward.default, (r(2, 4, 1, 2, 2), x3, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, True, None)
+    out, idx = aten.adaptive_max_pool2d.default(x2, [2, 3])
+    yield aten.adaptive_max_pool2d_backward.default, (r(*out.shape), x2, idx)
+    out, idx = aten.adaptive_max_pool3d.default(x3, [2, 2, 2])
+    yield aten.adaptive_max_pool3d_backward.default, (r(*out.shape), x3, idx)
+    out, idx = aten.max_pool3d_with_indices.default(x3, [2, 2, 2], [1, 1, 1])
+    yield aten.max_pool3d_with_indices_backward.default, (r(*out.shape), x3, [2, 2, 2], [1, 1, 1], [0, 0, 0],
+                                                          [1, 1, 1], False, idx)
+    out, idx = aten.fractional_max_pool2d.default(x2, [2, 2], [3, 4], torch.rand(4, 6, 2))
+    yield aten.fractional_max_pool2d_backward.default, (r(*out.shape), x2, [2, 2], [3, 4], idx)
+    yield aten.hardtanh_backward.default, (r(5, 3), r(5, 3), -0.5, 0.5)
+    yield aten.hardswish_backward.default, (r(5, 1, 3), r(5, 1, 3))
+    yield aten.hardsigmoid_backward.default, (r(3, 5), r(3, 5))
+    yield aten.softshrink_backward.default, (r(7, 2), r(7, 2), 0.5)
+    yield aten.hardshrink_backward.default, (r(7, 2), r(7, 2), 0.5)
+    x = r(5, 6)
+    yield aten.log_sigmoid_backward.default, (r(5, 6), x, aten.log_sigmoid_forward.default(x)[1])
+    yield aten._adaptive_avg_pool3d_backward.default, (r(2, 4, 2, 2, 2), x3)
+    yield aten._adaptive_avg_pool3d_backward.default, (r(4, 2, 2, 2), x3[0])  # no batch
+    yield aten.tril_.default, (r(3, 5, 4), 1)
+    yield aten.triu_.default, (r(2, 4, 4), -1)
+
+
+@pytest.mark.parametrize("case", list(_pool_backward_cases()), ids=lambda c: str(c[0]))
+def test_rules_registered_in_dtensor_form(case):
+    from shardfn.strategy_search.dtensor_rules import REGISTERED
+
+    op, args = case
+    assert op in REGISTERED
+    assert failures(op, tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), {}) == []
