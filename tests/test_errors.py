@@ -6,7 +6,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 import shardfn as sf
 from tests.harness import RankPool
@@ -156,7 +155,8 @@ BAD = {
     "named entry too many dims": (lambda: sf.shard(dense_relu, in_strategy={"x": (4, 1, 1)})(*_xwb()), ValueError,
                                   ["in_strategy['x']", "has 3 entries but the tensor has 2 dims"]),
     "keyword tensor split badly": (lambda: sf.shard(lambda x, scale=None: x * scale,
-                                                    in_strategy={"scale": (3,)})(torch.randn(8, 6), scale=torch.randn(6)),
+                                                    in_strategy={"scale": (3,)})(torch.randn(8, 6),
+                                                                                 scale=torch.randn(6)),
                                    ValueError, ["in_strategy['scale']", "does not divide the world size 4"]),
     # layouts
     "Layout not called": (_call((L, None, None)), TypeError, ["in_strategy[0] is a Layout", "call it"]),
@@ -243,7 +243,8 @@ BAD = {
                                                  ["requires grad but is not one of its inputs",
                                                   "Pass it as an argument"]),
     "in-place update of an input laid out otherwise": (_in_place_laid_out_otherwise, ValueError,
-                                                       ["updates input 0 in place", "Give it the layout it arrives in"]),
+                                                       ["updates input 0 in place",
+                                                        "Give it the layout it arrives in"]),
     "a DTensor on a mesh in another rank order": (_dtensor_on_a_partial_mesh, ValueError,
                                                   ["not laid over all 4 ranks in row-major order",
                                                    "torch.arange(4).reshape"]),

@@ -8,7 +8,7 @@ from torch.distributed._local_tensor import local_tensor_mode
 
 from shardfn.runtime import simulated_world
 from tests.harness import on_rank
-from tests.transformers_models import BATCH, MODELS, MODES, train_and_compare
+from tests.transformers_models import MODELS, MODES, train_and_compare
 
 WORLD = 4
 CASES = [(m, mode) for m in MODELS for mode in MODES if not (m == "resnet" and mode in ("tp", "layer"))]

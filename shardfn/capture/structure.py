@@ -178,7 +178,8 @@ def split(value: Any, where: Callable[[], str] = lambda: "fn", path: str | None 
             if not _holds_tensors(x, set()):
                 return x
             raise TypeError(
-                f"{where()}: {display(at) if at is not None else 'a value'} is a {type(x).__name__} holding tensors that shardfn cannot reach "
+                f"{where()}: {display(at) if at is not None else 'a value'} is a {type(x).__name__} holding "
+                "tensors that shardfn cannot reach "
                 "(it has no __dict__); pass or return the tensors themselves, or register the class as a pytree "
                 "node with torch.utils._pytree.register_pytree_node")
         number = seen[id(x)] = len(seen)

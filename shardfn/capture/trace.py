@@ -12,7 +12,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch._decomp import get_decompositions
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,

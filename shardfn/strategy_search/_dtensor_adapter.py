@@ -1,5 +1,4 @@
-"""The one place that touches DTensor's private APIs (torch 2.13): its sharding-rule registries, and one
-constructor the executor's hot path uses (:func:`layout_of`, :func:`local_as`).
+"""The search's one place that touches DTensor's private APIs: its sharding-rule registries.
 
 DTensor registers, per aten op, either a single-mesh-dim rule (expanded over the mesh), a whole-mesh strategy
 function, or a decomposition it propagates through. :func:`dtensor_strategies` asks them, in the propagator's own
@@ -31,7 +30,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-__all__ = ["dtensor_strategies", "is_local_from_replicate", "layout_of", "local_as", "local_shapes",
+__all__ = ["dtensor_strategies", "is_local_from_replicate", "local_shapes",
            "valid_placements"]
 
 Placements = tuple[Placement, ...]
@@ -47,19 +46,6 @@ def _propagator():
 
 def _meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(shape=t.shape, stride=t.stride(), dtype=t.dtype)
-
-
-def layout_of(d: DTensor) -> Any:
-    """``d``'s layout (mesh, placements, global shape, stride, dtype) as an opaque value for :func:`local_as`."""
-    return d._spec
-
-
-def local_as(layout: Any, local: torch.Tensor) -> DTensor:
-    """``local`` as a DTensor in ``layout`` (from :func:`layout_of`), with no autograd node: what
-    ``DTensor.from_local(local, ..., run_check=False, shape=, stride=)`` gives, without building and checking a new
-    spec (~20 us per tensor less). For gradients on the executor's hot path: ``local`` must be this rank's shard of
-    a tensor in that layout, of its dtype."""
-    return DTensor(local, layout, requires_grad=False)
 
 
 def valid_placements(shape: torch.Size | tuple[int, ...], mesh: DeviceMesh) -> list[Placements]:

@@ -25,7 +25,7 @@ import torch
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
 

@@ -78,7 +78,8 @@ def _elementwise(args):
     shape = next(a.shape for a in args if hasattr(a, "shape"))
     if any(hasattr(a, "shape") and tuple(a.shape) != tuple(shape) for a in args):
         return [([R], [R if hasattr(a, "shape") else None for a in args])]
-    return [([p], [p if hasattr(a, "shape") else None for a in args]) for p in [R] + [Shard(d) for d in range(len(shape))]]
+    return [([p], [p if hasattr(a, "shape") else None for a in args])
+            for p in [R] + [Shard(d) for d in range(len(shape))]]
 
 
 @_lacking(aten.hardtanh_backward.default, aten.hardswish_backward.default, aten.hardsigmoid_backward.default,

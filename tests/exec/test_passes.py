@@ -2,7 +2,6 @@
 
 import operator
 
-import pytest
 
 import torch
 import torch.fx
