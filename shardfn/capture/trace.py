@@ -52,9 +52,12 @@ def _var_mean_two_pass(x, dim=None, *, correction=None, keepdim=False):
 # - nll_loss's mean over a batch, and var_mean: as sums, they run on batch slices (a pending sum each) instead of
 #   gathering the batch, as data parallelism needs.
 _DECOMPOSITIONS = {
-    **get_decompositions([torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm,
-                          torch.ops.aten.miopen_batch_norm, torch.ops.aten.nll_loss_forward,
-                          torch.ops.aten.nll_loss2d_forward]),
+    **get_decompositions([
+        torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,
+        torch.ops.aten._native_batch_norm_legit, torch.ops.aten._native_batch_norm_legit_functional,
+        torch.ops.aten._native_batch_norm_legit_no_training, torch.ops.aten._batch_norm_with_update,
+        torch.ops.aten._batch_norm_with_update_functional, torch.ops.aten._batch_norm_no_update,
+        torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward]),
     torch.ops.aten.var_mean.correction: _var_mean_two_pass,
 }
 
@@ -127,6 +130,7 @@ def capture(
     buffers: dict[str, torch.Tensor] | None = None,
     call: Callable[..., Any] | None = None,
     device: str = "cpu",
+    grad: bool | None = None,
 ) -> CapturedGraph:
     """Trace ``fn(*args, **kwargs)`` into an aten graph on fake tensors of the global shapes.
 
@@ -135,8 +139,10 @@ def capture(
     meta). Other values are constants of the trace. fn runs on copies of argument objects: what it changes in them
     becomes extra graph outputs and a new state written back after each call. For a module, ``params``/``buffers``
     are its state and ``call(state, *args, **kwargs)`` runs it with that state substituted; they become the first
-    placeholders, then the argument tensors in order.
+    placeholders, then the argument tensors in order. ``grad``: whether the call records gradients (default: the
+    current grad mode), which some ops' kernel choice depends on.
     """
+    grad = torch.is_grad_enabled() if grad is None else grad
     what = lambda: getattr(fn, "__qualname__", type(fn).__name__)  # noqa: E731
     params, buffers = params or {}, buffers or {}
     inputs: list[GraphInput] = []
@@ -171,9 +177,12 @@ def capture(
     # real tensors fn reads that are not its inputs (a closure's mask) become constants of the graph
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
-        fakes = [torch.empty(gi.shape, dtype=gi.dtype, device=device) for gi in inputs]
+        # inputs require grad as the call's do: ops choose their kernel by it (SDPA takes its math path for a
+        # mask that needs a gradient, the CPU flash kernel otherwise)
+        fakes = [torch.empty(gi.shape, dtype=gi.dtype, device=device).requires_grad_(
+            gi.requires_grad and (gi.dtype.is_floating_point or gi.dtype.is_complex)) for gi in inputs]
     try:
-        with _capture_scope(), torch.no_grad(), fake_mode, looks_like_tracing():
+        with _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing():
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
             gm = make_fx(torch.func.functionalize(flat_fn), decomposition_table=_DECOMPOSITIONS,
                          tracing_mode="real")(*fakes)
@@ -192,10 +201,32 @@ def capture(
             ) from e
         raise
     _check_constants(gm, fake_mode, what)
+    _out_of_place_metadata_ops(gm)
     # identical ops on the same inputs (q, k and v each viewing the same normalised activations) become one node,
     # so the search sees one value with several readers; random ops are never merged
     gm = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
     return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"])
+
+
+def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:
+    """Functionalization keeps in-place ops that change only a tensor's view (``squeeze_`` of F.linear on a 1-D
+    input); on a laid-out tensor they would change its local view alone. Where nothing reads the old view
+    afterwards, each becomes its out-of-place twin (``squeeze``)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
+            continue
+        name = target._schema.name.split("::")[-1]
+        packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+        twin = getattr(packet, target._overloadname, None) if packet is not None else None
+        if twin is None or not twin.is_view or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        src = node.args[0]
+        if src.op == "placeholder" or any(order[u] > order[node] for u in src.users if u is not node):
+            continue
+        node.target = twin
+    gm.recompile()
 
 
 def _check_constants(gm: torch.fx.GraphModule, fake_mode: FakeTensorMode, what: Callable[[], str]) -> None:

@@ -20,6 +20,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement
 
 from ..capture.graph import CapturedGraph
@@ -39,7 +40,7 @@ def _conform(x: Any, placements: tuple[Placement, ...] | None):
     if placements is None or not isinstance(x, DTensor) or tuple(x.placements) == placements:
         return x
     target = tuple(p if q.is_partial() else q for p, q in zip(x.placements, placements))
-    return x if tuple(x.placements) == target else x.redistribute(x.device_mesh, target)
+    return x if tuple(x.placements) == target else _redistribute(x, target)
 
 
 def _to(x: Any, placements: tuple[Placement, ...], mesh: DeviceMesh):
@@ -54,25 +55,44 @@ def _to(x: Any, placements: tuple[Placement, ...], mesh: DeviceMesh):
                        for p, q in zip(current, placements))
         if current == target:
             return x
-        # a collective's result is contiguous but keeps its input's global strides: from a contiguous input (and,
-        # going back, a contiguous gradient) the DTensor's strides and its local tensor's agree
-        return _DenseGrad.apply(_contiguous(x).redistribute(mesh, target))
+        return _redistribute(x, target)
     if isinstance(x, torch.Tensor):  # a whole value (graph constant): every rank slices its part
         return distribute_tensor(x, mesh, tuple(Replicate() if q.is_partial() else q for q in placements),
                                  src_data_rank=None)
     return x
 
 
-class _DenseGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous (before it enters a redistribution's backward)."""
+def _redistribute(x: DTensor, placements) -> DTensor:
+    """``x`` in ``placements``. A collective's result is contiguous but keeps its input's global strides: from a
+    contiguous input (and, going back, a contiguous gradient) the DTensor's strides and its local tensor's agree."""
+    return _GradAsDTensor.apply(_contiguous(x).redistribute(x.device_mesh, placements))
+
+
+class _GradAsDTensor(torch.autograd.Function):
+    """Identity whose backward hands a redistribution's backward what it needs: a contiguous DTensor gradient,
+    also where a backward formula made a plain tensor of the global shape (sgn's zeros), a whole value."""
 
     @staticmethod
     def forward(ctx, x):
+        ctx.mesh, ctx.placements = x.device_mesh, _gradient_placements(x.placements)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _contiguous(grad)
+        return _contiguous(_as_dtensor(grad, ctx.mesh, ctx.placements))
+
+
+def _gradient_placements(placements) -> tuple:
+    """Where a gradient goes: the value's own placements with pending sums replicated (as DTensor's)."""
+    return tuple(Replicate() if p.is_partial() else p for p in placements)
+
+
+def _as_dtensor(grad: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
+    if isinstance(grad, DTensor):
+        return grad
+    if grad._is_zerotensor():  # a lazy zero (no storage): made real before it is sliced
+        grad = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
+    return distribute_tensor(grad, mesh, placements, src_data_rank=None)
 
 
 def _from_local(t: torch.Tensor, mesh: DeviceMesh, placements, like: torch.Tensor) -> DTensor:
@@ -112,7 +132,7 @@ class ParallelProgram:
         if mesh.size() == 1:  # one rank holds everything: the captured graph itself, eager, nothing to lay out
             self._run, self._graph_step = self.whole_step, False
         else:
-            self._run = self._compile() if compiled else self.local_step
+            self._run = self._compile() if compiled else self._interpreted
             self._graph_step = None if compiled else False  # decided after the first traced call
         self._locals: list[torch.Tensor] = []
         self._layouts: list = []
@@ -132,7 +152,7 @@ class ParallelProgram:
                 leaves[i] = _to(leaf, np_.inputs[slot], self.mesh)
                 slot += 1
         args, kwargs = pytree.tree_unflatten(leaves, spec)
-        val = node.meta["val"]
+        val = node.meta.get("val")
         if node.target in _VIEWS:
             args = (_contiguous(args[0]), *args[1:])
 
@@ -147,6 +167,8 @@ class ParallelProgram:
             out = node.target(*local_args, **local_kwargs)
             if isinstance(out, torch.Tensor):
                 return _from_local(out, self.mesh, np_.outputs[0], val)
+            if not isinstance(out, (tuple, list)):  # None, or a Python value (an op run for its checks)
+                return out
             return type(out)(
                 _from_local(o, self.mesh, p, v) if isinstance(o, torch.Tensor) and p is not None else o
                 for o, p, v in zip(out, np_.outputs, val)
@@ -175,10 +197,8 @@ class ParallelProgram:
         """The whole call on this rank's local tensors (then the graph's constants): entry, program, exit."""
         inputs = []
         for x, e in zip(locals_, self.entries):
-            # from_local's backward returns the gradient in the held layout (a pending sum reduced)
-            d = DTensor.from_local(x, self.mesh, e.held, run_check=False, shape=torch.Size(e.shape),
-                                   stride=global_stride(x, e.shape))
-            inputs.append(d if e.held == e.planned else d.redistribute(self.mesh, e.planned))
+            d = _Enter.apply(x, self.mesh, e.held, torch.Size(e.shape))
+            inputs.append(d if e.held == e.planned else _redistribute(d, e.planned))
         return [o.to_local() for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
 
     def whole_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
@@ -188,6 +208,13 @@ class ParallelProgram:
             for device in _AUTOCAST_DEVICES:
                 stack.enter_context(torch.autocast(device, enabled=False))
             return list(self.captured.gm(*locals_[:len(self.entries)]))
+
+    def _interpreted(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
+        """The program interpreted over DTensors (simulated worlds). With gradients, its backward runs inside
+        this program too (:class:`_Backward`), where DTensor may take plain tensors as replicated."""
+        if torch.is_grad_enabled() and any(x.requires_grad for x in locals_):
+            return list(_Backward.apply(self.local_step, *locals_))
+        return self.local_step(*locals_)
 
     # --- compilation --------------------------------------------------------------------------------------
 
@@ -256,11 +283,58 @@ class ParallelProgram:
             picked = [args[i] for i in dtensor_pos]
             for i, t in zip(dtensor_pos, LocalsOf.apply(*picked)):
                 locals_[i] = t
-        outs = self._run(*locals_, *self.constants)
+        # backward formulas may make plain tensors of a DTensor's global shape (zeros of sgn's gradient, the
+        # factories of cumprod's): whole values, which DTensor takes as replicated here
+        with implicit_replication():
+            outs = self._run(*locals_, *self.constants)
         return [
             _from_local(o, self.mesh, self.plan.outputs[k], v) if self.as_dtensor[k] else o
             for k, (o, v) in enumerate(zip(outs, self.out_vals))
         ]
+
+
+class _Enter(torch.autograd.Function):
+    """This rank's piece of an input as a DTensor in the layout it arrives in. Its gradient goes back in that layout
+    with pending sums reduced (as DTensor.from_local's does), also when a backward formula made it a plain tensor
+    of the global shape (sgn's zeros): a whole value, of which this rank keeps its piece."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placements, shape):
+        ctx.mesh, ctx.placements = mesh, _gradient_placements(placements)
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                  stride=global_stride(local, shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _as_dtensor(grad, ctx.mesh, ctx.placements)
+        if tuple(grad.placements) != ctx.placements:
+            grad = grad.redistribute(ctx.mesh, ctx.placements)
+        return grad.to_local(), None, None, None
+
+
+class _Backward(torch.autograd.Function):
+    """``step(*inputs)`` run under autograd inside one node, whose backward differentiates it (the graph kept
+    from forward) under DTensor's implicit replication."""
+
+    @staticmethod
+    def forward(ctx, step, *inputs):
+        with torch.enable_grad():
+            ctx.inputs = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
+            ctx.outputs = step(*ctx.inputs)
+        return tuple(o.detach() for o in ctx.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs, outputs = ctx.inputs, ctx.outputs
+        ctx.inputs = ctx.outputs = None
+        wanted = [x for x in inputs if x.requires_grad]
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        found = iter([None] * len(wanted))
+        if pairs and wanted:
+            with implicit_replication():
+                found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs],
+                                                 allow_unused=True))
+        return (None, *(next(found) if x.requires_grad else None for x in inputs))
 
 
 class GraphStep(torch.autograd.Function):
