@@ -145,7 +145,4 @@ def _group():
     """The control group, or None where there is nothing to agree on (a world of one, a simulated world)."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or runtime.is_simulated():
         return None
-    if dist.get_backend() == "fake":
-        return None
-    control = getattr(runtime, "control_group", None)
-    return control() if control is not None else dist.group.WORLD
+    return runtime.control_group()

@@ -13,8 +13,19 @@ Slurm srun         SLURM_PROCID, SLURM_NTASKS              SLURM_LOCALID
 
 With none of them, the process is a world of one. The rendezvous is torch's TCP store at MASTER_ADDR:MASTER_PORT,
 defaulting to 127.0.0.1:29500 (:data:`DEFAULT_MASTER_PORT`) when the launcher sets neither (mpirun and srun on
-one host). A rendezvous that does not complete within SHARDFN_INIT_TIMEOUT seconds (default 300, see
-:data:`DEFAULT_INIT_TIMEOUT_S`) raises a RuntimeError that says what was waited for.
+one host). On CUDA each rank takes its local GPU; more ranks on a host than GPUs is an error before any
+communication.
+
+Settings (environment variables, seconds):
+
+=======================  =======  =============================================================================
+SHARDFN_INIT_TIMEOUT     300      the rendezvous: a missing rank, a wrong port or address, a port another program
+                                  holds: a RuntimeError saying what was waited for, within this (plus ~1 s)
+SHARDFN_TIMEOUT          300      any collective (the process group's and the control group's timeout): a peer
+                                  that never comes is an error after this, not gloo's 30 minutes
+SHARDFN_EXIT_TIMEOUT     30       at exit, how long a rank waits for the others to finish before it tears the
+                                  process group down alone (none waits for a rank that crashed)
+=======================  =======  =============================================================================
 """
 
 from __future__ import annotations
@@ -25,7 +36,6 @@ import datetime
 import logging
 import os
 import sys
-import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -33,9 +43,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import rendezvous
 from .layout import MeshSpec
 
-__all__ = ["DEFAULT_INIT_TIMEOUT_S", "DEFAULT_MASTER_PORT", "Launch", "detect_launch", "init", "simulated_world"]
+__all__ = ["DEFAULT_INIT_TIMEOUT_S", "DEFAULT_MASTER_PORT", "DEFAULT_TIMEOUT_S", "Launch", "collective_timeout_s",
+           "control_group", "detect_launch", "init", "simulated_world"]
+
 
 class _PlannedRedistributions(logging.Filter):
     # DTensor warns when a redistribution runs one collective per mesh dim; shardfn's plans choose those
@@ -49,13 +62,17 @@ logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_PlannedRe
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_INIT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_EXIT_TIMEOUT_S = 30.0
 
-# (launcher, rank var, world var, local-rank vars), in priority order.
+# (launcher, rank var, world var, local-rank vars, ranks-on-this-host vars), in priority order.
 _LAUNCHERS = (
-    ("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",)),
-    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",)),
-    ("MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK")),
-    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",)),
+    ("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",),
+     ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
+    ("MPICH/Intel MPI", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"),
+     ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",), ("SLURM_NTASKS_PER_NODE",)),
 )
 
 
@@ -67,11 +84,12 @@ class Launch:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int | None = None  # ranks on this host, where the launcher says
 
 
 def detect_launch(environ: dict[str, str] | None = None) -> Launch:
     env = os.environ if environ is None else environ
-    for name, rank_var, world_var, local_vars in _LAUNCHERS:
+    for name, rank_var, world_var, local_vars, local_size_vars in _LAUNCHERS:
         if rank_var in env and world_var in env:
             try:
                 rank, world = int(env[rank_var]), int(env[world_var])
@@ -80,8 +98,36 @@ def detect_launch(environ: dict[str, str] | None = None) -> Launch:
                 raise RuntimeError(f"shardfn.init: {name} set a non-integer rank variable: {e}") from None
             if not 0 <= rank < world:
                 raise RuntimeError(f"shardfn.init: {name} says rank {rank} of a world of {world}")
-            return Launch(name, rank, world, local)
-    return Launch("none", 0, 1, 0)
+            sizes = [env[v] for v in local_size_vars if v in env and env[v].isdigit()]
+            return Launch(name, rank, world, local, int(sizes[0]) if sizes else None)
+    return Launch("none", 0, 1, 0, 1)
+
+
+def check_gpus(launch: Launch, gpus: int) -> None:
+    """One GPU per rank on a host: NCCL refuses two ranks on one GPU ("Duplicate GPU detected")."""
+    ranks_here = launch.local_world_size if launch.local_world_size is not None else launch.local_rank + 1
+    if ranks_here > gpus:
+        raise ValueError(
+            f"shardfn.init: {ranks_here} ranks run on this host but it has {gpus} GPU{'s' if gpus != 1 else ''}; "
+            "NCCL needs one GPU per rank. Start at most one rank per GPU on each host, or use gloo on the CPU "
+            "(device='cpu')")
+
+
+def collective_timeout_s() -> float:
+    """SHARDFN_TIMEOUT: how long any collective may wait for its peers."""
+    return float(os.environ.get("SHARDFN_TIMEOUT", DEFAULT_TIMEOUT_S))
+
+
+_CONTROL: list = []  # the control group of the current process group, once made
+_STORE: list = []  # the rendezvous store, for the exit check-in
+
+
+def control_group():
+    """A gloo group over the whole world, beside the programs' own collectives, for the ranks' agreement on
+    each call (CPU-side: no GPU sync); None in a world of one and in a simulated world."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return None
+    return _CONTROL[0] if _CONTROL else None
 
 
 def _default_backend(device: str) -> str:
@@ -105,26 +151,31 @@ def init(backend: str | None = None, device: str | None = None) -> DeviceMesh:
         launch = detect_launch()
         backend = backend or _default_backend(device)
         if device == "cuda":
-            torch.cuda.set_device(launch.local_rank % torch.cuda.device_count())
-        timeout_s = float(os.environ.get("SHARDFN_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT_S))
-        timeout = datetime.timedelta(seconds=timeout_s)
+            check_gpus(launch, torch.cuda.device_count())
+            torch.cuda.set_device(launch.local_rank)
+        init_s = float(os.environ.get("SHARDFN_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=collective_timeout_s())
+        _CONTROL.clear()
+        _STORE.clear()
         if launch.world_size == 1:
             # A world of one needs no rendezvous: an in-process store, no port to collide on.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         else:
-            os.environ.setdefault("MASTER_ADDR", DEFAULT_MASTER_ADDR)
-            os.environ.setdefault("MASTER_PORT", str(DEFAULT_MASTER_PORT))
+            host = os.environ.setdefault("MASTER_ADDR", DEFAULT_MASTER_ADDR)
+            port = os.environ.setdefault("MASTER_PORT", str(DEFAULT_MASTER_PORT))
             try:
-                dist.init_process_group(
-                    backend, init_method="env://", rank=launch.rank, world_size=launch.world_size, timeout=timeout
-                )
+                store = rendezvous.meet(host, int(port), launch.rank, launch.world_size, init_s)
             except Exception as e:  # torch raises DistStoreError / RuntimeError / TimeoutError variously
                 raise RuntimeError(
                     f"shardfn.init: rank {launch.rank} of {launch.world_size} ({launch.launcher}) could not "
-                    f"rendezvous at {os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout_s:g} s "
-                    f"(SHARDFN_INIT_TIMEOUT): check that every rank started and that MASTER_ADDR/MASTER_PORT "
-                    f"name a reachable host and a free port. Cause: {type(e).__name__}: {e}"
+                    f"rendezvous at {host}:{port} within {init_s:g} s (SHARDFN_INIT_TIMEOUT): check that every "
+                    f"rank started and that MASTER_ADDR/MASTER_PORT name a reachable host and a free port. "
+                    f"Cause: {type(e).__name__}: {e}"
                 ) from e
+            dist.init_process_group(backend, store=store, rank=launch.rank, world_size=launch.world_size,
+                                    timeout=timeout)
+            _STORE.append(store)
+            _CONTROL.append(dist.new_group(backend="gloo", timeout=timeout))
         atexit.register(_shutdown)
         sys.excepthook = _note_crash(sys.excepthook)
     elif backend is not None and dist.get_backend() != backend:
@@ -142,6 +193,8 @@ def _note_crash(previous_hook):
     def hook(*exc_info):
         global _CRASHED
         _CRASHED = True
+        if _STORE:
+            rendezvous.note_crash(_STORE[0])
         previous_hook(*exc_info)
 
     return hook
@@ -149,20 +202,19 @@ def _note_crash(previous_hook):
 
 def _shutdown() -> None:
     # Tear the group down before the interpreter does: gloo's threads dying with the process abort some ranks
-    # ("terminate called without an active exception"). Every rank first checks in at the store and waits for
-    # all others, then a barrier drains the transport; after an uncaught exception this is skipped (the peers
-    # may never arrive).
+    # ("terminate called without an active exception"). Every rank first checks out at the store and waits, at
+    # most SHARDFN_EXIT_TIMEOUT, for all others, then a barrier drains the transport; when a rank crashed (or
+    # this one did) nobody waits for it.
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
     _MESHES.clear()
-    if not _CRASHED and dist.get_world_size() > 1:
-        with contextlib.suppress(Exception):
-            store = dist.distributed_c10d._get_default_store()
-            store.add("shardfn/exit", 1)
-            deadline = time.monotonic() + 60
-            while store.add("shardfn/exit", 0) < dist.get_world_size() and time.monotonic() < deadline:
-                time.sleep(0.005)
-            dist.barrier()
+    _CONTROL.clear()
+    if not _CRASHED and dist.get_world_size() > 1 and _STORE:
+        exit_s = float(os.environ.get("SHARDFN_EXIT_TIMEOUT", DEFAULT_EXIT_TIMEOUT_S))
+        if rendezvous.check_in_at_exit(_STORE[0], dist.get_world_size(), exit_s):
+            with contextlib.suppress(Exception):
+                dist.barrier()
+    _STORE.clear()
     dist.destroy_process_group()
 
 

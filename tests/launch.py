@@ -60,3 +60,23 @@ def check(result: subprocess.CompletedProcess) -> str:
         f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-6000:]}"
     )
     return result.stdout
+
+
+def run_ranks(script: str, envs: list[dict[str, str]], *args: str, timeout: float = 120):
+    """``script`` as one process per env (RANK, WORLD_SIZE, ... given per rank), started together: per rank,
+    (exit code, output, seconds until it ended). A rank still running at ``timeout`` is killed: exit code None."""
+    import time
+
+    start = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, str(ROOT / script), *args], env=_env(e), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for e in envs]
+    results = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(timeout - (time.monotonic() - start), 1))
+            results.append((p.returncode, out, time.monotonic() - start))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+            results.append((None, out, time.monotonic() - start))
+    return results

@@ -4,7 +4,7 @@ import pytest
 
 from shardfn.runtime import DEFAULT_MASTER_PORT, detect_launch
 from tests.harness import free_port
-from tests.launch import check, run_mpirun, run_python, run_torchrun
+from tests.launch import check, run_mpirun, run_python, run_ranks, run_torchrun
 
 
 @pytest.mark.parametrize(
@@ -66,3 +66,107 @@ def test_missing_ranks_fail_within_the_timeout():
     assert "could not rendezvous at 127.0.0.1:" + port in res.stderr
     assert "SHARDFN_INIT_TIMEOUT" in res.stderr
     assert elapsed < 60
+
+
+def _world_of_two(port, **extra):
+    return [{"RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "SHARDFN_INIT_TIMEOUT": "4", **extra} for r in range(2)]
+
+
+def _assert_rendezvous_error(result, host_port, bound=30):
+    code, out, seconds = result
+    assert code not in (0, None), out
+    assert f"could not rendezvous at {host_port} within 4 s (SHARDFN_INIT_TIMEOUT)" in out, out
+    assert "MASTER_ADDR/MASTER_PORT name a reachable host and a free port" in out
+    assert seconds < bound
+
+
+@pytest.mark.parametrize("peer", ["silent", "closing"])
+def test_a_port_another_program_holds_fails_within_the_timeout(peer):
+    # rank 0 cannot serve the store there; rank 1 meets a peer that is no store (torch's client would wait)
+    import socket
+    import threading
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(8)
+    port = holder.getsockname()[1]
+    kept = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = holder.accept()
+            except OSError:
+                return
+            conn.close() if peer == "closing" else kept.append(conn)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        for result in run_ranks("tests/scripts/runtime_faults.py", _world_of_two(port), "init", timeout=60):
+            _assert_rendezvous_error(result, f"127.0.0.1:{port}")
+    finally:
+        holder.close()
+
+
+def test_a_wrong_port_on_one_rank_fails_both_within_the_timeout():
+    envs = _world_of_two(free_port())
+    envs[1]["MASTER_PORT"] = str(free_port())
+    results = run_ranks("tests/scripts/runtime_faults.py", envs, "init", timeout=60)
+    for r, result in enumerate(results):
+        _assert_rendezvous_error(result, f"127.0.0.1:{envs[r]['MASTER_PORT']}")
+
+
+def test_an_unreachable_address_fails_within_the_timeout():
+    envs = _world_of_two(free_port(), MASTER_ADDR="10.255.255.1")
+    (result,) = run_ranks("tests/scripts/runtime_faults.py", envs[1:], "init", timeout=60)
+    _assert_rendezvous_error(result, f"10.255.255.1:{envs[1]['MASTER_PORT']}")
+
+
+def test_a_collective_whose_peer_never_comes_fails_within_shardfn_timeout():
+    results = run_ranks("tests/scripts/runtime_faults.py", _world_of_two(free_port(), SHARDFN_TIMEOUT="3"), "skip",
+                        timeout=90)
+    out = results[0][1]
+    assert "rank 0: collective failed after" in out, out
+    seconds = float(out.split("collective failed after ")[1].split(" s")[0])
+    assert 2.5 < seconds < 15, out
+    assert all(code is not None for code, _, _ in results)  # nobody hangs at exit either
+
+
+def test_a_crashed_rank_ends_every_rank_and_nobody_waits_at_exit():
+    results = run_ranks("tests/scripts/runtime_faults.py", _world_of_two(free_port(), SHARDFN_TIMEOUT="10"),
+                        "crash", timeout=90)
+    assert results[1][0] not in (0, None) and "a fault on rank 1" in results[1][1]
+    assert results[0][0] is not None and "collective failed" in results[0][1], results[0][1]
+    assert max(seconds for _, _, seconds in results) < 40
+
+
+def test_a_rank_that_ends_early_does_not_hang_the_other():
+    results = run_ranks("tests/scripts/runtime_faults.py", _world_of_two(free_port()), "early", timeout=90)
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert all("done" in out for _, out, _ in results)
+
+
+def test_the_control_group_is_a_gloo_group_over_the_world():
+    results = run_ranks("tests/scripts/runtime_faults.py", _world_of_two(free_port()), "control", timeout=90)
+    assert all(code == 0 and "control group sum 2" in out for code, out, _ in results), results
+
+
+@pytest.mark.parametrize("env, gpus, ok", [
+    ({"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "4"}, 1, False),
+    ({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}, 2, True),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+      "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}, 4, False),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3"}, 2, False),  # no local size: the local rank
+    ({}, 1, True),
+])
+def test_more_ranks_on_a_host_than_gpus_is_an_error_before_any_communication(env, gpus, ok):
+    from shardfn.runtime import check_gpus
+
+    launch = detect_launch(env)
+    if ok:
+        check_gpus(launch, gpus)
+        return
+    with pytest.raises(ValueError, match=rf"ranks run on this host but it has {gpus} GPU.*one GPU per rank.*"
+                                         r"device='cpu'"):
+        check_gpus(launch, gpus)
