@@ -61,3 +61,20 @@ def test_a_world_of_one_runs_the_model_whole():
     assert {str(p) for n in plan.nodes.values() for pl in (*n.inputs, *n.outputs) if pl for p in pl} == \
         {"R"}
     assert plan.collectives == []
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_data_parallel_keeps_the_batch_split(name):
+    # asked for data parallelism, a plan gathered the batch and ran replicated (BERT, ViT, Llama, ResNet)
+    import shardfn as sf
+    from tests.transformers_models import batch
+
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    args, kwargs = batch(spec, seed=0, n=2)
+    plan = sf.explain(spec.make(), *args, kwargs=kwargs, in_strategy=(None,), dataset_strategy="data_parallel",
+                      world_size=WORLD)
+    assert not [n for n in plan.notes if "gathered" in n], plan.notes
+    forward = {(c.kind, c.where) for c in plan.collectives if c.phase == "forward"}
+    assert all(kind == "all_reduce" for kind, _ in forward), forward  # only the loss's (and statistics') sums
+    assert all(i.planned == i.held for i in plan.inputs if i.kind == "input")

@@ -202,6 +202,7 @@ def capture(
         raise
     _check_constants(gm, fake_mode, what)
     _out_of_place_metadata_ops(gm)
+    _drop_skipped_cat_operands(gm)
     # identical ops on the same inputs (q, k and v each viewing the same normalised activations) become one node,
     # so the search sees one value with several readers; random ops are never merged
     gm = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
@@ -226,6 +227,24 @@ def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:
         if src.op == "placeholder" or any(order[u] > order[node] for u in src.users if u is not node):
             continue
         node.target = twin
+    gm.recompile()
+
+
+def _drop_skipped_cat_operands(gm: torch.fx.GraphModule) -> None:
+    """cat skips a 1-D empty operand beside higher-rank ones (a cache starts from one): dropped from the graph,
+    it cannot force the others into its layout (a whole batch gathered for nothing)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
+            continue
+        parts = node.args[0]
+        vals = [p.meta.get("val") if isinstance(p, torch.fx.Node) else None for p in parts]
+        keep = [p for p, v in zip(parts, vals) if not (isinstance(v, torch.Tensor) and v.dim() == 1
+                                                      and v.numel() == 0)]
+        if keep and len(keep) < len(parts) and all(isinstance(v, torch.Tensor) for v in vals):
+            node.args = (keep, *node.args[1:])
+            for dropped in set(parts) - set(keep):
+                if not dropped.users and dropped.op != "placeholder":  # (not random: DCE could drop draws)
+                    gm.graph.erase_node(dropped)
     gm.recompile()
 
 
