@@ -50,14 +50,16 @@ def _var_mean_two_pass(x, dim=None, *, correction=None, keepdim=False):
 #   would keep them as they are, and the update would land in whatever layout the plan gives those buffers (on a
 #   copy). Decomposed, the update is an explicit copy_ into the buffer, planned and run like any other write;
 # - nll_loss's mean over a batch, and var_mean: as sums, they run on batch slices (a pending sum each) instead of
-#   gathering the batch, as data parallelism needs.
+#   gathering the batch, as data parallelism needs;
+# - group norm, whose kernels take the batch size as an argument (the global one in the graph, wrong for a
+#   rank's slice in backward): as views and statistics, it needs no such number.
 _DECOMPOSITIONS = {
     **get_decompositions([
         torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,
         torch.ops.aten._native_batch_norm_legit, torch.ops.aten._native_batch_norm_legit_functional,
         torch.ops.aten._native_batch_norm_legit_no_training, torch.ops.aten._batch_norm_with_update,
         torch.ops.aten._batch_norm_with_update_functional, torch.ops.aten._batch_norm_no_update,
-        torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward]),
+        torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward, torch.ops.aten.native_group_norm]),
     torch.ops.aten.var_mean.correction: _var_mean_two_pass,
 }
 
@@ -211,8 +213,9 @@ def capture(
 
 def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:
     """Functionalization keeps in-place ops that change only a tensor's view (``squeeze_`` of F.linear on a 1-D
-    input); on a laid-out tensor they would change its local view alone. Where nothing reads the old view
-    afterwards, each becomes its out-of-place twin (``squeeze``)."""
+    input, ``unsqueeze_`` in group norm); on a laid-out tensor they would change its local view alone. Each
+    becomes its out-of-place twin (``squeeze``), and later readers of the tensor read the twin's result, which is
+    what the in-place op had made of the tensor."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node in list(gm.graph.nodes):
         target = node.target
@@ -224,8 +227,10 @@ def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:
         if twin is None or not twin.is_view or not isinstance(node.args[0], torch.fx.Node):
             continue
         src = node.args[0]
-        if src.op == "placeholder" or any(order[u] > order[node] for u in src.users if u is not node):
+        if src.op == "placeholder":
             continue
+        for later in [u for u in src.users if order[u] > order[node]]:
+            later.replace_input_with(src, node)
         node.target = twin
     gm.recompile()
 

@@ -129,6 +129,7 @@ class ParallelProgram:
         self.constants = [getattr(captured.gm, n.target) for n in captured.gm.graph.nodes
                           if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
         self._n_params = sum(e.kind == "param" for e in self.entries)
+        self._written_elsewhere = [k for k in captured.writes if self.entries[k].held != self.entries[k].planned]
         if mesh.size() == 1:  # one rank holds everything: the captured graph itself, eager, nothing to lay out
             self._run, self._graph_step = self.whole_step, False
         else:
@@ -199,7 +200,10 @@ class ParallelProgram:
         for x, e in zip(locals_, self.entries):
             d = _Enter.apply(x, self.mesh, e.held, torch.Size(e.shape))
             inputs.append(d if e.held == e.planned else _redistribute(d, e.planned))
-        return [o.to_local() for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
+        outs = [o.to_local() for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
+        for k in self._written_elsewhere:  # updated in place in another layout than the caller's: written back
+            locals_[k].copy_(_redistribute(inputs[k], self.entries[k].held).to_local())
+        return outs
 
     def whole_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
         """A world of one: the captured graph on the whole tensors, under eager autograd, as fn ran at capture.

@@ -177,17 +177,13 @@ def _needs_grad(captured: CapturedGraph, grad: bool) -> set[torch.fx.Node]:
 
 
 def _written_layouts(captured: CapturedGraph, request: PlanRequest) -> dict[int, Placements]:
-    """The layout of each input ``fn`` updates in place (a buffer's running statistics): the one the caller holds
-    it in, so the update is written into the caller's tensor and not into a copy laid out otherwise."""
+    """The layout each input ``fn`` updates in place (a buffer's running statistics) is written in: the one asked
+    for, else the one the caller holds it in (the update then lands in the caller's tensor as it is; another
+    layout is written back after the call)."""
     layouts = {}
     for i in captured.writes:
         fixed, held = request.inputs[i].fixed, request.inputs[i].held
-        if fixed is not None and held is not None and fixed != held:
-            raise ValueError(
-                f"shardfn: fn updates {captured.inputs[i].name} in place, but its strategy {fixed} differs from the "
-                f"layout it arrives in ({held}), so the update could not reach the caller's tensor. Give it the "
-                "layout it arrives in (None for a whole tensor), or return the new value instead of writing it.")
-        layout = held if held is not None else fixed
+        layout = fixed if fixed is not None else held
         if layout is not None:
             layouts[i] = layout
     return layouts

@@ -170,3 +170,25 @@ def _strides_body():
 
 def test_views_after_redistribution_on_real_ranks(gloo4):
     assert gloo4.run(_strides_body) == [True] * 4
+
+
+def _in_place_body(strategy):
+    from tests.exec.test_io import _scale_in_place
+
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 4), torch.randn(4, 8)
+    ref_x = x.clone()
+    ref = _scale_in_place(ref_x, w)
+    f = sf.shard(_scale_in_place, in_strategy=(strategy, None))
+    y = f(x, w)
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(x, ref_x)
+    y = f(x, w)  # the cached program writes back too
+    torch.testing.assert_close(y, _scale_in_place(ref_x, w))
+    torch.testing.assert_close(x, ref_x)
+    return True
+
+
+def test_in_place_updates_in_another_layout_are_written_back_on_real_ranks(gloo4):
+    for strategy in [(4, 1), None]:
+        assert gloo4.run(_in_place_body, strategy) == [True] * 4

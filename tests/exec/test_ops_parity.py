@@ -96,6 +96,8 @@ CASES = {
     "sdpa_mask_requires_grad": (lambda q, m: F.scaled_dot_product_attention(q, q, q, attn_mask=m),
                                 lambda: (rand(2, 2, 4, 4), rand(2, 1, 4, 4)), (None, None)),
     "linear_1d_input": (lambda x, w: F.linear(x, w), lambda: (rand(6), rand(4, 6)), (None, None)),
+    "group_norm": (lambda x, w, b: F.group_norm(x, 2, w, b), lambda: (rand(4, 6, 5), rand(6), rand(6)),
+                   ((2, 1, 1), None, None)),
     "batch_norm_legit": (lambda x, rm, rv: torch.ops.aten._native_batch_norm_legit(x, None, None, rm, rv, True, 0.1,
                                                                                   1e-5)[0],
                          lambda: (rand(4, 3, 5), torch.zeros(3), torch.ones(3)), ((4, 1, 1), None, None)),
