@@ -248,4 +248,23 @@ def _constant_key(x: Any, visiting: set) -> Any:
         return ("C", spec, tuple(_constant_key(c, visiting) for c in children))
     if hasattr(x, "__dict__") and not isinstance(x, type) and not callable(x):
         return ("O", type(x), tuple((k, _constant_key(v, visiting)) for k, v in vars(x).items()))
-    return ("id", type(x), id(x))  # nothing better to compare: this very object
+    return ("id", type(x), _Identity(x))  # nothing better to compare: this very object
+
+
+class _Identity:
+    """Equal only for the same object (a program traced with one function is not reused for another of the same
+    name), shown by name: ranks compare digests of signatures, and an address differs from process to process."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return getattr(self.obj, "__qualname__", type(self.obj).__qualname__)

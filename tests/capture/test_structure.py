@@ -107,3 +107,14 @@ def test_an_argument_object_fn_changes_gets_its_new_state_after_each_call():
         assert len(f._engine.cache) == 3
         f(torch.randn(8, 6), Cache())
         assert len(f._engine.cache) == 3
+
+
+def test_an_object_compared_by_identity_is_shown_by_name():
+    # the signature holds it by identity (no reuse across two lambdas), its text by name (the same on every rank)
+    from shardfn.arguments import call_key
+
+    f, g = (lambda t: t), (lambda t: t)
+    x = torch.zeros(2)
+    assert call_key((x, f), {})[0] != call_key((x, g), {})[0]
+    assert call_key((x, f), {})[0] == call_key((x, f), {})[0]
+    assert "0x" not in repr(call_key((x, f), {})[0])
