@@ -6,8 +6,9 @@
 
 from .api import ShardedFunction, ShardedModule, explain, shard
 from .capture import CaptureError
+from .checkpoint import load, save
 from .layout import Layout
 from .runtime import init
 from .strategy_search import Plan
 
-__all__ = ["CaptureError", "Layout", "Plan", "ShardedFunction", "ShardedModule", "explain", "init", "shard"]
+__all__ = ["CaptureError", "Layout", "Plan", "ShardedFunction", "ShardedModule", "explain", "init", "load", "save", "shard"]

@@ -34,6 +34,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, conn) -> None:
+    import faulthandler
+
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal (SIGSEGV, SIGABRT) shows where it was
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -55,21 +58,28 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
 
 
 class RankPool:
-    """``world`` real gloo ranks, started once; ``run(fn, *args)`` calls ``fn(*args)`` on all of them."""
+    """``world`` real gloo ranks, started once; ``run(fn, *args)`` calls ``fn(*args)`` on all of them. A pool
+    whose rank died (a failed test) is started afresh for the next test."""
 
     def __init__(self, world: int, timeout_s: float = 300.0):
+        self.world, self.timeout_s = world, timeout_s
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
-        self.timeout_s = timeout_s
         self.conns, self.procs = [], []
-        for rank in range(world):
+        for rank in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, world, port, child), daemon=True)
+            p = ctx.Process(target=_worker, args=(rank, self.world, port, child), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        if not all(p.is_alive() for p in self.procs):
+            self.close()
+            self._start()
         for c in self.conns:
             c.send((fn, args))
         results = []
@@ -77,7 +87,12 @@ class RankPool:
             if not c.poll(self.timeout_s):
                 self.close()
                 raise TimeoutError(f"rank {rank} did not answer within {self.timeout_s} s")
-            results.append(c.recv())
+            try:
+                results.append(c.recv())
+            except EOFError:
+                self.procs[rank].join(timeout=10)
+                raise RuntimeError(f"rank {rank} died (exit code {self.procs[rank].exitcode}) running "
+                                   f"{fn.__name__}{args}; its stack is above, on stderr") from None
         for rank, (status, value) in enumerate(results):
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
