@@ -11,4 +11,5 @@ from .layout import Layout
 from .runtime import init
 from .strategy_search import Plan
 
-__all__ = ["CaptureError", "Layout", "Plan", "ShardedFunction", "ShardedModule", "explain", "init", "load", "save", "shard"]
+__all__ = ["CaptureError", "Layout", "Plan", "ShardedFunction", "ShardedModule", "explain", "init", "load", "save",
+           "shard"]
