@@ -1,10 +1,12 @@
 """Data parallelism, shardfn against DistributedDataParallel, side by side in one run.
 
-    python bench/data_parallel.py [--world 2] [--layers 12] [--dim 256] [--steps 10]
+    python bench/data_parallel.py [--world 2] [--layers 12] [--dim 256] [--steps 10] [--compile]
 
 A 12-layer transformer (tests.models.GPTBlock stack), each rank a slice of the batch: shardfn with
 dataset_strategy="data_parallel" and torch's DDP (default 25 MB buckets), AdamW; the same losses asserted, and
-the median step time of each printed with their ratio (shardfn / DDP). The script starts its own gloo ranks.
+the median step time of each printed with their ratio (shardfn / DDP). With --compile, also both compiled:
+shardfn with SHARDFN_COMPILE=1 (Inductor on its per-rank graphs) and DDP under torch.compile (the first steps,
+not timed, compile). The script starts its own gloo ranks.
 """
 
 from __future__ import annotations
@@ -65,17 +67,28 @@ def worker(rank, args, port):
     x = torch.randn(args.batch * args.world, args.seq, args.dim)[args.batch * rank: args.batch * (rank + 1)]
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
     sharded = sf.shard(copy.deepcopy(model), in_strategy=(None,), dataset_strategy="data_parallel")
+    runs = [("shardfn", sharded, "0"), ("DDP", ddp, "0")]
+    if args.compile:
+        runs += [("shardfn compiled", sf.shard(copy.deepcopy(model), in_strategy=(None,),
+                                               dataset_strategy="data_parallel"), "1"),
+                 ("DDP + torch.compile", torch.compile(nn.parallel.DistributedDataParallel(copy.deepcopy(model))),
+                  "0")]
     results = {}
-    for name, m in (("shardfn", sharded), ("DDP", ddp)):
-        _train(m, x, 2)  # warm up (shardfn compiles here)
+    for name, m, compile_ in runs:
+        os.environ["SHARDFN_COMPILE"] = compile_  # read when a program is first made
+        _train(m, x, 2)  # warm up (shardfn plans, traces and compiles here)
         results[name] = _train(m, x, args.steps)
     # DDP's loss is this rank's slice's mean; shardfn's output is this rank's slice: the same local loss
-    torch.testing.assert_close(torch.stack(results["shardfn"][1]), torch.stack(results["DDP"][1]), rtol=1e-4,
-                               atol=1e-5)
+    for name in results:
+        torch.testing.assert_close(torch.stack(results[name][1]), torch.stack(results["DDP"][1]), rtol=1e-4,
+                                   atol=1e-5, msg=lambda m: f"{name}: {m}")
     if rank == 0:
-        s, d = (statistics.median(results[k][0]) * 1e3 for k in ("shardfn", "DDP"))
+        ms = {k: statistics.median(v[0]) * 1e3 for k, v in results.items()}
         print(f"{args.layers} layers, dim {args.dim}, {args.world} gloo ranks, batch {args.batch} x {args.seq} "
-              f"per rank: step shardfn {s:.1f} ms, DDP {d:.1f} ms, ratio shardfn / DDP {s / d:.3f}", flush=True)
+              f"per rank: step " + ", ".join(f"{k} {v:.1f} ms" for k, v in ms.items()), flush=True)
+        print(f"ratio shardfn / DDP {ms['shardfn'] / ms['DDP']:.3f}" + (
+            f", shardfn compiled / DDP + torch.compile {ms['shardfn compiled'] / ms['DDP + torch.compile']:.3f}"
+            if args.compile else ""), flush=True)
     dist.barrier()
 
 
@@ -88,6 +101,7 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="also both compiled (Inductor)")
     args = p.parse_args()
     mp.start_processes(worker, args=(args, free_port()), nprocs=args.world, join=True, start_method="spawn")
 

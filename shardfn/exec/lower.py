@@ -13,6 +13,9 @@ collectives (``program.graphs``), so a call runs two flat graphs, not Python per
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import time
 from typing import Any, Callable
 
 import torch
@@ -32,7 +35,18 @@ from .run import LocalsOf, global_stride
 __all__ = ["ParallelProgram", "lower"]
 
 aten = torch.ops.aten
+_log = logging.getLogger("shardfn")
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+def use_inductor(device_type: str) -> bool:
+    """SHARDFN_COMPILE: compile the per-rank graphs with Inductor. "auto" (the default): on CUDA, where fused
+    kernels pay for the compile time; off on the CPU, where a first call would wait tens of seconds for C++
+    builds. "1" always, "0" never."""
+    setting = os.environ.get("SHARDFN_COMPILE", "auto").lower()
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"SHARDFN_COMPILE must be auto, 0 or 1, got {setting!r}")
+    return device_type == "cuda" if setting == "auto" else setting == "1"
+
 
 def _conform(x: Any, placements: tuple[Placement, ...] | None):
     """Put an op result in its planned placement. A pending sum stays as the op left it: one the op resolved
@@ -122,7 +136,9 @@ class ParallelProgram:
     def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool):
         self.captured, self.plan, self.mesh = captured, plan, mesh
         self.entries, self.as_dtensor = plan.inputs, plan.returns_dtensor
-        self.graphs: dict[str, torch.fx.GraphModule] = {}
+        self.graphs: dict[str, torch.fx.GraphModule] = {}  # the traced per-rank graphs, after the passes
+        self.runners: dict[str, Callable] = {}  # what runs each: the graph itself, or Inductor's code of it
+        self.compile_s: dict[str, float] = {}  # seconds Inductor took for each
         self.out_vals = [n.meta["val"] for n in captured.output_nodes]
         # the graph's constant tensors (made inside fn, or read from outside it): extra inputs of the traced
         # program, read from their objects at every call
@@ -130,8 +146,11 @@ class ParallelProgram:
                           if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
         self._n_params = sum(e.kind == "param" for e in self.entries)
         self._written_elsewhere = [k for k in captured.writes if self.entries[k].held != self.entries[k].planned]
-        if mesh.size() == 1:  # one rank holds everything: the captured graph itself, eager, nothing to lay out
+        self._whole = captured.gm
+        if mesh.size() == 1:  # one rank holds everything: the captured graph itself, nothing to lay out
             self._run, self._graph_step = self.whole_step, False
+            if compiled and use_inductor(mesh.device_type):
+                self._whole = torch.compile(captured.gm, fullgraph=True, dynamic=False)
         else:
             self._run = self._compile() if compiled else self._interpreted
             self._graph_step = None if compiled else False  # decided after the first traced call
@@ -211,7 +230,7 @@ class ParallelProgram:
         with contextlib.ExitStack() as stack:
             for device in _AUTOCAST_DEVICES:
                 stack.enter_context(torch.autocast(device, enabled=False))
-            return list(self.captured.gm(*locals_[:len(self.entries)]))
+            return list(self._whole(*locals_[:len(self.entries)]))
 
     def _interpreted(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
         """The program interpreted over DTensors (simulated worlds). With gradients, its backward runs inside
@@ -225,16 +244,36 @@ class ParallelProgram:
     def _compile(self) -> Callable:
         from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
 
+        inductor = use_inductor(self.mesh.device_type)
+
         def keep(name):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
-                self.graphs[name] = simplify(gm)
-                return make_boxed_func(gm.forward)
+                # Inductor plans its own buffers: the graph it gets stays functional (no in-place rewrites)
+                self.graphs[name] = simplify(gm, in_place=not inductor)
+                if not inductor:
+                    self.runners[name] = gm
+                    return make_boxed_func(gm.forward)
+                from torch._inductor.compile_fx import compile_fx_inner
+
+                start = time.perf_counter()
+                boxed = compile_fx_inner(gm, example_inputs)
+                self.compile_s[name] = time.perf_counter() - start
+                _log.info("shardfn: Inductor compiled the %s graph in %.1f s", name, self.compile_s[name])
+                self.runners[name] = lambda *args: boxed(list(args))
+                return boxed
 
             return compiler
 
         # the min-cut partitioner saves what the default one recomputes (the CPU flash-attention forward)
+        # Inductor lowers only the ops its decompositions leave (as under torch.compile)
+        decompositions = None
+        if inductor:
+            from torch._inductor.decomposition import select_decomp_table
+
+            decompositions = select_decomp_table()
         return aot_function(self.local_step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            inference_compiler=keep("forward"), partition_fn=min_cut_rematerialization_partition)
+                            inference_compiler=keep("forward"), partition_fn=min_cut_rematerialization_partition,
+                            decompositions=decompositions)
 
     def parameter_locals(self, params) -> list[torch.Tensor]:
         """The parameters' local tensors, kept between calls: a parameter updated in place (optimizer steps,
@@ -349,7 +388,7 @@ class GraphStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: ParallelProgram, *args):
         n_params = program._n_params
-        out = program.graphs["forward"](*program.parameter_locals(args[:n_params]), *args[n_params:],
+        out = program.runners["forward"](*program.parameter_locals(args[:n_params]), *args[n_params:],
                                         *program.constants)
         n_out = len(program.out_vals)
         ctx.save_for_backward(*out[n_out:])
@@ -360,7 +399,7 @@ class GraphStep(torch.autograd.Function):
     def backward(ctx, *grads):
         program = ctx.program
         grads = [g.contiguous() for g in grads]
-        local = program.graphs["backward"](*ctx.saved_tensors, *grads)
+        local = program.runners["backward"](*ctx.saved_tensors, *grads)
         wrapped = [None if g is None else local_as(layout, g) for g, layout in zip(local, ctx.layouts)]
         return (None, *wrapped, *local[len(wrapped):ctx.n_args])
 

@@ -240,14 +240,17 @@ def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> None:
         graph.erase_node(n)
 
 
-def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def simplify(gm: torch.fx.GraphModule, in_place: bool = True) -> torch.fx.GraphModule:
+    """All the clean-ups; ``in_place=False`` keeps the graph functional (for Inductor, which plans its own
+    buffers)."""
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     _drop_identities(graph, set(out.all_input_nodes))
     if bucket_bytes() > 0:
         _fuse_reductions(graph, bucket_bytes())
-    _reduce_in_place(graph)
-    _accumulate_in_place(graph)
+    if in_place:
+        _reduce_in_place(graph)
+        _accumulate_in_place(graph)
     _overlap(graph)
     graph.lint()
     gm.recompile()
