@@ -20,12 +20,12 @@ unchanged.
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 import torch.fx
 
 from ..capture.graph import is_in_place
+from ..strategy_search.buckets import assign_buckets, bucket_bytes
 
 __all__ = ["simplify"]
 
@@ -166,12 +166,6 @@ def _overlap(graph: torch.fx.Graph) -> None:
             first.prepend(node)
 
 
-def bucket_bytes() -> int:
-    """The size limit of one fused gradient all-reduce: SHARDFN_BUCKET_MB (default 25, as DDP's; 0 turns
-    fusion off)."""
-    return int(float(os.environ.get("SHARDFN_BUCKET_MB", "25")) * 2**20)
-
-
 def _reduced_for_output(node: torch.fx.Node, out: torch.fx.Node) -> torch.fx.Node | None:
     """``node`` if it is a sum all-reduce whose result only leaves the graph (a gradient handed back), else None."""
     if node.target is not _c10d.all_reduce.default or node.args[1] != "sum" or len(node.users) != 1:
@@ -184,24 +178,20 @@ def _reduced_for_output(node: torch.fx.Node, out: torch.fx.Node) -> torch.fx.Nod
 
 
 def _fuse_reductions(graph: torch.fx.Graph, limit: int) -> None:
-    """Gradients' all-reduces into buckets of up to ``limit`` bytes: one collective each, launched where the
-    bucket's last gradient is ready (the overlap pass then starts it as early as that allows). A bucket holds
-    all-reduces of one group and dtype, in the order their inputs are ready; a gradient read inside the graph is
-    never in one."""
+    """Gradients' all-reduces into buckets of up to ``limit`` bytes (strategy_search.buckets' rule, taking the
+    gradients last input first, as the plan lists them): one collective each, launched where the bucket's last
+    gradient is ready (the overlap pass then starts it as early as that allows). A gradient read inside the
+    graph is never in one."""
     out = next(n for n in graph.nodes if n.op == "output")
+    returned = list(out.args[0])
     found = [n for n in graph.nodes if _reduced_for_output(n, out) is not None]
-    buckets: list[list[torch.fx.Node]] = []
-    open_by_kind: dict[tuple, list[torch.fx.Node]] = {}
-    for node in found:
-        val = _val(node.args[0])
-        kind = (node.args[2], val.dtype)
-        bucket = open_by_kind.get(kind)
-        size = val.numel() * val.element_size()
-        if bucket is None or sum(_val(n.args[0]).numel() * val.element_size() for n in bucket) + size > limit:
-            bucket = open_by_kind[kind] = []
-            buckets.append(bucket)
-        bucket.append(node)
-    for bucket in buckets:
+    found.sort(key=lambda n: -returned.index(next(iter(n.users))))  # the input whose gradient it is, last first
+    vals = [_val(n.args[0]) for n in found]
+    numbers = assign_buckets([((n.args[2], v.dtype), v.numel() * v.element_size()) for n, v in zip(found, vals)],
+                             limit)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for number in set(numbers):
+        bucket = sorted((n for n, k in zip(found, numbers) if k == number), key=order.__getitem__)
         if len(bucket) > 1:
             _fuse(graph, bucket)
 

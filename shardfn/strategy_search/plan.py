@@ -28,6 +28,7 @@ class Collective:
     mesh_dims: tuple[int, ...]
     nbytes: int
     where: str  # the tensor it moves: "producer -> consumer"
+    bucket: int | None = None  # a gradient's all-reduce fused with others: the number of its bucket
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,17 @@ class Plan:
             lines.append(f"{n.name:<28} {n.op:<36} {ins:<40} {outs}")
         lines.append(f"returns {', '.join(_fmt(p) for p in self.outputs)}")
         if self.collectives:
-            lines.append(f"{'collective':<16} {'phase':<9} {'mesh dims':<10} {'bytes':>12}  tensor")
+            lines.append(f"{'collective':<16} {'phase':<9} {'mesh dims':<10} {'bytes':>12}  {'bucket':<7} tensor")
             for c in self.collectives:
-                lines.append(f"{c.kind:<16} {c.phase:<9} {str(c.mesh_dims):<10} {c.nbytes:>12}  {c.where}")
+                bucket = "-" if c.bucket is None else str(c.bucket)
+                lines.append(f"{c.kind:<16} {c.phase:<9} {str(c.mesh_dims):<10} {c.nbytes:>12}  {bucket:<7} "
+                             f"{c.where}")
+            buckets = {}
+            for c in self.collectives:
+                if c.bucket is not None:
+                    buckets.setdefault(c.bucket, []).append(c.nbytes)
+            lines += [f"bucket {b}: {len(sizes)} gradient all-reduces fused into one of {sum(sizes)} bytes"
+                      for b, sizes in sorted(buckets.items())]
         else:
             lines.append("no collectives")
         lines.extend(f"note: {n}" for n in self.notes)

@@ -7,6 +7,7 @@ candidate, so the solver propagates them: it prefers choices that need no redist
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -19,6 +20,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from ..capture.graph import CapturedGraph
 from ..layout import MeshSpec
 from . import cost_model as cm
+from .buckets import assign_buckets, bucket_bytes
 from .candidates import (
     Candidate,
     input_candidates,
@@ -273,6 +275,9 @@ def make_plan(
             op = "input" if d.node.op == "placeholder" else str(d.node.target)
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs)
     fwd_colls, bwd_colls = [], []
+    # reductions of a gradient handed straight back: (position in bwd_colls, (mesh dim, dtype), input number)
+    gradients = []
+    placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
     for d, c in zip(decisions, chosen):
         for slot, (u, out_idx, value_node) in enumerate(d.sources):
             val = _val(value_node)
@@ -281,7 +286,12 @@ def make_plan(
                                       chosen[u].accumulate)
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
             fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
+            handed_back = _gradient_handed_back(value_node)
+            if handed_back is not None:
+                gradients += [(len(bwd_colls) + k, (o.mesh_dim, val.dtype), placeholders.index(handed_back))
+                              for k, o in enumerate(bwd) if o.kind == "all_reduce"]
             bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where) for o in bwd]
+    bwd_colls = _with_buckets(bwd_colls, gradients)
     for i, (d, c) in enumerate(zip(decisions, chosen)):
         fwd, bwd = _node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None
                                      else False, mesh_shape)
@@ -549,6 +559,33 @@ def _gathered_at(decisions, choice, violations) -> list[str]:
     """Where the chosen plan gathers a value that was to stay split: "value -> reader"."""
     return [f"{decisions[u].name if decisions[u].node.op == 'placeholder' else decisions[u].node.name} -> "
             f"{decisions[v].name}" for u, v, m in violations if m[choice[u], choice[v]]]
+
+
+# ops whose gradient is their input's, reshaped: a gradient reduced after them is the input's own
+_RESHAPES = (torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
+
+
+def _gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The graph input whose gradient, as it leaves the program (no other reader adds to it), is what is
+    reduced where ``node`` is read; else None. Exec fuses those reductions into buckets."""
+    while node.op == "call_function" and node.target in _RESHAPES and len(node.users) == 1:
+        node = node.args[0]
+    return node if node.op == "placeholder" and len(node.users) == 1 else None
+
+
+def _with_buckets(bwd_colls: list[Collective], gradients: list[tuple[int, tuple, int]]) -> list[Collective]:
+    """The backward collectives with the buckets of the gradients' reductions, where a bucket fuses two or
+    more; gradients taken by input number, last first (DDP's reverse parameter order, exec's too)."""
+    ready = sorted(gradients, key=lambda g: -g[2])
+    numbers = assign_buckets([(kind, bwd_colls[i].nbytes) for i, kind, _ in ready], bucket_bytes())
+    fused = [n for n in numbers if numbers.count(n) > 1]
+    renumber = {n: k for k, n in enumerate(dict.fromkeys(fused))}
+    out = list(bwd_colls)
+    for (i, _, _), n in zip(ready, numbers):
+        if n in renumber:
+            out[i] = dataclasses.replace(out[i], bucket=renumber[n])
+    return out
 
 
 def _node_collectives(d: _Decision, c: Candidate, held, grad: bool, mesh_shape) -> tuple[list, list]:

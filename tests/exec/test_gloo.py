@@ -130,6 +130,35 @@ def test_compiled_runs_agree_with_plans(gloo4):
     assert gloo4.run(_agreement_body) == [True] * 4
 
 
+def _buckets_body(limit_mb):
+    os.environ["SHARDFN_BUCKET_MB"] = str(limit_mb)
+    torch.manual_seed(0)
+    model = sf.shard(GPTBlock(), in_strategy=(None,), dataset_strategy="data_parallel")
+    x = torch.randn(2, 8, 16)
+    plan = sf.explain(model, x)
+    model(x).sum().backward()
+    del os.environ["SHARDFN_BUCKET_MB"]
+    (compiled,) = model._shardfn_engine.cache.values()
+    backward = compiled.program.graphs["backward"]
+    traced = sorted(n.args[0].meta["val"].numel() * 4 for n in backward.graph.nodes
+                    if str(n.target).startswith("_c10d_functional.all_reduce"))
+    fused: dict = {}
+    for c in plan.collectives:
+        if c.phase == "backward" and c.kind == "all_reduce":
+            fused.setdefault(c.where if c.bucket is None else c.bucket, []).append(c.nbytes)
+    return traced, sorted(sum(sizes) for sizes in fused.values()), len({c.bucket for c in plan.collectives} - {None})
+
+
+def test_explain_lists_the_buckets_the_program_fuses(gloo4):
+    # 15 gradients, 13056 bytes: one bucket at 25 MB. At 4 KiB, last parameter first: out.bias alone (out.weight
+    # would overflow it), out.weight, fc.bias, fc.weight alone, attn's proj..q.bias fused (3264), q.weight and
+    # the norms fused (1280)
+    traced, planned, buckets = gloo4.run(_buckets_body, 25)[0]
+    assert traced == planned == [13056] and buckets == 1
+    traced, planned, buckets = gloo4.run(_buckets_body, 4096 / 2**20)[0]
+    assert traced == planned == [64, 256, 1280, 3264, 4096, 4096] and buckets == 2
+
+
 def _batch_norm_body(plan_name):
     from tests.exec.test_modules import NORMED_PLANS, _train, assert_same_buffers
 

@@ -1,0 +1,36 @@
+"""Gradient all-reduce fusion: which gradient reductions share one collective.
+
+One rule for both stages: the plan lists each gradient reduction's bucket (explain), and exec fuses the traced
+backward graph's reductions with it. A bucket holds reductions of one process group and dtype, taken in the
+order their gradients are ready, until the next would take it over the size limit (DDP's rule; its default
+25 MB too).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Hashable, Sequence
+
+__all__ = ["bucket_bytes", "assign_buckets"]
+
+
+def bucket_bytes() -> int:
+    """The size limit of one fused gradient all-reduce: SHARDFN_BUCKET_MB (default 25, as DDP's; 0 turns
+    fusion off)."""
+    return int(float(os.environ.get("SHARDFN_BUCKET_MB", "25")) * 2**20)
+
+
+def assign_buckets(items: Sequence[tuple[Hashable, int]], limit: int) -> list[int]:
+    """The bucket of each ``(kind, nbytes)`` item, items in the order they are ready; buckets are numbered in
+    the order they open. ``kind`` (group and dtype) never mixes within a bucket."""
+    numbers: list[int] = []
+    open_by_kind: dict[Hashable, tuple[int, int]] = {}  # kind -> (bucket number, bytes in it)
+    count = 0
+    for kind, nbytes in items:
+        current = open_by_kind.get(kind)
+        if current is None or current[1] + nbytes > limit:
+            current = (count, 0)
+            count += 1
+        open_by_kind[kind] = (current[0], current[1] + nbytes)
+        numbers.append(current[0])
+    return numbers
