@@ -253,10 +253,15 @@ class ParallelProgram:
                 if not inductor:
                     self.runners[name] = gm
                     return make_boxed_func(gm.forward)
+                import torch._inductor.config
                 from torch._inductor.compile_fx import compile_fx_inner
 
                 start = time.perf_counter()
-                boxed = compile_fx_inner(gm, example_inputs)
+                # the backward graph takes the saved tensors in the strides AOTAutograd traced: Inductor may not
+                # choose other layouts for them (channels-last convolutions), as it can under torch.compile,
+                # which tells the backward what the forward chose
+                with torch._inductor.config.patch(layout_optimization=False):
+                    boxed = compile_fx_inner(gm, example_inputs)
                 self.compile_s[name] = time.perf_counter() - start
                 _log.info("shardfn: Inductor compiled the %s graph in %.1f s", name, self.compile_s[name])
                 self.runners[name] = lambda *args: boxed(list(args))
@@ -268,6 +273,7 @@ class ParallelProgram:
         # Inductor lowers only the ops its decompositions leave (as under torch.compile)
         decompositions = None
         if inductor:
+            import torch._inductor.lowering  # noqa: F401 - some of its decompositions consult it
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()

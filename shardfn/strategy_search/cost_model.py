@@ -20,7 +20,10 @@ reduced on the way (all_reduce to a replicated producer, reduce_scatter to a sha
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,7 +37,9 @@ from torch.utils.flop_counter import flop_registry
 __all__ = [
     "CPU",
     "H100",
+    "load_profile",
     "profile_for",
+    "save_profile",
     "CommOp",
     "DeviceProfile",
     "backward_collectives",
@@ -57,6 +62,10 @@ class DeviceProfile:
     memory_bytes: float  # per-device memory, the budget of level 2
     half_flops_per_s: float = 0.0  # bf16/fp16 matmul throughput (0: as fp32)
     tf32_flops_per_s: float = 0.0  # fp32 matmuls when TF32 is allowed (0: as fp32)
+    # measured per collective kind (shardfn.calibrate): (kind, alpha_s, beta_s_per_byte), which replace the
+    # shared alpha, beta and launch cost for that kind
+    per_kind: tuple[tuple[str, float, float], ...] = ()
+    op_s: float = 0.0  # the fixed cost of running one op (dispatch), whatever its size and split
 
     def matmul_flops_per_s(self, dtype: torch.dtype) -> float:
         """Throughput for ops computing in ``dtype``; fp32 uses TF32's when torch allows it on CUDA."""
@@ -76,8 +85,31 @@ H100 = DeviceProfile("h100", 6e13, 3e12, 1e-5, 5e-6, 1 / 4.5e11, 80e9, half_flop
 
 
 def profile_for(device: str) -> DeviceProfile:
-    """The cost profile plans for ``device`` use: H100 for CUDA, CPU otherwise."""
+    """The cost profile plans for ``device`` use: the one measured on this machine that SHARDFN_PROFILE names
+    (``python -m shardfn.calibrate``), else H100 for CUDA and CPU otherwise."""
+    path = os.environ.get("SHARDFN_PROFILE")
+    if path:
+        return load_profile(path)
     return H100 if device == "cuda" else CPU
+
+
+def save_profile(profile: DeviceProfile, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(dataclasses.asdict(profile), f, indent=1)
+
+
+def load_profile(path: str) -> DeviceProfile:
+    """A profile saved by :func:`save_profile`; a clear error where the file is not one."""
+    fields = {f.name for f in dataclasses.fields(DeviceProfile)}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        data = {k: v for k, v in data.items() if k in fields}
+        data["per_kind"] = tuple(tuple(entry) for entry in data.get("per_kind", ()))
+        return DeviceProfile(**data)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"SHARDFN_PROFILE={path!r} is not a readable device profile ({e}); make one with "
+                         "python -m shardfn.calibrate --out PATH, or unset SHARDFN_PROFILE") from e
 
 
 @dataclass(frozen=True)
@@ -94,6 +126,9 @@ def collective_seconds(op: CommOp, mesh_shape: Sequence[int], profile: DevicePro
     if n <= 1:
         return 0.0
     a, b, B, c = profile.alpha_s, profile.beta_s_per_byte, op.nbytes, profile.launch_s
+    for kind, alpha, beta in profile.per_kind:
+        if kind == op.kind:
+            a, b, c = alpha, beta, 0.0
     if op.kind == "all_reduce":
         return c + 2 * (n - 1) * a + 2 * (n - 1) / n * B * b
     if op.kind in ("all_gather", "reduce_scatter"):
@@ -244,7 +279,8 @@ def node_bytes(node) -> int:
 def compute_seconds(flops: int, nbytes: int, split: int, profile: DeviceProfile,
                     dtype: torch.dtype = torch.float32) -> float:
     """Roofline time of one op computing in ``dtype`` whose work is split ``split`` ways."""
-    return max(flops / profile.matmul_flops_per_s(dtype), nbytes / profile.mem_bytes_per_s) / max(split, 1)
+    return max(flops / profile.matmul_flops_per_s(dtype), nbytes / profile.mem_bytes_per_s) / max(split, 1) \
+        + profile.op_s
 
 
 def is_alias_op(node) -> bool:

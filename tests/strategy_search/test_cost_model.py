@@ -51,3 +51,24 @@ def test_backward_of_a_replicated_read_in_split_work_reduces_the_gradient():
     assert [o.kind for o in ops] == ["all_reduce"]
     # read as the same shard it was produced in: nothing to move back
     assert cm.backward_collectives((8, 8), 4, (Shard(0),), (Shard(0),), (False,), (4,)) == []
+
+
+def test_a_measured_profile_prices_each_collective_kind_and_each_op(tmp_path, monkeypatch):
+    import dataclasses
+
+    measured = dataclasses.replace(cm.CPU, per_kind=(("all_gather", 1e-3, 1e-8),), op_s=1e-5)
+    op = cm.CommOp("all_gather", 0, 1 << 20)
+    assert cm.collective_seconds(op, (4,), measured) == pytest.approx(3 * 1e-3 + 3 / 4 * (1 << 20) * 1e-8)
+    # kinds it did not measure keep the shared constants
+    reduce = cm.CommOp("all_reduce", 0, 1 << 20)
+    assert cm.collective_seconds(reduce, (4,), measured) == cm.collective_seconds(reduce, (4,), cm.CPU)
+    # an op's fixed cost is paid whole, however the op is split
+    assert cm.compute_seconds(0, 10**9, 2, measured) == pytest.approx(1e9 / cm.CPU.mem_bytes_per_s / 2 + 1e-5)
+    path = str(tmp_path / "profile.json")
+    cm.save_profile(measured, path)
+    monkeypatch.setenv("SHARDFN_PROFILE", path)
+    assert cm.profile_for("cpu") == measured and cm.profile_for("cuda") == measured
+    (tmp_path / "bad.json").write_text("{not json")
+    monkeypatch.setenv("SHARDFN_PROFILE", str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match="not a readable device profile.*python -m shardfn.calibrate"):
+        cm.profile_for("cpu")

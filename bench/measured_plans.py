@@ -1,0 +1,181 @@
+"""Are the search's plans the fastest when measured? Estimated against measured step time, per plan and model.
+
+    python bench/measured_plans.py [--world 2] [--steps 20] [--models mlp,gpt,llama] [--no-calibrate]
+
+On ``--world`` gloo ranks (started by the script), the cost model's constants are first measured on this
+machine (shardfn.calibrate, as SHARDFN_PROFILE would load them). Then for each model (a 4-layer MLP, a GPT
+block, a 2-layer transformers Llama), every rank given the whole batch, one training step (forward and
+backward) is timed under the plans a user could run: the search's at levels 0, 1 and 2, and the hand-made ones:
+data parallel (parameters replicated, the batch split), Megatron tensor parallel, and fully sharded parameters
+(split on dim 0, the batch split). Printed per plan: the plan's estimate (``plan.cost.total_s``), the measured
+median step, and measured / fastest; per model: whether level 2 is the fastest measured plan or within 5% of it,
+and how well the estimates order the plans (Kendall's tau between estimated and measured times; 1 is the same
+order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+from tests.harness import free_port  # noqa: E402
+from tests.models import GPTBlock  # noqa: E402
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 512, layers: int = 4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+def _llama():
+    import transformers as tf
+
+    return tf.LlamaForCausalLM(tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                              num_attention_heads=8, num_key_value_heads=4, vocab_size=512,
+                                              max_position_embeddings=64))
+
+
+def _megatron(model: nn.Module, world: int) -> dict:
+    """Column-parallel then row-parallel, per pair of projections, as Megatron lays out each kind of model."""
+    names = dict(model.named_parameters())
+    if isinstance(model, MLP):
+        plan = {}
+        for i in range(len(model.layers)):
+            column = i % 2 == 0
+            plan[f"layers.{i}.weight"] = (world, 1) if column else (1, world)
+            if column:
+                plan[f"layers.{i}.bias"] = (world,)
+        return plan
+    column = ("q.weight", "k.weight", "v.weight", "fc.weight", "q_proj.weight", "k_proj.weight", "v_proj.weight",
+              "gate_proj.weight", "up_proj.weight", "q.bias", "v.bias", "fc.bias")
+    row = ("proj.weight", "out.weight", "o_proj.weight", "down_proj.weight")
+    plan = {}
+    for n, p in names.items():
+        if n.endswith(column) and not n.endswith("o_proj.weight"):
+            plan[n] = (world,) + (1,) * (p.dim() - 1)
+        elif n.endswith(row) and p.dim() == 2:
+            plan[n] = (1, world)
+    return plan
+
+
+def _plans(model: nn.Module, world: int, x_dims: int) -> dict[str, dict]:
+    batch_split = (world,) + (1,) * (x_dims - 1)
+    replicated = {n: (1,) * p.dim() for n, p in model.named_parameters()}
+    fully = {n: (world,) + (1,) * (p.dim() - 1) for n, p in model.named_parameters()
+             if p.shape[0] % world == 0}
+    return {
+        "level 0": dict(in_strategy=(None,), level=0),
+        "level 1": dict(in_strategy=(None,), level=1),
+        "level 2": dict(in_strategy=(None,), level=2),
+        "data parallel": dict(in_strategy=(batch_split,), parameter_plan=replicated),
+        "Megatron": dict(in_strategy=(None,), parameter_plan=_megatron(model, world)),
+        "fully sharded": dict(in_strategy=(batch_split,), parameter_plan=fully),
+    }
+
+
+def _models(names):
+    made = {"mlp": (lambda: MLP(), lambda: torch.randn(64, 512)),
+            "gpt": (lambda: GPTBlock(256, 8), lambda: torch.randn(8, 64, 256)),
+            "llama": (_llama, lambda: torch.randint(0, 512, (8, 32)))}
+    return {n: made[n] for n in names}
+
+
+def _loss(out):
+    return out.loss if hasattr(out, "loss") else out.float().square().mean()
+
+
+def _step_seconds(model, x, steps: int) -> float:
+    kwargs = {"labels": x} if x.dtype == torch.long else {}
+    times = []
+    for i in range(steps + 2):  # two warm-up steps (the first plans and traces)
+        dist.barrier()
+        start = time.perf_counter()
+        _loss(model(x, **kwargs)).backward()
+        for p in model.parameters():
+            p.grad = None
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _kendall_tau(a: list[float], b: list[float]) -> float:
+    pairs = list(itertools.combinations(range(len(a)), 2))
+    agree = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs)
+    disagree = sum((a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
+    return (agree - disagree) / max(len(pairs), 1)
+
+
+def worker(rank, args, port, profile_dir):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import shardfn as sf
+    from shardfn.calibrate import calibrate
+    from shardfn.strategy_search.cost_model import save_profile
+
+    sf.init()
+    if args.calibrate:
+        profile = calibrate()
+        path = os.path.join(profile_dir, f"profile-{rank}.json")
+        save_profile(profile, path)
+        os.environ["SHARDFN_PROFILE"] = path
+        if rank == 0:
+            print(f"measured profile: {profile}", flush=True)
+    for name, (make, make_x) in _models(args.models.split(",")).items():
+        torch.manual_seed(0)
+        base, x = make(), make_x()
+        rows = []
+        for plan_name, kw in _plans(base, args.world, x.dim()).items():
+            model = sf.shard(copy.deepcopy(base), **kw)
+            kwargs = {"labels": x} if x.dtype == torch.long else {}
+            estimate = sf.explain(model, x, kwargs=kwargs).cost.total_s
+            rows.append((plan_name, estimate, _step_seconds(model, x, args.steps)))
+        if rank == 0:
+            best = min(r[2] for r in rows)
+            print(f"\n{name}: {args.world} gloo ranks, {args.steps} steps", flush=True)
+            print(f"  {'plan':<15} {'estimated ms':>13} {'measured ms':>12} {'/ fastest':>10}")
+            for plan_name, est, measured in rows:
+                print(f"  {plan_name:<15} {est * 1e3:>13.2f} {measured * 1e3:>12.2f} {measured / best:>10.2f}")
+            level2 = next(r[2] for r in rows if r[0] == "level 2")
+            tau = _kendall_tau([r[1] for r in rows], [r[2] for r in rows])
+            verdict = "within 5%" if level2 <= 1.05 * best else "NOT within 5%"
+            print(f"  level 2 / fastest measured: {level2 / best:.3f} ({verdict}); estimate order vs measured "
+                  f"order: Kendall tau {tau:.2f}", flush=True)
+    dist.barrier()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--models", default="mlp,gpt,llama")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as profile_dir:
+        mp.start_processes(worker, args=(args, free_port(), profile_dir), nprocs=args.world, join=True,
+                           start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
