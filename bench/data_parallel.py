@@ -27,18 +27,7 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 from tests.harness import free_port  # noqa: E402
-from tests.models import GPTBlock  # noqa: E402
-
-
-class Stack(nn.Module):
-    def __init__(self, layers: int, dim: int, heads: int):
-        super().__init__()
-        self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
+from tests.models import GPTStack  # noqa: E402
 
 
 def _train(model, x, steps):
@@ -63,7 +52,7 @@ def worker(rank, args, port):
 
     sf.init()
     torch.manual_seed(0)
-    model = Stack(args.layers, args.dim, args.heads)
+    model = GPTStack(args.layers, args.dim, args.heads)
     x = torch.randn(args.batch * args.world, args.seq, args.dim)[args.batch * rank: args.batch * (rank + 1)]
     ddp = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
     sharded = sf.shard(copy.deepcopy(model), in_strategy=(None,), dataset_strategy="data_parallel")

@@ -33,6 +33,19 @@ class GPTBlock(nn.Module):
         return x + self.dropout(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
+class GPTStack(nn.Module):
+    """``layers`` GPT blocks in a row (the benchmarks' transformer)."""
+
+    def __init__(self, layers: int, dim: int, heads: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(GPTBlock(dim, heads) for _ in range(layers))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
 class BasicBlock(nn.Module):
     """MindSpore's shard example cell: Dense - GELU - Dense."""
 
