@@ -7,13 +7,18 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from shardfn.strategy_search import cost_model as cm
 
 
-def test_compute_knows_the_dtype(monkeypatch):
+def test_compute_knows_the_dtype():
     flops = 10**12
     fp32 = cm.compute_seconds(flops, 0, 1, cm.H100, torch.float32)
     bf16 = cm.compute_seconds(flops, 0, 1, cm.H100, torch.bfloat16)
     assert fp32 / bf16 == pytest.approx(cm.H100.half_flops_per_s / cm.H100.flops_per_s)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert cm.compute_seconds(flops, 0, 1, cm.H100, torch.float32) == pytest.approx(flops / cm.H100.tf32_flops_per_s)
+    allowed = torch.backends.cuda.matmul.allow_tf32  # a property of torch's (monkeypatch cannot undo it)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        assert cm.compute_seconds(flops, 0, 1, cm.H100, torch.float32) == pytest.approx(
+            flops / cm.H100.tf32_flops_per_s)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = allowed
     # a profile without separate rates (the CPU's) costs every dtype alike; split work costs its share
     assert cm.compute_seconds(flops, 0, 4, cm.CPU, torch.bfloat16) == pytest.approx(flops / cm.CPU.flops_per_s / 4)
 
