@@ -146,14 +146,12 @@ class ParallelProgram:
                           if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
         self._n_params = sum(e.kind == "param" for e in self.entries)
         self._written_elsewhere = [k for k in captured.writes if self.entries[k].held != self.entries[k].planned]
-        self._whole = captured.gm
-        if mesh.size() == 1:  # one rank holds everything: the captured graph itself, nothing to lay out
-            self._run, self._graph_step = self.whole_step, False
-            if compiled and use_inductor(mesh.device_type):
-                self._whole = torch.compile(captured.gm, fullgraph=True, dynamic=False)
+        # one rank holds everything: the captured graph itself runs, with nothing to lay out
+        step = self.whole_step if mesh.size() == 1 else self.local_step
+        if compiled:  # traced into forward/backward graphs; whether a call can run them directly: after the first
+            self._run, self._graph_step = self._compile(step), None
         else:
-            self._run = self._compile() if compiled else self._interpreted
-            self._graph_step = None if compiled else False  # decided after the first traced call
+            self._run, self._graph_step = (self.whole_step if mesh.size() == 1 else self._interpreted), False
         self._locals: list[torch.Tensor] = []
         self._layouts: list = []
         self._locals_of: list[DTensor] = []
@@ -225,12 +223,13 @@ class ParallelProgram:
         return outs
 
     def whole_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
-        """A world of one: the captured graph on the whole tensors, under eager autograd, as fn ran at capture.
-        The graph holds torch.autocast's casts already; they are not applied twice."""
+        """A world of one: the captured graph on the whole tensors, as fn ran at capture (traced into forward and
+        backward graphs on a process group, eager in a simulated world). The graph holds torch.autocast's casts
+        already; they are not applied twice."""
         with contextlib.ExitStack() as stack:
             for device in _AUTOCAST_DEVICES:
                 stack.enter_context(torch.autocast(device, enabled=False))
-            return list(self._whole(*locals_[:len(self.entries)]))
+            return list(self.captured.gm(*locals_[:len(self.entries)]))
 
     def _interpreted(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
         """The program interpreted over DTensors (simulated worlds). With gradients, its backward runs inside
@@ -241,7 +240,7 @@ class ParallelProgram:
 
     # --- compilation --------------------------------------------------------------------------------------
 
-    def _compile(self) -> Callable:
+    def _compile(self, step: Callable) -> Callable:
         from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
 
         inductor = use_inductor(self.mesh.device_type)
@@ -277,7 +276,7 @@ class ParallelProgram:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
-        return aot_function(self.local_step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+        return aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                             inference_compiler=keep("forward"), partition_fn=min_cut_rematerialization_partition,
                             decompositions=decompositions)
 
