@@ -7,7 +7,8 @@ node runs through DTensor's dispatch or, for shardfn's own and fallback rules, o
 is put in the planned placement), and returns the local tensors of the results. On a real process group that
 function is traced once by AOTAutograd into per-rank local forward and backward aten graphs with functional
 collectives (``program.graphs``), so a call runs two flat graphs, not Python per op. Inside a simulated world
-(LocalTensorMode) it runs eagerly under autograd.
+(LocalTensorMode) it runs eagerly under autograd. With SHARDFN_COMPILE (on CUDA by default) Inductor compiles those
+graphs, collectives included.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ aten = torch.ops.aten
 _log = logging.getLogger("shardfn")
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
+
 def use_inductor(device_type: str) -> bool:
     """SHARDFN_COMPILE: compile the per-rank graphs with Inductor. "auto" (the default): on CUDA, where fused
     kernels pay for the compile time; off on the CPU, where a first call would wait tens of seconds for C++
@@ -46,6 +48,22 @@ def use_inductor(device_type: str) -> bool:
     if setting not in ("auto", "0", "1"):
         raise ValueError(f"SHARDFN_COMPILE must be auto, 0 or 1, got {setting!r}")
     return device_type == "cuda" if setting == "auto" else setting == "1"
+
+
+def _in_traced_strides(boxed: Callable, example_inputs: list) -> Callable:
+    """Inductor's code assumes the strides its graph was traced with; a call's signature does not fix strides
+    (a transposed input of the same shape is the same signature), so inputs laid out otherwise are copied into
+    the traced strides first (a write into an input still lands: AOTAutograd copies it back to the caller's)."""
+    strides = [tuple(e.stride()) if isinstance(e, torch.Tensor) else None for e in example_inputs]
+
+    def run(args: list) -> Any:
+        for i, (a, stride) in enumerate(zip(args, strides)):
+            if stride is not None and isinstance(a, torch.Tensor) and a.stride() != stride:
+                args[i] = torch.empty_strided(a.shape, stride, dtype=a.dtype, device=a.device).copy_(a)
+        return boxed(args)
+
+    run._boxed_call = True  # AOTAutograd's calling convention: one list, which the callee may clear
+    return run
 
 
 def _conform(x: Any, placements: tuple[Placement, ...] | None):
@@ -260,7 +278,7 @@ class ParallelProgram:
                 # choose other layouts for them (channels-last convolutions), as it can under torch.compile,
                 # which tells the backward what the forward chose
                 with torch._inductor.config.patch(layout_optimization=False):
-                    boxed = compile_fx_inner(gm, example_inputs)
+                    boxed = _in_traced_strides(compile_fx_inner(gm, example_inputs), example_inputs)
                 self.compile_s[name] = time.perf_counter() - start
                 _log.info("shardfn: Inductor compiled the %s graph in %.1f s", name, self.compile_s[name])
                 self.runners[name] = lambda *args: boxed(list(args))
