@@ -62,10 +62,15 @@ def _problem(path: str) -> str | None:
 
 
 def _world() -> tuple[Any, int, int]:
-    """(group, rank, world size) of the collective save; (None, 0, 1) outside a process group."""
+    """(group, rank, world size) of the collective save: shardfn's control group, or the default group where the
+    process group was made without shardfn.init; no group in a world of one, a simulated world (one process)
+    and outside a process group."""
     if not dist.is_initialized():
         return None, 0, 1
-    return control_group(), dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
+    if world == 1 or dist.get_backend() == "fake":
+        return None, dist.get_rank(), world
+    return control_group() or dist.group.WORLD, dist.get_rank(), world
 
 
 @contextlib.contextmanager

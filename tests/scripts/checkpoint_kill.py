@@ -1,6 +1,7 @@
 """One rank of a small world that trains, saves checkpoint A, trains on, and saves B over it while a rank is
 killed (SIGKILL) at one point of the second save: python checkpoint_kill.py POINT FOLDER
   none        nobody is killed
+  own-group   nobody is killed; the process group is made with torch.distributed, not shardfn.init
   writing     rank 2, as it starts writing its files
   written     rank 2, once its files are written (before the metadata)
   metadata    rank 0, after DCP finished, before the switch
@@ -25,6 +26,8 @@ from tests.exec.test_modules import GPT_PLANS
 from tests.models import GPTBlock
 
 point, folder = sys.argv[1], sys.argv[2]
+if point == "own-group":
+    dist.init_process_group("gloo")
 sf.init()
 rank = dist.get_rank()
 
