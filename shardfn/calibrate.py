@@ -33,21 +33,19 @@ from .strategy_search.cost_model import CPU, H100, DeviceProfile, save_profile
 __all__ = ["calibrate"]
 
 
+def _timed(fn: Callable[[], object], device: str) -> float:
+    """The seconds of one ``fn()``, its GPU work included."""
+    start = time.perf_counter()
+    fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def _seconds(fn: Callable[[], object], device: str, repeat: int) -> float:
     """The median seconds of ``fn`` (after one warm-up run)."""
-    def sync():
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    fn()
-    sync()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    _timed(fn, device)
+    return statistics.median(_timed(fn, device) for _ in range(repeat))
 
 
 def _matmul_flops(dtype: torch.dtype, device: str, n: int, repeat: int) -> float:
@@ -95,12 +93,8 @@ def _collectives(world: int, device: str, repeat: int) -> tuple[tuple[str, float
             x = torch.ones(nbytes // 4 // world * world, device=device)
 
             def once():
-                dist.barrier()
-                start = time.perf_counter()
-                funcol.wait_tensor(op(x))
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                return time.perf_counter() - start
+                dist.barrier()  # every rank starts it together
+                return _timed(lambda: funcol.wait_tensor(op(x)), device)
 
             once()
             timed.append(statistics.median(once() for _ in range(repeat)))

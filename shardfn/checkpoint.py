@@ -36,7 +36,7 @@ def _versions(path: str) -> dict[int, str]:
     parent, name = os.path.split(os.path.abspath(path))
     pattern = re.compile(r"\." + re.escape(name) + r"\.(\d+)")
     found = {}
-    for entry in os.listdir(parent) if os.path.isdir(parent) else ():
+    for entry in os.listdir(parent):  # the parent exists: save() checked it first
         match = pattern.fullmatch(entry)
         if match:
             found[int(match.group(1))] = os.path.join(parent, entry)
@@ -114,10 +114,11 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike) -> None:
     problems = [_problem(path)] * world
     if group is not None:
         dist.all_gather_object(problems, problems[0], group=group)
-    found = sorted({(p, r) for r, p in enumerate(problems) if p}, key=lambda pr: pr[1])
-    if found:
-        raise ValueError(found[0][0] + ("" if len(found) == world else f" (seen on rank {found[0][1]})"))
-    folder = None
+    failing = [(r, p) for r, p in enumerate(problems) if p]
+    if failing:
+        first, problem = failing[0]
+        raise ValueError(problem + ("" if len(failing) == world else f" (seen on rank {first})"))
+    folder = current = None
     if rank == 0:
         current = _current(path)
         versions = _versions(path)
@@ -132,10 +133,9 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike) -> None:
     if group is not None:
         dist.barrier(group=group)
     if rank == 0:
-        previous = _current(path)
         _switch(path, folder)
-        if previous and previous != os.path.realpath(folder):
-            shutil.rmtree(previous, ignore_errors=True)
+        if current:  # the version just replaced
+            shutil.rmtree(current, ignore_errors=True)
     if group is not None:
         dist.barrier(group=group)  # no rank goes on (and loads, or saves again) before the switch
 

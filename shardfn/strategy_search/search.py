@@ -7,6 +7,7 @@ candidate, so the solver propagates them: it prefers choices that need no redist
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -579,8 +580,8 @@ def _with_buckets(bwd_colls: list[Collective], gradients: list[tuple[int, tuple,
     more; gradients taken by input number, last first (DDP's reverse parameter order, exec's too)."""
     ready = sorted(gradients, key=lambda g: -g[2])
     numbers = assign_buckets([(kind, bwd_colls[i].nbytes) for i, kind, _ in ready], bucket_bytes())
-    fused = [n for n in numbers if numbers.count(n) > 1]
-    renumber = {n: k for k, n in enumerate(dict.fromkeys(fused))}
+    sizes = collections.Counter(numbers)
+    renumber = {n: k for k, n in enumerate(n for n in dict.fromkeys(numbers) if sizes[n] > 1)}
     out = list(bwd_colls)
     for (i, _, _), n in zip(ready, numbers):
         if n in renumber:
