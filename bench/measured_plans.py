@@ -73,7 +73,7 @@ def _megatron(model: nn.Module, world: int) -> dict:
     row = ("proj.weight", "out.weight", "o_proj.weight", "down_proj.weight")
     plan = {}
     for n, p in names.items():
-        if n.endswith(column) and not n.endswith("o_proj.weight"):
+        if n.endswith(column):
             plan[n] = (world,) + (1,) * (p.dim() - 1)
         elif n.endswith(row) and p.dim() == 2:
             plan[n] = (1, world)
