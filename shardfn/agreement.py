@@ -57,7 +57,7 @@ def values_digest(tensors: list[torch.Tensor]) -> int:
     return total
 
 
-_SEQUENCE = [0]  # calls of sharded callables made by this process
+_SEQUENCE: dict = {}  # calls of sharded callables made by this process, per set of ranks they run on
 
 
 @dataclass
@@ -67,16 +67,18 @@ class Agreement:
     what: str  # the callable's name
     signature: int
     describe: dict[str, str] = field(default_factory=dict)  # field -> readable value (for messages)
+    ranks: tuple[int, ...] | None = None  # the ranks the call runs on (None: the world)
+    device: str = "cpu"
 
     def check(self, first: bool, error: BaseException | None = None, values: int = 0) -> None:
         """Compare with every other rank (no-op in a world of one); raise on every rank if anything differs."""
-        group = _group()
+        group = _group(self.ranks, self.device)
         if group is None:
             if error is not None:
                 raise error
             return
-        _SEQUENCE[0] += 1
-        mine = [self.signature, _SEQUENCE[0], int(first), 0 if error is None else 1, values]
+        _SEQUENCE[self.ranks] = sequence = _SEQUENCE.get(self.ranks, 0) + 1
+        mine = [self.signature, sequence, int(first), 0 if error is None else 1, values]
         both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         top, low = both[: len(mine)].tolist(), [-v for v in both[len(mine):].tolist()]
@@ -86,7 +88,7 @@ class Agreement:
 
     def check_program(self, graph: str, plan: str) -> None:
         """A first call, once all agree on the signature: the traced graph and the plan must agree too."""
-        group = _group()
+        group = _group(self.ranks, self.device)
         if group is None:
             return
         mine = [digest(graph), digest(plan)]
@@ -98,22 +100,23 @@ class Agreement:
 
     def _disagree(self, group, error: BaseException | None, values: int) -> None:
         """Second exchange: every rank's description and error; the same message raised everywhere."""
-        me = {"sequence": str(_SEQUENCE[0]), **self.describe}
+        me = {"sequence": str(_SEQUENCE.get(self.ranks, 0)), **self.describe}
         if values:
             me["input values"] = f"digest {values:x}"
         failure = None if error is None else f"{type(error).__name__}: {error}"
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (me, failure), group=group)
         failed = [r for r, (_, f) in enumerate(everyone) if f is not None]
+        ranks = dist.get_process_group_ranks(group)
         if error is not None and len({f for _, f in everyone}) == 1:
             raise error  # every rank failed alike in its own checks: its own error, as in a world of one
         lines = []
         for k in sorted({k for d, _ in everyone for k in d} - {"sequence"}):
-            lines += _differs(k, [d.get(k, "(not given)") for d, _ in everyone])
+            lines += _differs(k, [d.get(k, "(not given)") for d, _ in everyone], ranks)
         if failed:
-            lines += _differs("could not prepare this call", [f or "(prepared)" for _, f in everyone])
+            lines += _differs("could not prepare this call", [f or "(prepared)" for _, f in everyone], ranks)
         if not lines:  # the same call, but some rank made more calls: one skipped or repeated one
-            lines = _differs("calls made so far", [d["sequence"] for d, _ in everyone])
+            lines = _differs("calls made so far", [d["sequence"] for d, _ in everyone], ranks)
         message = ("shardfn: the ranks are not making the same call, so its collectives would not match (a "
                    "hang or wrong numbers); every rank stops here. What differs:\n" + "\n".join(lines) + "\n"
                    "Every rank must call sharded callables in the same order with the same strategies and arguments "
@@ -122,10 +125,10 @@ class Agreement:
         raise ValueError(message) from error
 
 
-def _differs(what: str, per_rank: list[str]) -> list[str]:
-    """``what``'s values grouped by the ranks that hold them, or nothing when all ranks hold the same."""
+def _differs(what: str, per_rank: list[str], ranks: list[int]) -> list[str]:
+    """``what``'s values grouped by the (global) ranks that hold them, or nothing when all ranks hold the same."""
     groups: dict[str, list[int]] = {}
-    for r, v in enumerate(per_rank):
+    for r, v in zip(ranks, per_rank):
         groups.setdefault(v, []).append(r)
     if len(groups) == 1:
         return []
@@ -141,8 +144,10 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
-def _group():
-    """The control group, or None where there is nothing to agree on (a world of one, a simulated world)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or runtime.is_simulated():
+def _group(ranks: tuple[int, ...] | None, device: str):
+    """The call's control group, or None where there is nothing to agree on (a world of one, a simulated world,
+    a call on one rank)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or runtime.is_simulated() or \
+            (ranks is not None and len(ranks) == 1):
         return None
-    return runtime.control_group()
+    return runtime.call_control_group(ranks, device)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from . import runtime
 from .agreement import Agreement, check_mode, digest, values_digest
@@ -54,6 +54,7 @@ class _Engine:
     def __init__(self, fn: Callable, config: ShardConfig, module: nn.Module | None = None):
         self.fn, self.config, self.module = fn, config, module
         self.cache: dict[tuple, _Compiled] = {}
+        self.outside: dict[tuple, _Compiled] = {}  # plans of calls this rank is outside of (placeholders only)
         self.group = None  # the process group the cached programs were made for
         self.params_laid_out = False  # set by the first call's plan; later plans keep the layouts
         self.capturing_self = False
@@ -68,6 +69,9 @@ class _Engine:
         group = dist.group.WORLD if dist.is_initialized() else None
         if group is not self.group:  # a new process group: programs made for the old one are void
             self.cache.clear()
+            self.outside.clear()
+        if self.config.ranks is not None and not self._runs_here():
+            return self._outside_call(key, args, kwargs, tensors, objects)
         compiled = self.cache.get(key)
         if compiled is None:
             compiled = self._first_call(key, args, kwargs)
@@ -86,11 +90,26 @@ class _Engine:
             )
         check_not_transformed(tensors, lambda: self.name)
 
+    def _runs_here(self) -> bool:
+        """Whether this rank is one of the call's ranks (checking they exist, on every rank, first)."""
+        runtime.init(device=runtime.resolve_device(self.config.device))
+        runtime.check_ranks(self.config.ranks, self.name)
+        return runtime.is_member(self.config.ranks)
+
+    def _ranks(self) -> tuple[int, ...] | None:
+        """The call's ranks, None for the whole world."""
+        return None if runtime.whole_world(self.config.ranks) else self.config.ranks
+
+    def _world(self, device: str) -> int:
+        ranks = self._ranks()
+        return runtime.init(device=device).size() if ranks is None else len(ranks)
+
     def _first_call(self, key: tuple, args, kwargs) -> _Compiled:
         device = runtime.resolve_device(self.config.device)
-        world = runtime.init(device=device).size()
+        world = self._world(device)
         self.group = dist.group.WORLD
-        agreement = Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs))
+        agreement = Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs),
+                              ranks=self._ranks(), device=device)
         compiled, error = None, None
         try:  # local work only: a rank that fails here still takes part in the agreement below
             compiled = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device)
@@ -99,13 +118,29 @@ class _Engine:
             error = e
         agreement.check(first=True, error=error, values=self._values(call_key(args, kwargs)[1]))
         agreement.check_program(compiled.captured.gm.code, str(compiled.plan))
-        mesh = runtime.device_mesh(compiled.mesh_spec, device)
+        mesh = runtime.device_mesh(compiled.mesh_spec, device, self._ranks())
         if self.module is not None:
             self._relay_parameters(compiled, mesh)
             self.params_laid_out = True
         compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled=not runtime.is_simulated())
         self.cache[key] = compiled
         return compiled
+
+    def _outside_call(self, key: tuple, args, kwargs, tensors, objects):
+        """On a rank outside the call's ranks: no program, no communication. The outputs are placeholders with
+        the outputs' shapes (the plan is made here too, locally, for them), connected to the inputs for autograd
+        so a backward through them reaches what came before (an sf.reshard that receives the gradients)."""
+        compiled = self.outside.get(key)
+        if compiled is None:
+            device = runtime.resolve_device(self.config.device)
+            self.group = dist.group.WORLD
+            compiled = self.plan(args, kwargs, self._world(device), lambda spec: runtime.planning_mesh(spec, device),
+                                 device)
+            compiled.program = _placeholders(compiled, runtime.device_mesh(compiled.mesh_spec, device,
+                                                                           self.config.ranks))
+            self.outside[key] = compiled
+        outs = compiled.program(*self._state_tensors(compiled), *tensors)
+        return compiled.captured.result(outs, tensors, objects)
 
     def plan(self, args, kwargs, world: int, mesh_of: Callable[[MeshSpec], Any], device: str) -> _Compiled:
         """Bind, capture and plan one call signature (local: no communication)."""
@@ -118,7 +153,8 @@ class _Engine:
                                      *out_given], world, _alias_names(self.config.strategies()))
             captured = self._capture(args, kwargs, call, device)
             inputs = self._input_requests(captured, call, param_specs, mesh_spec)
-            request = PlanRequest(inputs, self._output_requests(captured, world, mesh_spec),
+            batch_axes = call.held[0].dims[0] if call.held and call.held[0].dims else ()
+            request = PlanRequest(inputs, self._output_requests(captured, world, mesh_spec, batch_axes),
                                   grad=torch.is_grad_enabled(), level=self.config.level, profile=profile_for(device),
                                   keep_split=self._data_parallel_dims(call, mesh_spec))
             plan = make_plan(captured, mesh_of(mesh_spec), mesh_spec, request)
@@ -171,7 +207,18 @@ class _Engine:
         placements = to_placements(call.held[0], mesh_spec)
         return tuple(d for d, p in enumerate(placements) if not p.is_replicate())
 
-    def _output_requests(self, captured, world: int, mesh_spec) -> list[OutputRequest]:
+    def _batch_split(self, v: torch.Tensor, batch_axes: tuple, world: int, j: int) -> TensorSpec:
+        """A data-parallel output: split on dim 0 as the inputs' batch is (by default over every rank)."""
+        if not batch_axes:
+            return normalize_strategy((world,) + (1,) * (v.dim() - 1), tuple(v.shape), world,
+                                      f"output {j} (data_parallel)")
+        splits = math.prod(a.size for a in batch_axes)
+        if v.shape[0] % splits:
+            raise ValueError(f"output {j} (data_parallel) has {v.shape[0]} rows on dim 0, which cannot be split "
+                             f"in {splits} batch slices; a data-parallel output keeps the batch on dim 0")
+        return TensorSpec((batch_axes,) + ((),) * (v.dim() - 1))
+
+    def _output_requests(self, captured, world: int, mesh_spec, batch_axes: tuple = ()) -> list[OutputRequest]:
         vals = [n.meta["val"] for n in captured.output_nodes]  # fn's outputs, then argument objects' new tensors
         out_strategy = self.config.out_strategy
         if out_strategy is not None and len(out_strategy) != captured.n_outputs:
@@ -183,8 +230,7 @@ class _Engine:
             if s is not None:
                 spec = normalize_strategy(s, tuple(v.shape), world, f"out_strategy[{j}]", f"output {j}")
             elif self.config.dataset_strategy == "data_parallel" and v.dim() > 0:
-                spec = normalize_strategy((world,) + (1,) * (v.dim() - 1), tuple(v.shape), world,
-                                          f"output {j} (data_parallel)")
+                spec = self._batch_split(v, batch_axes, world, j)
             else:
                 spec = TensorSpec.replicated(v.dim())
             requests.append(OutputRequest(to_placements(spec, mesh_spec), as_dtensor=s is not None))
@@ -197,7 +243,8 @@ class _Engine:
             return {}
         params = dict(self.module.named_parameters())
         if self.params_laid_out:
-            return {name: spec_of_dtensor(p, world, name) for name, p in params.items() if isinstance(p, DTensor)}
+            return {name: spec_of_dtensor(p, world, name, self._ranks()) for name, p in params.items()
+                    if isinstance(p, DTensor)}
         return {
             name: normalize_strategy(s, tuple(params[name].shape), world, f"parameter_plan[{name!r}]", name)
             for name, s in self.config.parameter_plan.items() if s is not None
@@ -262,6 +309,61 @@ class _Engine:
             return torch.func.functional_call(self.module, state, args, kwargs)
         finally:
             self.capturing_self = False
+
+
+def _placeholders(compiled: _Compiled, mesh) -> Callable:
+    """What a call returns on a rank outside its mesh: per output, a DTensor on the call's mesh holding nothing
+    here (torch's convention for ranks outside a mesh) where the output is a DTensor, else zeros of the output's
+    shape (an expanded scalar: no memory). Autograd connects them to the inputs that require grad; gradients
+    flowing back are placeholders too."""
+    plan, captured = compiled.plan, compiled.captured
+    vals = [n.meta["val"] for n in captured.output_nodes]
+
+    def make(j: int) -> torch.Tensor:
+        v, placements = vals[j], plan.outputs[j]
+        if plan.returns_dtensor[j]:
+            return DTensor.from_local(torch.empty(0, dtype=v.dtype), mesh, placements, run_check=False,
+                                      shape=v.shape, stride=v.stride())
+        shape = tuple(v.shape)
+        if shape and placements is not None:  # a batch-split output (data_parallel): this rank's slice's shape
+            slices = math.prod(n for n, p in zip(mesh.shape, placements) if p == Shard(0))
+            shape = (shape[0] // slices,) + shape[1:]
+        return torch.zeros((), dtype=v.dtype).expand(shape)
+
+    def run(*inputs):
+        return list(_Outside.apply(make, len(vals), *inputs))
+
+    return run
+
+
+class _Outside(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, make, n, *inputs):
+        ctx.specs = [(t.shape, t.dtype, getattr(t, "device_mesh", None), getattr(t, "placements", None))
+                     for t in inputs]
+        ctx.needs = [t.requires_grad and not isinstance(t, nn.Parameter) for t in inputs]  # params: no grad here
+        return tuple(make(j) for j in range(n))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        out = []
+        for (shape, dtype, mesh, placements), needs in zip(ctx.specs, ctx.needs):
+            if not needs:
+                out.append(None)
+            elif mesh is not None:
+                out.append(DTensor.from_local(torch.empty(0, dtype=dtype), mesh, placements, run_check=False,
+                                              shape=shape, stride=_contiguous_stride(shape)))
+            else:
+                out.append(torch.zeros((), dtype=dtype).expand(shape))
+        return (None, None, *out)
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(tuple(shape)):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
 
 
 def _short(a: Any) -> str:
@@ -337,12 +439,14 @@ def _shard_module(module: nn.Module, engine: _Engine) -> nn.Module:
     if cls not in _SHARDED_CLASSES:
         _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
     device = runtime.resolve_device(engine.config.device)
-    world = runtime.init(device=device).size()
+    runtime.init(device=device)
+    runtime.check_ranks(engine.config.ranks, engine.name)
+    world = engine._world(device)
     # Lay parameters out now: parameter_plan's layouts, the rest whole until the first call plans them.
     specs = engine._param_specs(world)
     given = [normalize_strategy(s, None, world, "in_strategy") for s in engine.config.strategies()]
     mesh_spec = common_mesh([*specs.values(), *given], world, _alias_names(engine.config.strategies()))
-    mesh = runtime.device_mesh(mesh_spec, device)
+    mesh = runtime.device_mesh(mesh_spec, device, engine._ranks())
     for name, p in list(module.named_parameters()):
         spec = specs.get(name, TensorSpec.replicated(p.dim()))
         whole = p.full_tensor() if isinstance(p, DTensor) else p
@@ -392,6 +496,23 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
     return ShardedFunction(engine)
 
 
+def plan_stage(sharded: ShardedModule, *example_args) -> tuple[Plan, list[torch.Tensor]]:
+    """The plan of ``sharded(*example_args)`` (made locally, running nothing) and its tensor outputs as meta
+    tensors of the shapes this rank gets them (a batch-split output: this rank's slice)."""
+    engine = sharded.__dict__["_shardfn_engine"]
+    device = runtime.resolve_device(engine.config.device)
+    compiled = engine.plan(list(example_args), {}, engine._world(device),
+                           lambda spec: runtime.planning_mesh(spec, device), device)
+    plan, outs = compiled.plan, []
+    for node, placements in zip(compiled.captured.output_nodes[:compiled.captured.n_outputs], plan.outputs):
+        v = node.meta["val"]
+        shape = list(v.shape)
+        if shape and placements is not None and not plan.returns_dtensor[len(outs)]:
+            shape[0] //= math.prod(n for n, p in zip(plan.mesh.shape, placements) if p == Shard(0))
+        outs.append(torch.empty(shape, dtype=v.dtype, device="meta"))
+    return plan, outs
+
+
 def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs: dict | None = None,
             **shard_kwargs) -> Plan:
     """The plan ``shard(fn, **shard_kwargs)(*example_args, **kwargs)`` runs, made without running anything.
@@ -417,7 +538,9 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
                              shard_kwargs.get("parameter_plan"), shard_kwargs.get("level", 0),
                              shard_kwargs.get("device"), shard_kwargs.get("dataset_strategy", "full_batch"))
     device = runtime.resolve_device(engine.config.device) if engine.config.device != "cuda" else "cuda"
-    if world_size is None:
+    if world_size is None and engine.config.ranks is not None:
+        world_size = len(engine.config.ranks)  # a call on a sub-mesh plans for its ranks
+    elif world_size is None:
         world_size = runtime.init(device=device).size()
     elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"explain: world_size must be a positive int, got {world_size!r}")

@@ -17,6 +17,7 @@ entry for each of its items.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -136,19 +137,22 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
     for leaf, (s, arg), where in zip(tensors, strategies, names, strict=True):
         if isinstance(leaf, DTensor):
             shape = tuple(leaf.shape)
-            held = spec_of_dtensor(leaf, world, where)
+            held = spec_of_dtensor(leaf, world, where, config.ranks)
             fixed = held if s is None else normalize_strategy(s, shape, world, arg, where)
         elif config.dataset_strategy == "data_parallel":
             if leaf.dim() == 0:
                 raise ValueError(f"{where}: data_parallel inputs need a batch dim 0; got a 0-dim tensor (pass a "
                                  "Python number instead, or use dataset_strategy='full_batch')")
-            shape = (leaf.shape[0] * world,) + tuple(leaf.shape[1:])
             dp = (world,) + (1,) * (leaf.dim() - 1)
-            held = normalize_strategy(dp, shape, world, f"{where} (data_parallel)")
-            if s is not None and normalize_strategy(s, shape, world, arg, where) != held:
+            given = normalize_strategy(dp if s is None else s, None, world, arg, where)
+            splits = math.prod(a.size for a in given.dims[0])
+            if any(given.dims[1:]) or given.partial or splits == 1:
                 raise ValueError(
-                    f"{arg} = {s!r}: with dataset_strategy='data_parallel' each input arrives split over all "
-                    f"{world} ranks on dim 0; use None or {dp!r}")
+                    f"{arg} = {s!r}: with dataset_strategy='data_parallel' each input arrives split on dim 0 only "
+                    f"(this rank's batch slice); give the device axes that split dim 0 and no other dim (ranks "
+                    f"along other axes pass equal slices), or None for all {world} ranks: use None or {dp!r}")
+            shape = (leaf.shape[0] * splits,) + tuple(leaf.shape[1:])
+            held = normalize_strategy(dp if s is None else s, shape, world, f"{where} (data_parallel)")
             fixed = held
         else:
             shape = tuple(leaf.shape)
@@ -160,6 +164,19 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
         bound.held.append(held)
         bound.fixed.append(fixed)
     return bound
+
+
+def batch_slices(config: ShardConfig, world: int) -> int:
+    """How many distinct batch slices a call's ranks pass (data_parallel: the split of the first input's dim 0;
+    full_batch: 1)."""
+    if config.dataset_strategy != "data_parallel":
+        return 1
+    entries = list(config.in_strategy.values()) if isinstance(config.in_strategy, dict) else list(config.in_strategy)
+    first = entries[0] if entries else None
+    if first is None or not _is_strategy(first):
+        return world
+    spec = normalize_strategy(first, None, world, "in_strategy[0]")
+    return math.prod(a.size for a in spec.dims[0]) if spec.dims else world
 
 
 def _tensor_key(a: torch.Tensor):

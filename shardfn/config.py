@@ -7,6 +7,7 @@ the call binds them (:mod:`shardfn.arguments`).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 from dataclasses import dataclass
@@ -141,6 +142,17 @@ def _check_parameter_plan(module: nn.Module | None, parameter_plan: Any) -> dict
     return plan
 
 
+def _call_ranks(strategies: list) -> tuple[int, ...] | None:
+    """The ranks a call runs on: those its layouts name (all the same), or None for the whole world."""
+    named = {s.ranks: s for s in strategies if isinstance(s, TensorLayout) and s.ranks is not None}
+    if len(named) > 1:
+        a, b = list(named.values())[:2]
+        raise ValueError(f"the layouts of one shard call name different ranks: {a!r} and {b!r}; a call runs on one "
+                         "set of ranks: give every layout the same ranks (move tensors between meshes with "
+                         "sf.reshard outside the call)")
+    return next(iter(named), None)
+
+
 @dataclass(frozen=True)
 class ShardConfig:
     """What a sharded callable was asked to do: shard's arguments, validated (see :func:`shardfn.shard`)."""
@@ -151,6 +163,7 @@ class ShardConfig:
     level: int
     device: str | None
     dataset_strategy: str
+    ranks: tuple[int, ...] | None = None  # the ranks the call runs on (its layouts' ranks); None: the whole world
 
     @classmethod
     def make(cls, fn: Callable, in_strategy: Any, out_strategy: Any = None, parameter_plan: Any = None,
@@ -169,7 +182,8 @@ class ShardConfig:
                 f"dataset_strategy must be 'full_batch' (inputs are global, identical on every rank) or "
                 f"'data_parallel' (each rank passes its dim-0 slice), got {dataset_strategy!r}")
         plan = _check_parameter_plan(module, parameter_plan)
-        return cls(in_strategy, out_strategy, plan, level, device, dataset_strategy)
+        config = cls(in_strategy, out_strategy, plan, level, device, dataset_strategy)
+        return dataclasses.replace(config, ranks=_call_ranks(config.strategies()))
 
     def strategies(self) -> list:
         """Every strategy given (for mesh axis names), in a fixed order."""

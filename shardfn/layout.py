@@ -86,9 +86,13 @@ class Layout:
     ``Layout((2, 4), ("dp", "mp"))`` is 8 ranks as a 2 x 4 matrix in row-major order. Calling it maps each tensor
     dim to an axis name, ``"None"`` (not split), or a tuple of names (split over several axes, outer first):
     ``layout("dp", "mp")``, ``layout("dp", "None")``, ``layout(("dp", "mp"), "None")``.
+
+    ``ranks`` names the global ranks of the matrix, row-major (Paddle's ProcessMesh): ``Layout((2, 2), ("dp",
+    "mp"), ranks=(4, 5, 6, 7))``. A shard call whose layouts name ranks runs on those ranks only (a sub-mesh);
+    without ``ranks`` the matrix lies over the ranks its call runs on.
     """
 
-    def __init__(self, device_matrix: Sequence[int], alias_name: Sequence[str]):
+    def __init__(self, device_matrix: Sequence[int], alias_name: Sequence[str], ranks: Sequence[int] | None = None):
         if not isinstance(device_matrix, (tuple, list)) or not device_matrix:
             raise TypeError(f"Layout: device_matrix must be a non-empty tuple of ints, got {device_matrix!r}")
         for size in device_matrix:
@@ -106,6 +110,7 @@ class Layout:
             raise ValueError(f"Layout: alias_name has a repeated name: {tuple(alias_name)!r}")
         self.device_matrix = tuple(device_matrix)
         self.alias_name = tuple(alias_name)
+        self.ranks = None if ranks is None else _check_ranks(ranks, self.device_matrix)
 
     def __call__(self, *tensor_map: str | tuple[str, ...]) -> "TensorLayout":
         used: set[str] = set()
@@ -126,10 +131,24 @@ class Layout:
                     )
                 used.add(name)
             dims.append(names)
-        return TensorLayout(self.device_matrix, self.alias_name, tuple(dims))
+        return TensorLayout(self.device_matrix, self.alias_name, tuple(dims), self.ranks)
 
     def __repr__(self) -> str:
-        return f"Layout({self.device_matrix!r}, {self.alias_name!r})"
+        ranks = "" if self.ranks is None else f", ranks={self.ranks!r}"
+        return f"Layout({self.device_matrix!r}, {self.alias_name!r}{ranks})"
+
+
+def _check_ranks(ranks: Sequence[int], device_matrix: tuple[int, ...]) -> tuple[int, ...]:
+    if not isinstance(ranks, (tuple, list, range)) or \
+            any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
+        raise TypeError(f"Layout: ranks must be a tuple of non-negative int ranks, got {ranks!r}")
+    ranks = tuple(ranks)
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"Layout: ranks {ranks!r} names a rank twice; name each rank of the matrix once")
+    if len(ranks) != math.prod(device_matrix):
+        raise ValueError(f"Layout: device_matrix {device_matrix!r} holds {math.prod(device_matrix)} devices but "
+                         f"ranks names {len(ranks)}; name one rank per device, row-major")
+    return ranks
 
 
 @dataclass(frozen=True)
@@ -139,6 +158,7 @@ class TensorLayout:
     device_matrix: tuple[int, ...]
     alias_name: tuple[str, ...]
     tensor_map: tuple[tuple[str, ...], ...]
+    ranks: tuple[int, ...] | None = None  # the global ranks of the matrix, row-major; None: the call's ranks
 
     def axis(self, name: str) -> Axis:
         i = self.alias_name.index(name)
@@ -146,7 +166,8 @@ class TensorLayout:
 
     def __repr__(self) -> str:
         entries = ", ".join(repr(d[0]) if len(d) == 1 else (repr(d) if d else "'None'") for d in self.tensor_map)
-        return f"Layout({self.device_matrix!r}, {self.alias_name!r})({entries})"
+        ranks = "" if self.ranks is None else f", ranks={self.ranks!r}"
+        return f"Layout({self.device_matrix!r}, {self.alias_name!r}{ranks})({entries})"
 
 
 def _where(arg: str, tensor: str) -> str:
@@ -234,14 +255,15 @@ def _layout_spec(layout: TensorLayout, shape: tuple[int, ...], world_size: int, 
     return TensorSpec(tuple(dims))
 
 
-def spec_of_dtensor(dt: DTensor, world_size: int, where: str) -> TensorSpec:
-    """The TensorSpec of a DTensor input, whose mesh must cover the world in row-major order."""
+def spec_of_dtensor(dt: DTensor, world_size: int, where: str, ranks: Sequence[int] | None = None) -> TensorSpec:
+    """The TensorSpec of a DTensor input, whose mesh must cover the call's ranks (``ranks``, by default the whole
+    world) in row-major order."""
     mesh = dt.device_mesh
-    ranks = mesh.mesh.flatten().tolist()
-    if ranks != list(range(world_size)):
+    expected = list(range(world_size)) if ranks is None else list(ranks)
+    if mesh.mesh.flatten().tolist() != expected:
         raise ValueError(
-            f"{where}: a DTensor on mesh {mesh} is not laid over all {world_size} ranks in row-major order; "
-            f"build its DeviceMesh from torch.arange({world_size}).reshape(...)"
+            f"{where}: a DTensor on mesh {mesh} is not laid over the call's {world_size} ranks {expected} in "
+            f"row-major order; build its DeviceMesh from those ranks (reshape(...)), or sf.reshard it first"
         )
     axes = mesh_axes(tuple(mesh.shape))
     return from_placements(axes, tuple(dt.placements), dt.ndim, where)

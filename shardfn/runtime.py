@@ -208,6 +208,7 @@ def _shutdown() -> None:
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
     _MESHES.clear()
+    _GROUPS.clear()
     _CONTROL.clear()
     if not _CRASHED and dist.get_world_size() > 1 and _STORE:
         exit_s = float(os.environ.get("SHARDFN_EXIT_TIMEOUT", DEFAULT_EXIT_TIMEOUT_S))
@@ -216,6 +217,50 @@ def _shutdown() -> None:
                 dist.barrier()
     _STORE.clear()
     dist.destroy_process_group()
+
+
+def check_ranks(ranks: tuple[int, ...] | None, what: str) -> None:
+    """A call's ranks must exist in this world (checked on every rank, before any communication)."""
+    world = dist.get_world_size()
+    if ranks is not None and max(ranks) >= world:
+        raise ValueError(f"{what}: its layout names ranks {ranks!r} but the world has {world} ranks (0..{world - 1});"
+                         " name ranks of this world in Layout(..., ranks=...)")
+
+
+def whole_world(ranks: tuple[int, ...] | None) -> bool:
+    return ranks is None or ranks == tuple(range(dist.get_world_size()))
+
+
+def is_member(ranks: tuple[int, ...] | None) -> bool:
+    """Whether this rank runs a call on ``ranks`` (None: every rank)."""
+    return ranks is None or not dist.is_initialized() or dist.get_rank() in ranks
+
+
+_GROUPS: dict[tuple, object] = {}
+
+
+def group_of(ranks: tuple[int, ...], device: str):
+    """A process group over ``ranks``, made by those ranks alone (others need not call), once per process group.
+
+    On CUDA it holds NCCL for the programs and gloo for CPU-side control messages, so one group per rank set
+    serves both (torch names such groups after their ranks: two groups over the same ranks would clash).
+    """
+    key = (id(dist.group.WORLD), ranks)
+    group = _GROUPS.get(key)
+    if group is None:
+        backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+        group = dist.new_group(list(ranks), backend=backend, timeout=datetime.timedelta(seconds=collective_timeout_s()),
+                               use_local_synchronization=True)
+        _GROUPS[key] = group
+    return group
+
+
+def call_control_group(ranks: tuple[int, ...] | None, device: str):
+    """The group on which the ranks of a call agree on it: the world's control group, or the sub-mesh's group
+    (None in a world of one and in a simulated world)."""
+    if whole_world(ranks) or control_group() is None:
+        return control_group()
+    return group_of(ranks, device)
 
 
 def world_mesh(device: str) -> DeviceMesh:
@@ -237,9 +282,35 @@ def _cached_mesh(device: str, shape: tuple[int, ...], names: tuple[str, ...]) ->
     return mesh
 
 
-def device_mesh(spec: MeshSpec, device: str) -> DeviceMesh:
-    """The DeviceMesh of a MeshSpec on the current process group (built once, then reused)."""
-    return _cached_mesh(device, spec.shape, spec.names)
+def device_mesh(spec: MeshSpec, device: str, ranks: tuple[int, ...] | None = None) -> DeviceMesh:
+    """The DeviceMesh of a MeshSpec on the current process group (built once, then reused), laid over ``ranks``
+    (row-major) or the whole world."""
+    if whole_world(ranks):
+        return _cached_mesh(device, spec.shape, spec.names)
+    key = (id(dist.group.WORLD), device, spec.shape, spec.names, ranks)
+    mesh = _MESHES.get(key)
+    if mesh is None:
+        mesh = _sub_mesh(torch.tensor(ranks).reshape(spec.shape), device, spec.names)
+        _MESHES[key] = mesh
+    return mesh
+
+
+def _sub_mesh(ranks: torch.Tensor, device: str, names: tuple[str, ...]) -> DeviceMesh:
+    # DeviceMesh(...) over a sub-mesh makes its groups collectively over the whole world, which would need every
+    # rank to build every stage's mesh in one order. Here each member makes only its own group per mesh dim
+    # (local synchronisation); other ranks get a mesh without groups, which DTensor treats as "not a member".
+    me = dist.get_rank()
+    if me not in ranks.flatten().tolist():
+        return DeviceMesh(device, ranks, mesh_dim_names=names, _init_backend=False)
+    coord = [int(c) for c in (ranks == me).nonzero()[0]]
+    groups = []
+    for d in range(ranks.dim()):
+        index = list(coord)
+        index[d] = slice(None)
+        groups.append(group_of(tuple(ranks[tuple(index)].tolist()), device))
+    if ranks.dim() == 1:
+        return DeviceMesh.from_group(groups[0], device, mesh=ranks, mesh_dim_names=names)
+    return DeviceMesh.from_group(groups, device, mesh=ranks, mesh_dim_names=names)
 
 
 def planning_mesh(spec: MeshSpec, device: str) -> DeviceMesh:
@@ -273,6 +344,7 @@ def simulated_world(world_size: int, local_tensors: bool = True) -> Iterator[Non
             yield
     finally:
         _MESHES.clear()
+        _GROUPS.clear()
         dist.destroy_process_group()
 
 

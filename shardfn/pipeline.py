@@ -1,0 +1,266 @@
+"""sf.pipeline: stages of a model on different ranks, micro-batches run by a schedule of torch's pipelining engine.
+
+    stage0 = sf.shard(blocks0, in_strategy=..., parameter_plan=..., dataset_strategy="data_parallel")  # ranks 0-3
+    stage1 = sf.shard(blocks1, in_strategy=..., parameter_plan=..., dataset_strategy="data_parallel")  # ranks 4-7
+    pipe = sf.pipeline([stage0, stage1], microbatches=4, schedule="1f1b", loss_fn=F.cross_entropy)
+    loss = pipe.step(x, target=y)      # every rank; the loss on the last stage's ranks, None elsewhere
+
+Semantics. Each stage is a module sharded with ``sf.shard`` on its own ranks (``sf.Layout(..., ranks=...)``): tensor
+and data parallelism inside a stage are the shard call's. The stages' rank sets are disjoint and equally large;
+rank k of one stage's set sends its activations to rank k of the next (one pipeline process group per position
+k), so stages must lay the batch out alike (the same ``dataset_strategy`` and batch axes). With more stages than
+rank sets (interleaved schedules) stage i runs on rank set i mod P, P the number of sets.
+
+``step(*inputs, target=)`` splits the batch (this rank's inputs, as each stage's shard call takes them) into
+``microbatches`` equal micro-batches along dim 0, runs the schedule, and leaves in every parameter's ``.grad``
+the gradient of the whole batch's loss: ``loss_fn(output, target)`` of a micro-batch is a mean over its rows, and
+the batch's loss is its mean over micro-batches and data-parallel slices, which for a mean-reduced loss equals
+``loss_fn`` over the whole batch on one device. Call it on every rank; inputs matter on the first stage's ranks
+and ``target`` on the last's.
+
+Schedules (torch.distributed.pipelining): ``"gpipe"``, ``"1f1b"`` (one stage per rank set), ``"interleaved_1f1b"``
+and ``"zero_bubble"`` (torch's interleaved zero-bubble schedule; several stages per rank set).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import runtime
+from .api import ShardedModule, plan_stage
+from .arguments import batch_slices
+from .strategy_search import Plan
+from .strategy_search.cost_model import local_numel
+
+__all__ = ["Pipeline", "PipelinePlan", "StagePlan", "pipeline"]
+
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "zero_bubble": "ScheduleInterleavedZeroBubble"}
+_SINGLE = ("gpipe", "1f1b")  # one stage per rank set
+
+
+@dataclass
+class StagePlan:
+    """One stage: its ranks, its shard plan for one micro-batch, and its estimated per-rank peak memory."""
+
+    index: int
+    ranks: tuple[int, ...]
+    plan: Plan
+    state_bytes: int  # parameters, gradients and optimizer states per rank
+    activation_bytes: int  # what one micro-batch keeps alive per rank until its backward
+    in_flight: int  # micro-batches whose activations the schedule holds at once on this stage
+    send_bytes: int  # the activation (forward) or gradient (backward) one rank sends to the next stage
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.state_bytes + self.in_flight * self.activation_bytes
+
+
+@dataclass
+class PipelinePlan:
+    schedule: str
+    microbatches: int
+    stages: list[StagePlan]
+    bubble_fraction: float  # idle share of a rank's step time, with equal stage times
+    notes: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"pipeline: {len(self.stages)} stages, schedule {self.schedule}, {self.microbatches} micro-batches,"
+                 f" bubble fraction {self.bubble_fraction:.3f}"]
+        for s in self.stages:
+            lines.append(f"  stage {s.index} on ranks {list(s.ranks)}: peak {s.peak_bytes / 2**20:.2f} MiB/rank "
+                         f"(state {s.state_bytes / 2**20:.2f} + {s.in_flight} x {s.activation_bytes / 2**20:.2f} "
+                         f"MiB of micro-batch activations), compute {s.plan.cost.compute_s * 1e3:.3f} ms, "
+                         f"communication {s.plan.cost.comm_s * 1e3:.3f} ms per micro-batch")
+            if s.index + 1 < len(self.stages):
+                lines.append(f"    send_recv forward: {s.send_bytes} B per rank per micro-batch -> stage "
+                             f"{s.index + 1}; backward: the same back")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def pipeline(stages: Sequence[nn.Module], microbatches: int, schedule: str = "1f1b",
+             loss_fn: Callable | None = None) -> "Pipeline":
+    """Run ``stages`` (modules sharded with sf.shard on their own ranks) as a pipeline; see the module docs."""
+    return Pipeline(list(stages), microbatches, schedule, loss_fn)
+
+
+class Pipeline:
+    def __init__(self, stages: list[nn.Module], microbatches: int, schedule: str, loss_fn: Callable | None):
+        if not stages or not all(isinstance(s, ShardedModule) for s in stages):
+            raise TypeError("sf.pipeline: stages must be a non-empty list of modules sharded with sf.shard(module, "
+                            "...) on their own ranks (sf.Layout(..., ranks=...))")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"sf.pipeline: microbatches must be a positive int, got {microbatches!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"sf.pipeline: schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        if loss_fn is None or not callable(loss_fn):
+            raise TypeError("sf.pipeline: loss_fn(output, target) is required: the pipeline trains")
+        configs = [s.__dict__["_shardfn_engine"].config for s in stages]
+        sets: list[tuple[int, ...]] = []
+        for i, c in enumerate(configs):
+            if c.ranks is None:
+                raise ValueError(f"sf.pipeline: stage {i} runs on every rank; give each stage's layouts the ranks "
+                                 "it runs on: sf.Layout(..., ranks=(...))")
+            if c.ranks not in sets:
+                sets.append(c.ranks)
+        if len({len(r) for r in sets}) > 1 or len({x for r in sets for x in r}) != sum(map(len, sets)):
+            raise ValueError(f"sf.pipeline: the stages' rank sets {sets} must be disjoint and equally large (rank k "
+                             "of one stage sends to rank k of the next)")
+        for i, c in enumerate(configs):
+            if c.ranks != sets[i % len(sets)]:
+                raise ValueError(f"sf.pipeline: stage {i} runs on ranks {c.ranks} but stage i must run on rank set "
+                                 f"i mod {len(sets)}: {sets[i % len(sets)]} (stages looped over the rank sets)")
+        if len({c.dataset_strategy for c in configs}) > 1:
+            raise ValueError("sf.pipeline: the stages' dataset_strategy differ; the batch flows from stage to stage "
+                             "as it is laid out, so give every stage the same one")
+        if schedule in _SINGLE and len(stages) != len(sets):
+            raise ValueError(f"sf.pipeline: schedule {schedule!r} runs one stage per rank set, but {len(stages)} "
+                             f"stages share {len(sets)} rank sets; use 'interleaved_1f1b' or 'zero_bubble'")
+        if len(sets) < 2 and len(stages) < 2:
+            raise ValueError("sf.pipeline: a pipeline needs at least two stages")
+        self.stages, self.microbatches, self.schedule, self.loss_fn = stages, microbatches, schedule, loss_fn
+        self.rank_sets = sets
+        self._runner = None
+
+    # -- running -----------------------------------------------------------------------------------------------
+
+    def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One training step's forward and backward over the batch; see the module docs."""
+        runtime.init(device=self._device())
+        for r in self.rank_sets:
+            runtime.check_ranks(r, "sf.pipeline")
+        me = dist.get_rank()
+        mine = [i for i, s in enumerate(self.stages) if me in self._ranks(i)]
+        if not mine:
+            return None
+        first, last = 0 in mine, len(self.stages) - 1 in mine
+        for t in inputs if first else ():
+            if t.dim() == 0 or t.shape[0] % self.microbatches:
+                raise ValueError(f"sf.pipeline.step: inputs split into {self.microbatches} equal micro-batches along "
+                                 f"dim 0, but an input has shape {tuple(t.shape)}; use a batch divisible by "
+                                 f"{self.microbatches}")
+        if last and target is None:
+            raise ValueError("sf.pipeline.step: target is required on the last stage's ranks")
+        schedule = self._schedule(mine)
+        losses: list = []
+        kwargs = {}
+        if last:
+            kwargs = {"target": target, "losses": losses}
+        schedule.step(*(inputs if first else ()), **kwargs)
+        if not last:
+            return None
+        return self._batch_loss(losses)
+
+    def _ranks(self, i: int) -> tuple[int, ...]:
+        return self.stages[i].__dict__["_shardfn_engine"].config.ranks
+
+    def _device(self) -> str:
+        return runtime.resolve_device(self.stages[0].__dict__["_shardfn_engine"].config.device)
+
+    def _slices(self) -> int:
+        """The number of distinct batch slices the last stage's ranks hold (1 for full_batch)."""
+        engine = self.stages[-1].__dict__["_shardfn_engine"]
+        return batch_slices(engine.config, len(engine.config.ranks))
+
+    def _schedule(self, mine: list[int]):
+        if self._runner is not None:
+            return self._runner
+        from torch.distributed import pipelining as pp
+
+        device = self._device()
+        position = self._ranks(mine[0]).index(dist.get_rank())
+        group = runtime.group_of(tuple(r[position] for r in self.rank_sets), device)
+        torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        wrap = _Unviewed if self.schedule == "zero_bubble" else (lambda m: m)
+        stages = [pp.PipelineStage(wrap(self.stages[i]), i, len(self.stages), torch_device, group=group)
+                  for i in mine]
+        slices, loss_fn = self._slices(), self.loss_fn
+
+        def scaled_loss(output, target):  # the mean over data-parallel slices folds into each micro-batch's loss
+            return loss_fn(output, target) / slices
+
+        cls = getattr(pp, SCHEDULES[self.schedule])
+        if self.schedule in _SINGLE:
+            self._runner = cls(stages[0], self.microbatches, loss_fn=scaled_loss)
+        else:
+            self._runner = cls(stages, self.microbatches, loss_fn=scaled_loss)
+        return self._runner
+
+    def _batch_loss(self, losses: list) -> torch.Tensor:
+        """The whole batch's loss from this rank's micro-batch losses (each already divided by the slices)."""
+        mean = torch.stack([loss.detach() for loss in losses]).sum() / self.microbatches
+        ranks = self._ranks(len(self.stages) - 1)
+        if len(ranks) > 1:
+            mean = mean.clone()
+            dist.all_reduce(mean, group=runtime.group_of(ranks, self._device()))
+            mean /= len(ranks) / self._slices()  # ranks holding one slice each added it
+        return mean
+
+    # -- planning ----------------------------------------------------------------------------------------------
+
+    def explain(self, *inputs: torch.Tensor) -> PipelinePlan:
+        """The pipeline's plan for a batch like ``inputs`` (this rank's, as step takes them; meta tensors do):
+        each stage's shard plan for one micro-batch, its memory, the transfers between stages, the bubble."""
+        m, stages = self.microbatches, []
+        example = [torch.empty((t.shape[0] // m, *t.shape[1:]), dtype=t.dtype, device="meta") for t in inputs]
+        p, v = len(self.rank_sets), len(self.stages) // len(self.rank_sets)
+        for i, stage in enumerate(self.stages):
+            plan, outs = plan_stage(stage, *example)
+            state = _state_bytes(stage, plan)
+            send = sum(o.numel() * o.element_size() for o in outs) if i + 1 < len(self.stages) else 0
+            stages.append(StagePlan(i, self._ranks(i), plan, state, max(0, plan.cost.peak_bytes - state),
+                                    _in_flight(self.schedule, m, p, v, i % p), send))
+            example = outs
+        notes = ["memory: each stage's plan for one micro-batch, its activations held for every micro-batch in "
+                 "flight (the schedule's warm-up depth)"]
+        return PipelinePlan(self.schedule, m, stages, _bubble(self.schedule, m, p, v), notes)
+
+
+class _Unviewed(nn.Module):
+    """A stage whose outputs are not views: the zero-bubble schedules detach stage outputs in place after the
+    input-gradient pass, which torch refuses on views (a sharded call's outputs may be views of its program's)."""
+
+    def __init__(self, stage: nn.Module):
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args):
+        out = self.stage(*args)
+        return out.clone() if isinstance(out, torch.Tensor) and out._base is not None else out
+
+
+def _state_bytes(stage: nn.Module, plan: Plan) -> int:
+    """Per-rank bytes of the stage's parameters as planned (x4 for a trainable one: gradient and Adam's two states)
+    and buffers, as the plan's peak counts them."""
+    tensors = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
+    total = 0
+    for entry in plan.inputs:
+        t = tensors.get(entry.name)
+        if entry.kind in ("param", "buffer") and t is not None:
+            n = local_numel(entry.shape, entry.planned, plan.mesh.shape) * t.element_size()
+            total += n * (4 if entry.kind == "param" and t.requires_grad else 1)
+    return total
+
+
+def _bubble(schedule: str, m: int, p: int, v: int) -> float:
+    """Idle share of a step with equal stage times: (p - 1) warm-up/cool-down slots against the v * m
+    micro-batch slots of each rank (Narayanan et al. 2021; v stages per rank when interleaved). Zero bubble
+    splits the backward, filling about two thirds of the 1F1B bubble (Qi et al. 2023, ZB-H1)."""
+    bubble = (p - 1) / (v * m + p - 1)
+    return bubble / 3 if schedule == "zero_bubble" else bubble
+
+
+def _in_flight(schedule: str, m: int, p: int, v: int, r: int) -> int:
+    """Micro-batches a stage on rank set r holds activations for at once."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, p - r)
+    # interleaved (Megatron): (p - r - 1) * 2 + (v - 1) * p warm-up forwards over the rank's v stages, plus one
+    return min(m, math.ceil(((p - r - 1) * 2 + (v - 1) * p + 1) / v))
