@@ -439,8 +439,6 @@ def _shard_module(module: nn.Module, engine: _Engine) -> nn.Module:
     if cls not in _SHARDED_CLASSES:
         _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
     device = runtime.resolve_device(engine.config.device)
-    runtime.init(device=device)
-    runtime.check_ranks(engine.config.ranks, engine.name)
     world = engine._world(device)
     # Lay parameters out now: parameter_plan's layouts, the rest whole until the first call plans them.
     specs = engine._param_specs(world)
@@ -491,6 +489,11 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
     module parameters' layouts; ``level`` picks the search objective.
     """
     engine = _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy)
+    if engine.config.ranks is not None:  # a call on a sub-mesh: its process groups are made now, by every rank
+        device = runtime.resolve_device(engine.config.device)
+        runtime.init(device=device)
+        runtime.check_ranks(engine.config.ranks, engine.name)
+        runtime.prepare_ranks(engine.config.ranks, device)
     if engine.module is not None:
         return _shard_module(engine.module, engine)
     return ShardedFunction(engine)

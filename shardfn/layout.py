@@ -145,6 +145,9 @@ def _check_ranks(ranks: Sequence[int], device_matrix: tuple[int, ...]) -> tuple[
     ranks = tuple(ranks)
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"Layout: ranks {ranks!r} names a rank twice; name each rank of the matrix once")
+    if list(ranks) != sorted(ranks):  # torch orders a process group's ranks ascending: coordinates must agree
+        raise ValueError(f"Layout: ranks {ranks!r} must be ascending (row-major order over the matrix): use "
+                         f"{tuple(sorted(ranks))!r}")
     if len(ranks) != math.prod(device_matrix):
         raise ValueError(f"Layout: device_matrix {device_matrix!r} holds {math.prod(device_matrix)} devices but "
                          f"ranks names {len(ranks)}; name one rank per device, row-major")
@@ -261,9 +264,10 @@ def spec_of_dtensor(dt: DTensor, world_size: int, where: str, ranks: Sequence[in
     mesh = dt.device_mesh
     expected = list(range(world_size)) if ranks is None else list(ranks)
     if mesh.mesh.flatten().tolist() != expected:
+        over = f"all {world_size} ranks" if ranks is None else f"the call's ranks {expected}"
         raise ValueError(
-            f"{where}: a DTensor on mesh {mesh} is not laid over the call's {world_size} ranks {expected} in "
-            f"row-major order; build its DeviceMesh from those ranks (reshape(...)), or sf.reshard it first"
+            f"{where}: a DTensor on mesh {mesh} is not laid over {over} in row-major order; build its DeviceMesh "
+            f"from torch.tensor({expected}).reshape(...), or sf.reshard it onto the call's layout first"
         )
     axes = mesh_axes(tuple(mesh.shape))
     return from_placements(axes, tuple(dt.placements), dt.ndim, where)

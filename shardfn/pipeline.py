@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import runtime
+from .agreement import Agreement, digest
 from .api import ShardedModule, plan_stage
 from .arguments import batch_slices
 from .strategy_search import Plan
@@ -74,14 +75,21 @@ class PipelinePlan:
         lines = [f"pipeline: {len(self.stages)} stages, schedule {self.schedule}, {self.microbatches} micro-batches,"
                  f" bubble fraction {self.bubble_fraction:.3f}"]
         for s in self.stages:
-            lines.append(f"  stage {s.index} on ranks {list(s.ranks)}: peak {s.peak_bytes / 2**20:.2f} MiB/rank "
-                         f"(state {s.state_bytes / 2**20:.2f} + {s.in_flight} x {s.activation_bytes / 2**20:.2f} "
-                         f"MiB of micro-batch activations), compute {s.plan.cost.compute_s * 1e3:.3f} ms, "
-                         f"communication {s.plan.cost.comm_s * 1e3:.3f} ms per micro-batch")
+            lines.append(f"  stage {s.index} on ranks {list(s.ranks)}: peak {_size(s.peak_bytes)}/rank (state "
+                         f"{_size(s.state_bytes)} + {s.in_flight} micro-batches in flight x "
+                         f"{_size(s.activation_bytes)} of activations); per micro-batch compute "
+                         f"{s.plan.cost.compute_s * 1e3:.3f} ms, communication {s.plan.cost.comm_s * 1e3:.3f} ms")
             if s.index + 1 < len(self.stages):
-                lines.append(f"    send_recv forward: {s.send_bytes} B per rank per micro-batch -> stage "
-                             f"{s.index + 1}; backward: the same back")
+                lines.append(f"    send_recv to stage {s.index + 1}: {_size(s.send_bytes)} per rank per micro-batch "
+                             "forward (activations), the same backward (their gradients)")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
 
 
 def pipeline(stages: Sequence[nn.Module], microbatches: int, schedule: str = "1f1b",
@@ -127,26 +135,37 @@ class Pipeline:
         self.stages, self.microbatches, self.schedule, self.loss_fn = stages, microbatches, schedule, loss_fn
         self.rank_sets = sets
         self._runner = None
+        # the groups of each pipeline position k (rank k of every stage) and of all the pipeline's ranks, made on
+        # every rank now: their members alone could not make them later
+        device = self._device()
+        runtime.init(device=device)
+        for r in sets:
+            runtime.check_ranks(r, "sf.pipeline")
+        if dist.get_world_size() > 1:
+            for k in range(len(sets[0])):
+                runtime.make_group(tuple(r[k] for r in sets), device)
+            runtime.make_group(self._everyone(), device)
 
     # -- running -----------------------------------------------------------------------------------------------
 
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor | None:
         """One training step's forward and backward over the batch; see the module docs."""
-        runtime.init(device=self._device())
-        for r in self.rank_sets:
-            runtime.check_ranks(r, "sf.pipeline")
         me = dist.get_rank()
         mine = [i for i, s in enumerate(self.stages) if me in self._ranks(i)]
         if not mine:
             return None
         first, last = 0 in mine, len(self.stages) - 1 in mine
-        for t in inputs if first else ():
-            if t.dim() == 0 or t.shape[0] % self.microbatches:
-                raise ValueError(f"sf.pipeline.step: inputs split into {self.microbatches} equal micro-batches along "
-                                 f"dim 0, but an input has shape {tuple(t.shape)}; use a batch divisible by "
-                                 f"{self.microbatches}")
-        if last and target is None:
-            raise ValueError("sf.pipeline.step: target is required on the last stage's ranks")
+        error = None
+        try:
+            self._check_step(inputs if first else (), target, last)
+        except ValueError as e:
+            error = e
+        # every rank of the pipeline learns of a bad step before any stage waits for another: no hang
+        everyone = self._everyone()
+        Agreement("sf.pipeline.step", digest(f"{self.schedule}|{self.microbatches}|{len(self.stages)}"),
+                  {"schedule": self.schedule, "stages": str(len(self.stages))},
+                  ranks=None if runtime.whole_world(everyone) else everyone, device=self._device()).check(
+            first=self._runner is None, error=error)
         schedule = self._schedule(mine)
         losses: list = []
         kwargs = {}
@@ -156,6 +175,18 @@ class Pipeline:
         if not last:
             return None
         return self._batch_loss(losses)
+
+    def _check_step(self, inputs, target, last: bool) -> None:
+        for t in inputs:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] % self.microbatches:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"sf.pipeline.step: inputs split into {self.microbatches} equal micro-batches along "
+                                 f"dim 0, but an input has shape {shape}; use a batch divisible by {self.microbatches}")
+        if last and target is None:
+            raise ValueError("sf.pipeline.step: target is required on the last stage's ranks")
+
+    def _everyone(self) -> tuple[int, ...]:
+        return tuple(sorted(x for r in self.rank_sets for x in r))
 
     def _ranks(self, i: int) -> tuple[int, ...]:
         return self.stages[i].__dict__["_shardfn_engine"].config.ranks
@@ -175,7 +206,7 @@ class Pipeline:
 
         device = self._device()
         position = self._ranks(mine[0]).index(dist.get_rank())
-        group = runtime.group_of(tuple(r[position] for r in self.rank_sets), device)
+        group = runtime.group_of(tuple(r[position] for r in self.rank_sets))
         torch_device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         wrap = _Unviewed if self.schedule == "zero_bubble" else (lambda m: m)
         stages = [pp.PipelineStage(wrap(self.stages[i]), i, len(self.stages), torch_device, group=group)
@@ -198,7 +229,7 @@ class Pipeline:
         ranks = self._ranks(len(self.stages) - 1)
         if len(ranks) > 1:
             mean = mean.clone()
-            dist.all_reduce(mean, group=runtime.group_of(ranks, self._device()))
+            dist.all_reduce(mean, group=runtime.group_of(ranks))
             mean /= len(ranks) / self._slices()  # ranks holding one slice each added it
         return mean
 

@@ -38,6 +38,7 @@ def reshard(tensor: DTensor, layout: TensorLayout) -> DTensor:
     runtime.init(device=device)
     runtime.check_ranks(layout.ranks, "sf.reshard")
     ranks = layout.ranks or tuple(range(dist.get_world_size()))
+    runtime.prepare_ranks(ranks, device)
     spec = normalize_strategy(layout, tuple(tensor.shape), len(ranks), "sf.reshard: layout", "the tensor")
     mesh_spec = common_mesh([spec], len(ranks), {layout.axis(n): n for n in layout.alias_name})
     target = runtime.device_mesh(mesh_spec, device, None if runtime.whole_world(ranks) else ranks)
@@ -77,10 +78,12 @@ def transfers(shape, source: torch.Tensor, source_placements, target: torch.Tens
     gathered = not all(any(_contains(held[s], r) for s in src_ranks) for r in wanted.values())
     if gathered:
         held = {s: ((0,) * len(shape), tuple(shape)) for s in src_ranks}
-    moves = []
+    moves, load = [], dict.fromkeys(src_ranks, 0)
     for i, d in enumerate(dst_ranks):
         holders = [s for s in src_ranks if _contains(held[s], wanted[d])]
-        s = d if d in holders else holders[i % len(holders)]  # a rank in both meshes keeps its own piece
+        # a rank in both meshes keeps its own piece; otherwise the least busy holder, the i-th one first
+        s = d if d in holders else min(holders, key=lambda h: (load[h], (src_ranks.index(h) - i) % len(src_ranks)))
+        load[s] += 1
         moves.append((d, s, wanted[d]))
     return gathered, held, moves
 

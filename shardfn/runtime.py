@@ -209,6 +209,7 @@ def _shutdown() -> None:
         return
     _MESHES.clear()
     _GROUPS.clear()
+    _PREPARED.clear()
     _CONTROL.clear()
     if not _CRASHED and dist.get_world_size() > 1 and _STORE:
         exit_s = float(os.environ.get("SHARDFN_EXIT_TIMEOUT", DEFAULT_EXIT_TIMEOUT_S))
@@ -237,21 +238,51 @@ def is_member(ranks: tuple[int, ...] | None) -> bool:
 
 
 _GROUPS: dict[tuple, object] = {}
+_PREPARED: set = set()
 
 
-def group_of(ranks: tuple[int, ...], device: str):
-    """A process group over ``ranks``, made by those ranks alone (others need not call), once per process group.
+def prepare_ranks(ranks: tuple[int, ...] | None, device: str) -> None:
+    """Make, once, every process group a call on ``ranks`` can use: the group of each device-matrix axis of any
+    row-major matrix over them, and the set itself.
+
+    torch makes a group collectively over the whole world (a group made by its members alone is named after how
+    many groups each has made, so overlapping ones never meet), so every rank must make the same groups in the
+    same order: this runs where every rank passes (shard(), sf.reshard, sf.pipeline), never on a first call that
+    only a sub-mesh's ranks make.
+    """
+    if not dist.is_initialized() or whole_world(ranks) or (id(dist.group.WORLD), ranks) in _PREPARED:
+        return
+    n = len(ranks)
+    for size in (d for d in range(1, n + 1) if n % d == 0 and (d > 1 or n == 1)):
+        for stride in (d for d in range(1, n // size + 1) if (n // size) % d == 0):
+            for outer in range(n // (size * stride)):
+                for inner in range(stride):
+                    make_group(tuple(ranks[outer * size * stride + j * stride + inner] for j in range(size)), device)
+    _PREPARED.add((id(dist.group.WORLD), ranks))
+
+
+def make_group(ranks: tuple[int, ...], device: str):
+    """A process group over ``ranks`` (made on every rank, in the same order, once per process group).
 
     On CUDA it holds NCCL for the programs and gloo for CPU-side control messages, so one group per rank set
-    serves both (torch names such groups after their ranks: two groups over the same ranks would clash).
+    serves both.
     """
-    key = (id(dist.group.WORLD), ranks)
-    group = _GROUPS.get(key)
-    if group is None:
+    key = (id(dist.group.WORLD), tuple(sorted(ranks)))
+    if key not in _GROUPS:
         backend = "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
-        group = dist.new_group(list(ranks), backend=backend, timeout=datetime.timedelta(seconds=collective_timeout_s()),
-                               use_local_synchronization=True)
-        _GROUPS[key] = group
+        if dist.get_backend() == "fake":  # a simulated world: its groups are fake too
+            backend = None
+        _GROUPS[key] = dist.new_group(sorted(ranks), backend=backend,
+                                      timeout=datetime.timedelta(seconds=collective_timeout_s()))
+    return _GROUPS[key]
+
+
+def group_of(ranks: tuple[int, ...]):
+    """The process group over ``ranks``, made beforehand by :func:`prepare_ranks` or :func:`make_group`."""
+    group = _GROUPS.get((id(dist.group.WORLD), tuple(sorted(ranks))))
+    if group is None:
+        raise RuntimeError(f"shardfn: no process group over ranks {ranks}: shard() of a call on a sub-mesh, "
+                           "sf.reshard and sf.pipeline must run on every rank of the world, in the same order")
     return group
 
 
@@ -260,7 +291,7 @@ def call_control_group(ranks: tuple[int, ...] | None, device: str):
     (None in a world of one and in a simulated world)."""
     if whole_world(ranks) or control_group() is None:
         return control_group()
-    return group_of(ranks, device)
+    return group_of(ranks)
 
 
 def world_mesh(device: str) -> DeviceMesh:
@@ -296,9 +327,9 @@ def device_mesh(spec: MeshSpec, device: str, ranks: tuple[int, ...] | None = Non
 
 
 def _sub_mesh(ranks: torch.Tensor, device: str, names: tuple[str, ...]) -> DeviceMesh:
-    # DeviceMesh(...) over a sub-mesh makes its groups collectively over the whole world, which would need every
-    # rank to build every stage's mesh in one order. Here each member makes only its own group per mesh dim
-    # (local synchronisation); other ranks get a mesh without groups, which DTensor treats as "not a member".
+    # DeviceMesh(...) over a sub-mesh makes its groups collectively over the whole world, which a first call made
+    # by the sub-mesh's ranks only cannot do. Its groups were made beforehand on every rank (prepare_ranks); a
+    # member builds the mesh from its own; other ranks get a mesh without groups ("not a member" to DTensor).
     me = dist.get_rank()
     if me not in ranks.flatten().tolist():
         return DeviceMesh(device, ranks, mesh_dim_names=names, _init_backend=False)
@@ -307,7 +338,7 @@ def _sub_mesh(ranks: torch.Tensor, device: str, names: tuple[str, ...]) -> Devic
     for d in range(ranks.dim()):
         index = list(coord)
         index[d] = slice(None)
-        groups.append(group_of(tuple(ranks[tuple(index)].tolist()), device))
+        groups.append(group_of(tuple(ranks[tuple(index)].tolist())))
     if ranks.dim() == 1:
         return DeviceMesh.from_group(groups[0], device, mesh=ranks, mesh_dim_names=names)
     return DeviceMesh.from_group(groups, device, mesh=ranks, mesh_dim_names=names)
@@ -345,6 +376,7 @@ def simulated_world(world_size: int, local_tensors: bool = True) -> Iterator[Non
     finally:
         _MESHES.clear()
         _GROUPS.clear()
+        _PREPARED.clear()
         dist.destroy_process_group()
 
 

@@ -36,3 +36,11 @@ def test_mlp_parallel_4(launcher):
     for config in ("dp", "tp", "dp2 x tp2"):
         assert ranks_reporting(out, rf"rank (\d+)/4: mlp {config} trains like single process") == set(range(4)), \
             f"{config}:\n{out}"
+
+
+@pytest.mark.parametrize("launcher, n", [("mpirun", 8), ("torchrun", 4)])
+def test_pipeline_hybrid(launcher, n):
+    out = check(LAUNCHERS[launcher]("samples/pipeline_hybrid.py", n))
+    assert ranks_reporting(out, rf"rank (\d+)/{n}: pipeline_hybrid stage \d trains like single process") \
+        == set(range(n)), out
+    assert "bubble fraction 0.200" in out  # rank 0's explain(): 2 stages, 4 micro-batches, 1F1B
