@@ -1,0 +1,135 @@
+"""sf.pipeline: sharded stages on their own ranks, micro-batched by torch's schedules, trained on 4 real gloo ranks
+against the unsharded model over the whole batch; its plan (bubble, memory) in a simulated world."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import shardfn as sf
+from shardfn.pipeline import _bubble, _in_flight
+from shardfn.runtime import simulated_world
+
+SETS = [(0, 1), (2, 3)]
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def _stages(mods, mode):
+    stages = []
+    for i, m in enumerate(mods):
+        L = sf.Layout((2,), ("mp",), ranks=SETS[i % 2])
+        if mode == "tensor parallel":
+            stages.append(sf.shard(m, in_strategy=(None,),
+                                   parameter_plan={"a.weight": L("mp", "None"), "b.weight": L("None", "mp")}))
+        else:
+            stages.append(sf.shard(m, in_strategy=(L("mp", "None"),), dataset_strategy="data_parallel"))
+    return stages
+
+
+def _train(schedule, mode, steps=3):
+    torch.manual_seed(0)
+    n = 4 if schedule in ("interleaved_1f1b", "zero_bubble") else 2
+    mods, refs = [MLP() for _ in range(n)], [MLP() for _ in range(n)]
+    for r, m in zip(refs, mods):
+        r.load_state_dict(m.state_dict())
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    pipe = sf.pipeline(_stages(mods, mode), microbatches=4, schedule=schedule, loss_fn=F.mse_loss)
+    opt = torch.optim.AdamW([p for m in mods for p in m.parameters()], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for m in refs for p in m.parameters()], lr=1e-2)
+    me = dist.get_rank()
+    row = me % 2  # this rank's batch slice (data parallel inside a stage of 2 ranks)
+    mine = (x, y) if mode == "tensor parallel" else (x.chunk(2)[row], y.chunk(2)[row])
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        losses.append(pipe.step(mine[0], target=mine[1]))
+        opt.step()
+        opt.zero_grad()
+        h = x
+        for r in refs:
+            h = r(h)
+        ref_loss = F.mse_loss(h, y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.detach())
+    loss_ok = losses[0] is None if me < 2 else torch.allclose(torch.stack(losses), torch.stack(ref_losses), atol=1e-5)
+    params = [(p.full_tensor(), q) for m, r in zip(mods, refs) if me in m._shardfn_engine.config.ranks
+              for p, q in zip(m.parameters(), r.parameters())]
+    params_ok = bool(params) and all(torch.allclose(p, q, atol=1e-4) for p, q in params)
+    outside = all(p.grad is None and p.to_local().numel() == 0 for m in mods
+                  if me not in m._shardfn_engine.config.ranks for p in m.parameters())
+    return loss_ok, params_ok, outside
+
+
+@pytest.mark.parametrize("schedule, mode", [("gpipe", "tensor parallel"), ("1f1b", "data parallel"),
+                                            ("interleaved_1f1b", "tensor parallel"), ("zero_bubble", "data parallel")])
+def test_pipeline_trains_like_the_unsharded_model(gloo4, schedule, mode):
+    assert gloo4.run(_train, schedule, mode) == [(True, True, True)] * 4
+
+
+def _uneven_batch_on_one_rank():
+    torch.manual_seed(0)
+    pipe = sf.pipeline(_stages([MLP(), MLP()], "tensor parallel"), microbatches=4, loss_fn=F.mse_loss)
+    rows = 6 if dist.get_rank() == 0 else 16  # rank 0 (first stage) brings a batch 4 micro-batches cannot split
+    try:
+        pipe.step(torch.randn(rows, 8), target=torch.randn(16, 8))
+    except ValueError as e:
+        return str(e)
+    return "ran"
+
+
+def test_a_bad_step_on_one_rank_is_an_error_on_every_rank(gloo4):
+    out = gloo4.run(_uneven_batch_on_one_rank)
+    assert "use a batch divisible by 4" in out[0]
+    for message in out[1:]:  # the others learn of it before waiting on rank 0's activations
+        assert "could not prepare this call" in message and "rank 0: ValueError" in message
+
+
+def test_pipeline_arguments_are_checked():
+    with simulated_world(4, local_tensors=False):
+        stages = _stages([MLP(), MLP()], "tensor parallel")
+        with pytest.raises(TypeError, match="modules sharded with sf.shard"):
+            sf.pipeline([MLP(), MLP()], 4, loss_fn=F.mse_loss)
+        with pytest.raises(ValueError, match="microbatches must be a positive int"):
+            sf.pipeline(stages, 0, loss_fn=F.mse_loss)
+        with pytest.raises(ValueError, match="schedule must be one of"):
+            sf.pipeline(stages, 4, schedule="2f2b", loss_fn=F.mse_loss)
+        with pytest.raises(TypeError, match="loss_fn"):
+            sf.pipeline(stages, 4)
+        with pytest.raises(ValueError, match="runs one stage per rank set"):
+            sf.pipeline(stages + _stages([MLP(), MLP()], "tensor parallel"), 4, loss_fn=F.mse_loss)
+        overlapping = sf.shard(MLP(), in_strategy=(sf.Layout((2,), ("mp",), ranks=(1, 2))("None", "None"),))
+        with pytest.raises(ValueError, match="disjoint and equally large"):
+            sf.pipeline([stages[0], overlapping], 4, loss_fn=F.mse_loss)
+
+
+def test_explain_gives_bubble_memory_and_transfers():
+    with simulated_world(4, local_tensors=False):
+        stages = _stages([MLP(), MLP()], "tensor parallel")
+        batch = torch.empty(16, 8, device="meta")
+        gpipe = sf.pipeline(stages, 4, schedule="gpipe", loss_fn=F.mse_loss).explain(batch)
+        one_f_one_b = sf.pipeline(stages, 4, schedule="1f1b", loss_fn=F.mse_loss).explain(batch)
+    assert gpipe.bubble_fraction == pytest.approx(1 / 5) == one_f_one_b.bubble_fraction  # (p - 1) / (m + p - 1)
+    assert [s.in_flight for s in gpipe.stages] == [4, 4] and [s.in_flight for s in one_f_one_b.stages] == [2, 1]
+    first = one_f_one_b.stages[0]
+    assert first.send_bytes == 4 * 8 * 4  # one micro-batch of 4 rows x 8 floats to the next stage
+    assert first.activation_bytes > 0 and first.peak_bytes == first.state_bytes + 2 * first.activation_bytes
+    assert gpipe.stages[0].peak_bytes > first.peak_bytes  # GPipe holds every micro-batch's activations
+    assert "bubble fraction 0.200" in str(one_f_one_b) and "send_recv to stage 1" in str(one_f_one_b)
+
+
+def test_bubble_and_in_flight_formulas():
+    assert _bubble("1f1b", 8, 4, 1) == pytest.approx(3 / 11)
+    assert _bubble("interleaved_1f1b", 8, 4, 2) == pytest.approx(3 / 19)  # v stages per rank shrink it
+    assert _bubble("zero_bubble", 8, 4, 2) < _bubble("interleaved_1f1b", 8, 4, 2)
+    assert [_in_flight("1f1b", 8, 4, 1, r) for r in range(4)] == [4, 3, 2, 1]
+    assert _in_flight("gpipe", 8, 4, 1, 0) == 8
