@@ -27,9 +27,11 @@ from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.graph import CapturedGraph
 from .config import ShardConfig
 from .exec.lower import ParallelProgram, lower
-from .layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, spec_of_dtensor, \
-    to_placements
+from .layout import Axis, Layout, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, \
+    spec_of_dtensor, to_placements
+from .reshard import reshard
 from .strategy_search import InputRequest, OutputRequest, Plan, PlanRequest, make_plan, profile_for
+from .strategy_search.plan import Collective
 
 __all__ = ["ShardedFunction", "ShardedModule", "explain", "shard"]
 
@@ -62,7 +64,11 @@ class _Engine:
         self.name = getattr(target, "__qualname__", type(target).__name__)  # before a module's class is swapped
 
     def __call__(self, *args, **kwargs):
+        arrived = ()
+        if kwargs or not all(type(a) is torch.Tensor for a in args):
+            args, kwargs, arrived = self._arrive(args, kwargs, move=True)
         key, tensors, objects = call_key(args, kwargs)
+        key += arrived
         self._check_not_nested_or_transformed(tensors)
         if self.module is not None:
             key += (self.module.training,)
@@ -71,10 +77,10 @@ class _Engine:
             self.cache.clear()
             self.outside.clear()
         if self.config.ranks is not None and not self._runs_here():
-            return self._outside_call(key, args, kwargs, tensors, objects)
+            return self._outside_call(key, args, kwargs, tensors, objects, arrived)
         compiled = self.cache.get(key)
         if compiled is None:
-            compiled = self._first_call(key, args, kwargs)
+            compiled = self._first_call(key, args, kwargs, arrived)
         elif check_mode() != "first":
             compiled.agreement.check(first=False, values=self._values(tensors))
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
@@ -104,7 +110,29 @@ class _Engine:
         ranks = self._ranks()
         return runtime.init(device=device).size() if ranks is None else len(ranks)
 
-    def _first_call(self, key: tuple, args, kwargs) -> _Compiled:
+    def _arrive(self, args, kwargs, move: bool):
+        """DTensor arguments that live on other ranks than the call's are moved onto its ranks first, by
+        point-to-point sends (sf.reshard, with autograd), in the same placements where the two meshes have one
+        shape (else replicated); the call then takes them as any DTensor input. Without ``move`` (explain) a
+        stand-in on a planning mesh takes their place. Returns the arguments and what moved (for the key and the
+        plan's send_recv records)."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        device = runtime.resolve_device(self.config.device)
+        ranks = self.config.ranks or tuple(range(runtime.init(device=device).size() if move else 0))
+        arrived = []
+        for i, t in enumerate(leaves):
+            if not isinstance(t, DTensor) or not ranks or tuple(t.device_mesh.mesh.flatten().tolist()) == ranks:
+                continue
+            layout = _arrival_layout(t, ranks)
+            arrived.append((i, tuple(t.device_mesh.mesh.flatten().tolist()), layout.tensor_map,
+                            t.numel() * t.element_size(), t.requires_grad))
+            leaves[i] = reshard(t, layout) if move else _stand_in(t, layout, device)
+        if not arrived:
+            return args, kwargs, ()
+        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        return args, kwargs, (("arrived", tuple(arrived)),)
+
+    def _first_call(self, key: tuple, args, kwargs, arrived: tuple = ()) -> _Compiled:
         device = runtime.resolve_device(self.config.device)
         world = self._world(device)
         self.group = dist.group.WORLD
@@ -112,7 +140,8 @@ class _Engine:
                               ranks=self._ranks(), device=device)
         compiled, error = None, None
         try:  # local work only: a rank that fails here still takes part in the agreement below
-            compiled = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device)
+            compiled = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
+                                 arrived)
             compiled.agreement = agreement
         except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
             error = e
@@ -126,7 +155,7 @@ class _Engine:
         self.cache[key] = compiled
         return compiled
 
-    def _outside_call(self, key: tuple, args, kwargs, tensors, objects):
+    def _outside_call(self, key: tuple, args, kwargs, tensors, objects, arrived: tuple = ()):
         """On a rank outside the call's ranks: no program, no communication. The outputs are placeholders with
         the outputs' shapes (the plan is made here too, locally, for them), connected to the inputs for autograd
         so a backward through them reaches what came before (an sf.reshard that receives the gradients)."""
@@ -135,14 +164,15 @@ class _Engine:
             device = runtime.resolve_device(self.config.device)
             self.group = dist.group.WORLD
             compiled = self.plan(args, kwargs, self._world(device), lambda spec: runtime.planning_mesh(spec, device),
-                                 device)
+                                 device, arrived)
             compiled.program = _placeholders(compiled, runtime.device_mesh(compiled.mesh_spec, device,
                                                                            self.config.ranks))
             self.outside[key] = compiled
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
         return compiled.captured.result(outs, tensors, objects)
 
-    def plan(self, args, kwargs, world: int, mesh_of: Callable[[MeshSpec], Any], device: str) -> _Compiled:
+    def plan(self, args, kwargs, world: int, mesh_of: Callable[[MeshSpec], Any], device: str,
+             arrived: tuple = ()) -> _Compiled:
         """Bind, capture and plan one call signature (local: no communication)."""
         with runtime.outside_simulation():
             call = bind(self.config, self.fn, self.name, args, kwargs, world)
@@ -158,6 +188,7 @@ class _Engine:
                                   grad=torch.is_grad_enabled(), level=self.config.level, profile=profile_for(device),
                                   keep_split=self._data_parallel_dims(call, mesh_spec))
             plan = make_plan(captured, mesh_of(mesh_spec), mesh_spec, request)
+            _record_arrivals(plan, arrived, self.name)
         params, buffers = self._state()
         return _Compiled(captured, plan, mesh_spec, Agreement(self.name, 0),
                          param_slots=[_slot(self.module, n) for n in params],
@@ -309,6 +340,45 @@ class _Engine:
             return torch.func.functional_call(self.module, state, args, kwargs)
         finally:
             self.capturing_self = False
+
+
+def _arrival_layout(t: DTensor, ranks: tuple[int, ...]) -> TensorLayout:
+    """Where a DTensor from other ranks lands on a call's ranks: its own placements on a mesh of the same shape,
+    else (another shape, pending sums, uneven pieces) replicated."""
+    shape, placements = tuple(t.device_mesh.shape), tuple(t.placements)
+    names = tuple(f"m{i}" for i in range(len(shape)))
+    if math.prod(shape) == len(ranks) and all(p.is_replicate() or type(p) is Shard for p in placements):
+        dims = [tuple(n for n, p in zip(names, placements) if p == Shard(d)) for d in range(t.ndim)]
+        layout = Layout(shape, names, ranks=ranks)(*[d if d else "None" for d in dims])
+        if all(t.shape[d] % math.prod(shape[names.index(n)] for n in dims[d]) == 0 for d in range(t.ndim)):
+            return layout
+    return Layout((len(ranks),), ("all",), ranks=ranks)(*["None"] * t.ndim)
+
+
+def _stand_in(t: DTensor, layout: TensorLayout, device: str) -> DTensor:
+    """For planning (explain): a DTensor as the move would leave it, on a mesh of the call's ranks, no data."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    n = len(layout.ranks)
+    spec = normalize_strategy(layout, tuple(t.shape), n, "arrival")
+    mesh_spec = common_mesh([spec], n, {layout.axis(a): a for a in layout.alias_name})
+    mesh = DeviceMesh(device, torch.tensor(layout.ranks).reshape(mesh_spec.shape), mesh_dim_names=mesh_spec.names,
+                      _init_backend=False, _rank=layout.ranks[0])
+    return DTensor.from_local(torch.empty(0, dtype=t.dtype, device="meta"), mesh, to_placements(spec, mesh_spec),
+                              run_check=False, shape=t.shape, stride=t.stride()).requires_grad_(t.requires_grad)
+
+
+def _record_arrivals(plan: Plan, arrived: tuple, name: str) -> None:
+    """The point-to-point moves of inputs from other ranks, in the plan's collectives (forward; backward for
+    the gradients sent back)."""
+    for _, moves in arrived:
+        for i, ranks, tensor_map, nbytes, requires_grad in moves:
+            where = f"argument {i} from ranks {list(ranks)} -> {name}"
+            plan.collectives.append(Collective("send_recv", "forward", (), nbytes, where))
+            if requires_grad:
+                plan.collectives.append(Collective("send_recv", "backward", (), nbytes, where))
+            plan.notes.append(f"argument {i} arrives on ranks {list(ranks)}, another mesh: moved point-to-point "
+                              f"(sf.reshard) onto the call's ranks as {tensor_map} before the call")
 
 
 def _placeholders(compiled: _Compiled, mesh) -> Callable:
@@ -547,5 +617,6 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
         world_size = runtime.init(device=device).size()
     elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"explain: world_size must be a positive int, got {world_size!r}")
-    return engine.plan(list(example_args), dict(kwargs or {}), world_size,
-                       lambda spec: runtime.planning_mesh(spec, device), device).plan
+    args, kwargs, arrived = engine._arrive(tuple(example_args), dict(kwargs or {}), move=False)
+    return engine.plan(list(args), kwargs, world_size, lambda spec: runtime.planning_mesh(spec, device), device,
+                       arrived).plan

@@ -114,7 +114,7 @@ class MLP(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-def _two_stage_spmd():
+def _two_stage_spmd(explicit):
     torch.manual_seed(0)
     m0, m1 = MLP(), MLP()
     ref0, ref1 = MLP(), MLP()
@@ -127,9 +127,13 @@ def _two_stage_spmd():
     s1 = sf.shard(m1, in_strategy=(L1("mp", "None"),),
                   parameter_plan={"a.weight": L1("mp", "None"), "b.weight": L1("None", "mp")})
     for _ in range(2):  # a repeat call reuses every program and placeholder
-        z = s1(sf.reshard(s0(x), L1("mp", "None")))
+        h = s0(x)
+        # explicitly, or by the consuming call itself: an argument from other ranks is moved point-to-point
+        arg = sf.reshard(h, L1("mp", "None")) if explicit else h
+        z = s1(arg)
         loss = z.square().sum()
         loss.backward()
+    transfers = sf.explain(s1, arg).count("send_recv")
     for _ in range(2):
         ref_loss = ref1(ref0(x)).square().sum()
         ref_loss.backward()
@@ -139,11 +143,13 @@ def _two_stage_spmd():
                    for p, q in zip(model.parameters(), ref.parameters()))
     loss_ok = me < 2 or torch.allclose(loss, ref_loss, atol=1e-5)
     untouched = all(p.grad is None for p in (m1 if me < 2 else m0).parameters())  # outside: no gradients
-    return grads_ok, loss_ok, untouched
+    return grads_ok, loss_ok, untouched, transfers
 
 
-def test_shard_calls_on_sub_meshes_chain_forward_and_backward(gloo4):
-    assert gloo4.run(_two_stage_spmd) == [(True, True, True)] * 4
+@pytest.mark.parametrize("explicit", [True, False], ids=["sf.reshard", "moved by the call"])
+def test_shard_calls_on_sub_meshes_chain_forward_and_backward(gloo4, explicit):
+    # explain() of the second call lists the move of its argument from ranks 0, 1 (forward, gradient backward)
+    assert gloo4.run(_two_stage_spmd, explicit) == [(True, True, True, 0 if explicit else 2)] * 4
 
 
 def _sub_mesh_disagreement():
