@@ -110,7 +110,7 @@ class _Engine:
         ranks = self._ranks()
         return runtime.init(device=device).size() if ranks is None else len(ranks)
 
-    def _arrive(self, args, kwargs, move: bool):
+    def _arrive(self, args, kwargs, move: bool, world: int | None = None):
         """DTensor arguments that live on other ranks than the call's are moved onto its ranks first, by
         point-to-point sends (sf.reshard, with autograd), in the same placements where the two meshes have one
         shape (else replicated); the call then takes them as any DTensor input. Without ``move`` (explain) a
@@ -118,7 +118,7 @@ class _Engine:
         plan's send_recv records)."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         device = runtime.resolve_device(self.config.device)
-        ranks = self.config.ranks or tuple(range(runtime.init(device=device).size() if move else 0))
+        ranks = self.config.ranks or tuple(range(world or runtime.init(device=device).size()))
         arrived = []
         for i, t in enumerate(leaves):
             if not isinstance(t, DTensor) or not ranks or tuple(t.device_mesh.mesh.flatten().tolist()) == ranks:
@@ -392,13 +392,13 @@ def _placeholders(compiled: _Compiled, mesh) -> Callable:
     def make(j: int) -> torch.Tensor:
         v, placements = vals[j], plan.outputs[j]
         if plan.returns_dtensor[j]:
-            return DTensor.from_local(torch.empty(0, dtype=v.dtype), mesh, placements, run_check=False,
-                                      shape=v.shape, stride=v.stride())
+            return DTensor.from_local(torch.empty(0, dtype=v.dtype, device=runtime.mesh_device(mesh)), mesh,
+                                      placements, run_check=False, shape=v.shape, stride=v.stride())
         shape = tuple(v.shape)
         if shape and placements is not None:  # a batch-split output (data_parallel): this rank's slice's shape
             slices = math.prod(n for n, p in zip(mesh.shape, placements) if p == Shard(0))
             shape = (shape[0] // slices,) + shape[1:]
-        return torch.zeros((), dtype=v.dtype).expand(shape)
+        return torch.zeros((), dtype=v.dtype, device=runtime.mesh_device(mesh)).expand(shape)
 
     def run(*inputs):
         return list(_Outside.apply(make, len(vals), *inputs))
@@ -409,7 +409,7 @@ def _placeholders(compiled: _Compiled, mesh) -> Callable:
 class _Outside(torch.autograd.Function):
     @staticmethod
     def forward(ctx, make, n, *inputs):
-        ctx.specs = [(t.shape, t.dtype, getattr(t, "device_mesh", None), getattr(t, "placements", None))
+        ctx.specs = [(t.shape, t.dtype, getattr(t, "device_mesh", None), getattr(t, "placements", None), t.device)
                      for t in inputs]
         ctx.needs = [t.requires_grad and not isinstance(t, nn.Parameter) for t in inputs]  # params: no grad here
         return tuple(make(j) for j in range(n))
@@ -417,14 +417,14 @@ class _Outside(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         out = []
-        for (shape, dtype, mesh, placements), needs in zip(ctx.specs, ctx.needs):
+        for (shape, dtype, mesh, placements, device), needs in zip(ctx.specs, ctx.needs):
             if not needs:
                 out.append(None)
             elif mesh is not None:
-                out.append(DTensor.from_local(torch.empty(0, dtype=dtype), mesh, placements, run_check=False,
-                                              shape=shape, stride=_contiguous_stride(shape)))
+                out.append(DTensor.from_local(torch.empty(0, dtype=dtype, device=device), mesh, placements,
+                                              run_check=False, shape=shape, stride=_contiguous_stride(shape)))
             else:
-                out.append(torch.zeros((), dtype=dtype).expand(shape))
+                out.append(torch.zeros((), dtype=dtype, device=device).expand(shape))
         return (None, None, *out)
 
 
@@ -617,6 +617,6 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
         world_size = runtime.init(device=device).size()
     elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"explain: world_size must be a positive int, got {world_size!r}")
-    args, kwargs, arrived = engine._arrive(tuple(example_args), dict(kwargs or {}), move=False)
+    args, kwargs, arrived = engine._arrive(tuple(example_args), dict(kwargs or {}), move=False, world=world_size)
     return engine.plan(list(args), kwargs, world_size, lambda spec: runtime.planning_mesh(spec, device), device,
                        arrived).plan

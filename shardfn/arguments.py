@@ -146,7 +146,7 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
             dp = (world,) + (1,) * (leaf.dim() - 1)
             given = normalize_strategy(dp if s is None else s, None, world, arg, where)
             splits = math.prod(a.size for a in given.dims[0])
-            if any(given.dims[1:]) or given.partial or splits == 1:
+            if any(given.dims[1:]) or given.partial or (splits == 1 and world > 1):
                 raise ValueError(
                     f"{arg} = {s!r}: with dataset_strategy='data_parallel' each input arrives split on dim 0 only "
                     f"(this rank's batch slice); give the device axes that split dim 0 and no other dim (ranks "

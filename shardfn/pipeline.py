@@ -124,9 +124,20 @@ class Pipeline:
             if c.ranks != sets[i % len(sets)]:
                 raise ValueError(f"sf.pipeline: stage {i} runs on ranks {c.ranks} but stage i must run on rank set "
                                  f"i mod {len(sets)}: {sets[i % len(sets)]} (stages looped over the rank sets)")
-        if len({c.dataset_strategy for c in configs}) > 1:
-            raise ValueError("sf.pipeline: the stages' dataset_strategy differ; the batch flows from stage to stage "
-                             "as it is laid out, so give every stage the same one")
+        if len({c.dataset_strategy for c in configs}) > 1 or \
+                len({batch_slices(c, len(c.ranks)) for c in configs}) > 1:
+            raise ValueError("sf.pipeline: the stages lay the batch out differently (dataset_strategy, or the axes "
+                             "splitting it); it flows from rank k of one stage to rank k of the next as it is, so "
+                             "give every stage the same")
+        for i, c in enumerate(configs):
+            if c.out_strategy is not None:
+                raise ValueError(f"sf.pipeline: stage {i} has an out_strategy; stages hand plain tensors to the "
+                                 "next (rank k to rank k): leave out_strategy None")
+        for k in range(len(sets[0])):
+            position = [r[k] for r in sets]
+            if position != sorted(position):  # torch's schedule maps stage i to the i-th rank of the group
+                raise ValueError(f"sf.pipeline: rank {k} of each stage's set, {position}, must ascend from the first "
+                                 "stage to the last; list the stages' rank sets in ascending order")
         if schedule in _SINGLE and len(stages) != len(sets):
             raise ValueError(f"sf.pipeline: schedule {schedule!r} runs one stage per rank set, but {len(stages)} "
                              f"stages share {len(sets)} rank sets; use 'interleaved_1f1b' or 'zero_bubble'")
@@ -182,8 +193,11 @@ class Pipeline:
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"sf.pipeline.step: inputs split into {self.microbatches} equal micro-batches along "
                                  f"dim 0, but an input has shape {shape}; use a batch divisible by {self.microbatches}")
-        if last and target is None:
-            raise ValueError("sf.pipeline.step: target is required on the last stage's ranks")
+        if last and (not isinstance(target, torch.Tensor) or target.dim() == 0 or
+                     target.shape[0] % self.microbatches):
+            shape = tuple(target.shape) if isinstance(target, torch.Tensor) else type(target).__name__
+            raise ValueError(f"sf.pipeline.step: target is required on the last stage's ranks, a tensor whose dim 0 "
+                             f"splits into {self.microbatches} micro-batches like the inputs; got {shape}")
 
     def _everyone(self) -> tuple[int, ...]:
         return tuple(sorted(x for r in self.rank_sets for x in r))

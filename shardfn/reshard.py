@@ -6,8 +6,9 @@ source rank holds a whole target piece, the source ranks first all-gather the te
 backward sends each gradient piece back to the rank that sent it (one target rank per distinct piece: replicas
 hold equal gradients), and the source ranks sum what they received over the dims they replicate on.
 
-Every rank computes the same list of transfers from the two layouts alone, so all agree on who sends what, and
-ranks in neither mesh do nothing.
+Every rank computes the same list of transfers from the two layouts alone, so all agree on who sends what.
+Every rank of the world calls it (the target's process groups are made collectively the first time); ranks in
+neither mesh then do nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, length) per tensor 
 
 def reshard(tensor: DTensor, layout: TensorLayout) -> DTensor:
     """``tensor`` laid out as ``layout`` (whose ``ranks`` may name other ranks than the tensor's mesh), with
-    autograd: gradients flow back to where the tensor came from. Call it on every rank of both meshes."""
+    autograd: gradients flow back to where the tensor came from. Call it on every rank."""
     if not isinstance(tensor, DTensor):
         raise TypeError(f"sf.reshard: tensor must be a DTensor (a shard call with an out_strategy returns one), got "
                         f"{type(tensor).__name__}")
@@ -44,9 +45,14 @@ def reshard(tensor: DTensor, layout: TensorLayout) -> DTensor:
     target = runtime.device_mesh(mesh_spec, device, None if runtime.whole_world(ranks) else ranks)
     placements = to_placements(spec, mesh_spec)
     source = tensor.device_mesh
-    if any(p.is_partial() for p in tensor.placements):  # pending sums resolve on the source ranks first
-        tensor = tensor.redistribute(source, [Replicate() if p.is_partial() else p for p in tensor.placements])
+    if any(type(p) not in (Shard, Replicate) for p in tensor.placements):
+        # pending sums resolve, and other kinds of split (strided) gather, on the source ranks first
+        tensor = tensor.redistribute(source, [p if type(p) in (Shard, Replicate) else Replicate()
+                                              for p in tensor.placements])
     if source.mesh.tolist() == target.mesh.tolist():
+        if source != target:  # the same ranks in another mesh object (other dim names): relabel, no data moves
+            tensor = DTensor.from_local(tensor.to_local(), target, tensor.placements, run_check=False,
+                                        shape=tensor.shape, stride=tensor.stride())
         return tensor.redistribute(target, placements)
     return _CrossMesh.apply(tensor, target, tuple(placements))
 
@@ -110,12 +116,6 @@ def _contiguous(shape) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
-def _device(mesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
 class _CrossMesh(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor: DTensor, target, placements):
@@ -130,14 +130,14 @@ class _CrossMesh(torch.autograd.Function):
         for d, s, r in moves:
             if math.prod(r[1]) == 0:
                 if d == me:
-                    out = torch.empty(r[1], dtype=tensor.dtype, device=_device(target))
+                    out = torch.empty(r[1], dtype=tensor.dtype, device=runtime.mesh_device(target))
                 continue
             if s == me and d == me:
                 out = _piece(local, r, held[me]).clone()
             elif s == me:
                 sends.append((_piece(local, r, held[me]).contiguous(), d))
             elif d == me:
-                out = torch.empty(r[1], dtype=tensor.dtype, device=_device(target))
+                out = torch.empty(r[1], dtype=tensor.dtype, device=runtime.mesh_device(target))
                 recvs.append((out, s))
         _exchange(sends, recvs)
         if out is None:
@@ -150,7 +150,7 @@ class _CrossMesh(torch.autograd.Function):
         source, source_placements, target, placements, gathered, held, moves, dtype = ctx.save
         me, shape = dist.get_rank(), tuple(grad.shape)
         g = grad.redistribute(target, placements).to_local() if me in target.mesh.flatten().tolist() else None
-        buf = torch.zeros(held[me][1], dtype=dtype, device=_device(source)) if me in held else None
+        buf = torch.zeros(held[me][1], dtype=dtype, device=runtime.mesh_device(source)) if me in held else None
         sends, recvs, seen = [], [], set()
         for d, s, r in moves:
             if r in seen or math.prod(r[1]) == 0:  # one target rank per distinct piece sends its gradient

@@ -294,6 +294,13 @@ def call_control_group(ranks: tuple[int, ...] | None, device: str):
     return group_of(ranks)
 
 
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The torch device this rank's tensors on ``mesh`` live on (the current GPU on CUDA)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def world_mesh(device: str) -> DeviceMesh:
     world = dist.get_world_size()
     return _cached_mesh(device, (world,), ("world",))

@@ -176,3 +176,10 @@ def test_explain_module_does_not_shard_it():
     plan = sf.explain(block, torch.empty(8, 32, device="meta"), in_strategy=((4, 1),), world_size=4)
     assert not isinstance(block.dense1.weight, torch.distributed.tensor.DTensor)
     assert "dense1.weight" in str(plan)
+
+
+def test_data_parallel_in_a_world_of_one():
+    x = torch.randn(4, 3)
+    with simulated_world(1, local_tensors=False):
+        out = sf.shard(lambda t: t * 2, in_strategy=(None,), dataset_strategy="data_parallel")(x)
+    torch.testing.assert_close(out, x * 2)

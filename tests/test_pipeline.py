@@ -76,22 +76,24 @@ def test_pipeline_trains_like_the_unsharded_model(gloo4, schedule, mode):
     assert gloo4.run(_train, schedule, mode) == [(True, True, True)] * 4
 
 
-def _uneven_batch_on_one_rank():
+def _uneven_batch_on_one_rank(bad_rank):
     torch.manual_seed(0)
     pipe = sf.pipeline(_stages([MLP(), MLP()], "tensor parallel"), microbatches=4, loss_fn=F.mse_loss)
-    rows = 6 if dist.get_rank() == 0 else 16  # rank 0 (first stage) brings a batch 4 micro-batches cannot split
+    rows = 6 if dist.get_rank() == bad_rank else 16  # a batch (rank 0) or target (rank 3) 4 cannot split
     try:
-        pipe.step(torch.randn(rows, 8), target=torch.randn(16, 8))
+        pipe.step(torch.randn(rows, 8), target=torch.randn(rows, 8))
     except ValueError as e:
         return str(e)
     return "ran"
 
 
-def test_a_bad_step_on_one_rank_is_an_error_on_every_rank(gloo4):
-    out = gloo4.run(_uneven_batch_on_one_rank)
-    assert "use a batch divisible by 4" in out[0]
-    for message in out[1:]:  # the others learn of it before waiting on rank 0's activations
-        assert "could not prepare this call" in message and "rank 0: ValueError" in message
+@pytest.mark.parametrize("bad_rank, what", [(0, "use a batch divisible by 4"), (3, "target is required")])
+def test_a_bad_step_on_one_rank_is_an_error_on_every_rank(gloo4, bad_rank, what):
+    out = gloo4.run(_uneven_batch_on_one_rank, bad_rank)
+    assert what in out[bad_rank]
+    for rank, message in enumerate(out):  # the others learn of it before waiting on that rank
+        if rank != bad_rank:
+            assert "could not prepare this call" in message and f"rank {bad_rank}: ValueError" in message
 
 
 def test_pipeline_arguments_are_checked():
@@ -110,6 +112,15 @@ def test_pipeline_arguments_are_checked():
         overlapping = sf.shard(MLP(), in_strategy=(sf.Layout((2,), ("mp",), ranks=(1, 2))("None", "None"),))
         with pytest.raises(ValueError, match="disjoint and equally large"):
             sf.pipeline([stages[0], overlapping], 4, loss_fn=F.mse_loss)
+        with pytest.raises(ValueError, match="must ascend from the first stage to the last"):
+            sf.pipeline(stages[::-1], 4, loss_fn=F.mse_loss)
+        L = sf.Layout((2,), ("mp",), ranks=(2, 3))
+        with pytest.raises(ValueError, match="has an out_strategy"):
+            sf.pipeline([stages[0], sf.shard(MLP(), in_strategy=(None,), out_strategy=(L("None", "None"),))], 4,
+                        loss_fn=F.mse_loss)
+        with pytest.raises(ValueError, match="lay the batch out differently"):
+            sf.pipeline([stages[0], sf.shard(MLP(), in_strategy=(L("mp", "None"),), dataset_strategy="data_parallel")],
+                        4, loss_fn=F.mse_loss)
 
 
 def test_explain_gives_bubble_memory_and_transfers():

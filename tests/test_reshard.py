@@ -91,10 +91,10 @@ def test_reshard_across_meshes_moves_values_and_gradients(gloo4, name):
 
 
 def _same_mesh_is_redistribute():
-    layout = sf.Layout((4,), ("a",))
+    layout = sf.Layout((4,), ("mp",))  # the same ranks as the tensor's mesh (named "a"): relabelled, redistributed
     x = torch.arange(32.0).reshape(4, 8)
     t = distribute_tensor(x, _mesh(range(4), (4,), ("a",)), [Shard(0)], src_data_rank=None)
-    moved = sf.reshard(t, layout("None", "a"))
+    moved = sf.reshard(t, layout("None", "mp"))
     return tuple(moved.placements) == (Shard(1),) and torch.equal(moved.full_tensor(), x)
 
 
