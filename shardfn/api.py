@@ -64,14 +64,8 @@ class _Engine:
         self.name = getattr(target, "__qualname__", type(target).__name__)  # before a module's class is swapped
 
     def __call__(self, *args, **kwargs):
-        arrived = ()
-        if kwargs or not all(type(a) is torch.Tensor for a in args):
-            args, kwargs, arrived = self._arrive(args, kwargs, move=True)
-        key, tensors, objects = call_key(args, kwargs)
-        key += arrived
+        args, kwargs, arrived, key, tensors, objects = self._signature(args, kwargs, move=True)
         self._check_not_nested_or_transformed(tensors)
-        if self.module is not None:
-            key += (self.module.training,)
         group = dist.group.WORLD if dist.is_initialized() else None
         if group is not self.group:  # a new process group: programs made for the old one are void
             self.cache.clear()
@@ -87,6 +81,18 @@ class _Engine:
         return compiled.captured.result(outs, tensors, objects)
 
     # -- the steps ---------------------------------------------------------------------------------------------
+
+    def _signature(self, args, kwargs, move: bool, world: int | None = None):
+        """The call's arguments (those from other ranks moved, or stood in for), what moved, its cache key, its
+        tensors and its argument objects."""
+        arrived = ()
+        if kwargs or not all(type(a) is torch.Tensor for a in args):
+            args, kwargs, arrived = self._arrive(args, kwargs, move=move, world=world)
+        key, tensors, objects = call_key(args, kwargs)
+        key += arrived
+        if self.module is not None:
+            key += (self.module.training,)
+        return args, kwargs, arrived, key, tensors, objects
 
     def _check_not_nested_or_transformed(self, tensors: list[torch.Tensor]) -> None:
         if capturing():
@@ -617,6 +623,10 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
         world_size = runtime.init(device=device).size()
     elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"explain: world_size must be a positive int, got {world_size!r}")
-    args, kwargs, arrived = engine._arrive(tuple(example_args), dict(kwargs or {}), move=False, world=world_size)
+    args, kwargs, arrived, key, _, _ = engine._signature(tuple(example_args), dict(kwargs or {}), move=False,
+                                                         world=world_size)
+    cached = engine.cache.get(key)
+    if cached is not None and cached.plan.mesh.world_size == world_size:
+        return cached.plan  # this signature ran: its plan, with what running it found (compile times)
     return engine.plan(list(args), kwargs, world_size, lambda spec: runtime.planning_mesh(spec, device), device,
                        arrived).plan

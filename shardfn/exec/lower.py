@@ -281,6 +281,8 @@ class ParallelProgram:
                     boxed = _in_traced_strides(compile_fx_inner(gm, example_inputs), example_inputs)
                 self.compile_s[name] = time.perf_counter() - start
                 _log.info("shardfn: Inductor compiled the %s graph in %.1f s", name, self.compile_s[name])
+                self.plan.notes.append(f"Inductor compiled the {name} graph in {self.compile_s[name]:.1f} s "
+                                       "(first call of this signature)")
                 self.runners[name] = lambda *args: boxed(list(args))
                 return boxed
 

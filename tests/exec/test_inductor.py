@@ -73,8 +73,10 @@ def test_world_of_one_compiles_the_whole_graph(monkeypatch):
     with simulated_world(1, local_tensors=False):  # a process group of one, tensors as they are
         model = sf.shard(copy.deepcopy(reference), in_strategy=(None,))
         torch.testing.assert_close(model(x), reference(x))
+        plan = sf.explain(model, x)  # of the signature that ran: the plan that ran, with its compile times
     (compiled,) = model._shardfn_engine.cache.values()
     assert "forward" in compiled.program.compile_s  # Inductor's code ran, not the traced graph
+    assert plan is compiled.plan and any(n.startswith("Inductor compiled the forward graph in") for n in plan.notes)
 
 
 def test_the_setting_is_checked(monkeypatch):
