@@ -68,11 +68,10 @@ class Agreement:
     signature: int
     describe: dict[str, str] = field(default_factory=dict)  # field -> readable value (for messages)
     ranks: tuple[int, ...] | None = None  # the ranks the call runs on (None: the world)
-    device: str = "cpu"
 
     def check(self, first: bool, error: BaseException | None = None, values: int = 0) -> None:
         """Compare with every other rank (no-op in a world of one); raise on every rank if anything differs."""
-        group = _group(self.ranks, self.device)
+        group = _group(self.ranks)
         if group is None:
             if error is not None:
                 raise error
@@ -88,7 +87,7 @@ class Agreement:
 
     def check_program(self, graph: str, plan: str) -> None:
         """A first call, once all agree on the signature: the traced graph and the plan must agree too."""
-        group = _group(self.ranks, self.device)
+        group = _group(self.ranks)
         if group is None:
             return
         mine = [digest(graph), digest(plan)]
@@ -144,10 +143,10 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
-def _group(ranks: tuple[int, ...] | None, device: str):
+def _group(ranks: tuple[int, ...] | None):
     """The call's control group, or None where there is nothing to agree on (a world of one, a simulated world,
     a call on one rank)."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or runtime.is_simulated() or \
             (ranks is not None and len(ranks) == 1):
         return None
-    return runtime.call_control_group(ranks, device)
+    return runtime.call_control_group(ranks)

@@ -29,7 +29,7 @@ from .config import ShardConfig
 from .exec.lower import ParallelProgram, lower
 from .layout import Axis, Layout, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, \
     spec_of_dtensor, to_placements
-from .reshard import reshard
+from .reshard import outside_placeholder, reshard
 from .strategy_search import InputRequest, OutputRequest, Plan, PlanRequest, make_plan, profile_for
 from .strategy_search.plan import Collective
 
@@ -143,7 +143,7 @@ class _Engine:
         world = self._world(device)
         self.group = dist.group.WORLD
         agreement = Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs),
-                              ranks=self._ranks(), device=device)
+                              ranks=self._ranks())
         compiled, error = None, None
         try:  # local work only: a rank that fails here still takes part in the agreement below
             compiled = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
@@ -398,8 +398,7 @@ def _placeholders(compiled: _Compiled, mesh) -> Callable:
     def make(j: int) -> torch.Tensor:
         v, placements = vals[j], plan.outputs[j]
         if plan.returns_dtensor[j]:
-            return DTensor.from_local(torch.empty(0, dtype=v.dtype, device=runtime.mesh_device(mesh)), mesh,
-                                      placements, run_check=False, shape=v.shape, stride=v.stride())
+            return outside_placeholder(v.shape, v.dtype, mesh, placements)
         shape = tuple(v.shape)
         if shape and placements is not None:  # a batch-split output (data_parallel): this rank's slice's shape
             slices = math.prod(n for n, p in zip(mesh.shape, placements) if p == Shard(0))
@@ -427,19 +426,10 @@ class _Outside(torch.autograd.Function):
             if not needs:
                 out.append(None)
             elif mesh is not None:
-                out.append(DTensor.from_local(torch.empty(0, dtype=dtype, device=device), mesh, placements,
-                                              run_check=False, shape=shape, stride=_contiguous_stride(shape)))
+                out.append(outside_placeholder(shape, dtype, mesh, placements))
             else:
                 out.append(torch.zeros((), dtype=dtype, device=device).expand(shape))
         return (None, None, *out)
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(tuple(shape)):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
 
 
 def _short(a: Any) -> str:

@@ -175,7 +175,7 @@ class Pipeline:
         everyone = self._everyone()
         Agreement("sf.pipeline.step", digest(f"{self.schedule}|{self.microbatches}|{len(self.stages)}"),
                   {"schedule": self.schedule, "stages": str(len(self.stages))},
-                  ranks=None if runtime.whole_world(everyone) else everyone, device=self._device()).check(
+                  ranks=None if runtime.whole_world(everyone) else everyone).check(
             first=self._runner is None, error=error)
         schedule = self._schedule(mine)
         losses: list = []

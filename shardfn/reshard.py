@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from . import runtime
 from .layout import TensorLayout, common_mesh, normalize_strategy, to_placements
 
-__all__ = ["reshard", "transfers"]
+__all__ = ["outside_placeholder", "reshard", "transfers"]
 
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, length) per tensor dim
 
@@ -106,10 +106,11 @@ def _exchange(sends: list, recvs: list) -> None:
             work.wait()
 
 
-def _empty_like_spec(shape, dtype, mesh, placements) -> DTensor:
-    """A DTensor on ``mesh`` that holds nothing on this rank (which is outside ``mesh``)."""
-    return DTensor.from_local(torch.empty(0, dtype=dtype), mesh, placements, run_check=False,
-                              shape=torch.Size(shape), stride=_contiguous(shape))
+def outside_placeholder(shape, dtype, mesh, placements) -> DTensor:
+    """A DTensor of global ``shape`` on ``mesh`` that holds nothing on this rank (one outside ``mesh``: torch's
+    convention for such ranks)."""
+    return DTensor.from_local(torch.empty(0, dtype=dtype, device=runtime.mesh_device(mesh)), mesh, placements,
+                              run_check=False, shape=torch.Size(shape), stride=_contiguous(shape))
 
 
 def _contiguous(shape) -> tuple[int, ...]:
@@ -141,7 +142,7 @@ class _CrossMesh(torch.autograd.Function):
                 recvs.append((out, s))
         _exchange(sends, recvs)
         if out is None:
-            return _empty_like_spec(shape, tensor.dtype, target, placements)
+            return outside_placeholder(shape, tensor.dtype, target, placements)
         return DTensor.from_local(out, target, placements, run_check=False, shape=torch.Size(shape),
                                   stride=_contiguous(shape))
 
@@ -168,7 +169,7 @@ class _CrossMesh(torch.autograd.Function):
         pending = [Partial()] * source.ndim if gathered else \
             [Partial() if p.is_replicate() else p for p in source_placements]
         if buf is None:
-            return _empty_like_spec(shape, dtype, source, source_placements), None, None
+            return outside_placeholder(shape, dtype, source, source_placements), None, None
         summed = DTensor.from_local(buf, source, pending, run_check=False, shape=torch.Size(shape),
                                     stride=_contiguous(shape))
         return summed.redistribute(source, source_placements), None, None

@@ -286,7 +286,7 @@ def group_of(ranks: tuple[int, ...]):
     return group
 
 
-def call_control_group(ranks: tuple[int, ...] | None, device: str):
+def call_control_group(ranks: tuple[int, ...] | None):
     """The group on which the ranks of a call agree on it: the world's control group, or the sub-mesh's group
     (None in a world of one and in a simulated world)."""
     if whole_world(ranks) or control_group() is None:
