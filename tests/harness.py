@@ -12,7 +12,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import sys
+import time
 import traceback
+import warnings
+from multiprocessing.connection import wait
 from typing import Any, Callable
 
 import torch
@@ -57,6 +61,10 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
     dist.destroy_process_group()
 
 
+class _Crashed(RuntimeError):
+    """A rank was killed by a signal."""
+
+
 class RankPool:
     """``world`` real gloo ranks, started once; ``run(fn, *args)`` calls ``fn(*args)`` on all of them. A pool
     whose rank died (a failed test) is started afresh for the next test."""
@@ -77,22 +85,46 @@ class RankPool:
             self.procs.append(p)
 
     def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        try:
+            return self._run(fn, *args)
+        except _Crashed as crash:
+            # A rank killed by a signal (an intermittent SIGSEGV / heap corruption inside torch's C++ ops, seen in
+            # about one CI run in four, never reproduced on demand): said loudly, and the body runs once more on
+            # fresh ranks, where it must pass in full. A second crash, a wrong result or an error fails the test.
+            warnings.warn(f"{crash}; running {fn.__name__} again on fresh ranks", RuntimeWarning, stacklevel=2)
+            print(f"harness: {crash}; running {fn.__name__} again on fresh ranks", file=sys.stderr, flush=True)
+            return self._run(fn, *args)
+
+    def _run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         if not all(p.is_alive() for p in self.procs):
             self.close()
             self._start()
         for c in self.conns:
             c.send((fn, args))
-        results = []
-        for rank, c in enumerate(self.conns):
-            if not c.poll(self.timeout_s):
+        results: list[Any] = [None] * self.world
+        pending = dict(enumerate(self.conns))
+        deadline = time.monotonic() + self.timeout_s
+        while pending:  # every rank's answer, or at once the first rank that dies (the others may wait for it)
+            left = deadline - time.monotonic()
+            ready = wait([*pending.values(), *(self.procs[r].sentinel for r in pending)], max(left, 0))
+            if not ready:
                 self.close()
-                raise TimeoutError(f"rank {rank} did not answer within {self.timeout_s} s")
-            try:
-                results.append(c.recv())
-            except EOFError:
-                self.procs[rank].join(timeout=10)
-                raise RuntimeError(f"rank {rank} died (exit code {self.procs[rank].exitcode}) running "
-                                   f"{fn.__name__}{args}; its stack is above, on stderr") from None
+                raise TimeoutError(f"ranks {sorted(pending)} did not answer within {self.timeout_s} s")
+            for rank, c in list(pending.items()):
+                try:
+                    if c.poll():
+                        results[rank] = c.recv()
+                        del pending[rank]
+                        continue
+                except EOFError:
+                    pass
+                if not self.procs[rank].is_alive():
+                    self.procs[rank].join(timeout=10)
+                    code = self.procs[rank].exitcode
+                    self.close()
+                    died = RuntimeError if code is None or code >= 0 else _Crashed
+                    raise died(f"rank {rank} died (exit code {code}) running {fn.__name__}{args}; its stack is "
+                               "above, on stderr")
         for rank, (status, value) in enumerate(results):
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
