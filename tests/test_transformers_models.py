@@ -12,6 +12,12 @@ from tests.transformers_models import MODELS, MODES, train_and_compare
 
 WORLD = 4
 CASES = [(m, mode) for m in MODELS for mode in MODES if not (m == "resnet" and mode in ("tp", "layer"))]
+# Real ranks run every case (the traced per-rank graphs, what users run). Simulated ranks interpret the plan over
+# DTensors instead: one mode per model there, every mode at least once, keeps that path covered in a third of the
+# time (the suite runs on 2 cores).
+SIMULATED = [("llama", "tp"), ("qwen2", "layer"), ("gpt2", "search"), ("bert", "dp"), ("vit", "layer"),
+             ("resnet", "search")]
+assert set(SIMULATED) <= set(CASES) and {mode for _, mode in SIMULATED} == set(MODES)
 
 
 def _simulated_slice(t):
@@ -19,7 +25,7 @@ def _simulated_slice(t):
     return local_tensor_mode().rank_map(lambda r: on_rank(t, r)[per * r: per * (r + 1)].clone())
 
 
-@pytest.mark.parametrize("name, mode", CASES)
+@pytest.mark.parametrize("name, mode", SIMULATED)
 def test_trains_like_unsharded_on_simulated_ranks(name, mode):
     with simulated_world(WORLD):
         train_and_compare(name, mode, WORLD, _simulated_slice, ranks=WORLD)
