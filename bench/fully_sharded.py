@@ -1,21 +1,30 @@
 """Fully sharded data parallelism: shardfn at level 1 against FSDP2's fully_shard, side by side in one run.
 
-    python bench/fully_sharded.py [--world 2] [--layers 4] [--dim 256] [--steps 10]
+    python bench/fully_sharded.py [--world 2] [--layers 4] [--dim 1024] [--steps 6]
 
 A stack of GPT blocks (tests.models.GPTBlock), each rank a slice of the batch, AdamW: shardfn with
-dataset_strategy="data_parallel" at level=1 (the search minimises per-rank memory, so it may split more than
-FSDP does, at a cost in time), shardfn with FSDP's layout asked for (every parameter split on dim 0, the rest
-searched at level 2), and torch's FSDP2 (fully_shard on every block and the root). Each
-runs in its own fresh gloo ranks. Memory per rank: the largest resident set sampled after each timed step's
-forward, backward and optimizer step (activations, gradients, optimizer states held), above what the process
-held before building the model; it includes what shardfn's first call (capture, planning, tracing) left in the
-Python heap. Printed: median step time and memory per rank of each, their ratios (shardfn / FSDP2), after
-checking that both trained to the same losses.
+dataset_strategy="data_parallel" at level=1 (the search minimises per-rank memory; parameters are gathered
+again in backward, as FSDP does), shardfn with FSDP's layout asked for (every parameter split on dim 0, the rest
+searched at level 2, parameters kept whole from forward to backward), and torch's FSDP2 (fully_shard on every
+block and the root). Each runs twice in its own fresh gloo ranks:
+
+- timing: the median step (forward, backward, optimizer) after two warm-up steps (shardfn plans in the first);
+- memory, per rank, two measures: the peak of tensor bytes alive during one step (parameters, gradients,
+  optimizer states, activations, collective buffers: every storage an op makes, freed when its last tensor
+  goes; what torch.cuda.max_memory_allocated reports on a GPU), and the peak anonymous resident memory
+  (RssAnon, sampled after forward, backward and the optimizer) above the process before the model was built:
+  everything, shardfn's compiler state and imports included. glibc's malloc is told to return blocks of 64 KiB
+  and more at once (MALLOC_MMAP_THRESHOLD_): with its default, blocks up to 32 MiB stay in its heap when freed,
+  and the resident set shows the allocator's high-water mark rather than what is held.
+
+Printed: median step and both memory measures for each, and the ratios against FSDP2, after checking that all
+trained to the same losses.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import os
 import statistics
@@ -28,17 +37,57 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+import torch.utils._pytree as pytree  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from tests.harness import free_port  # noqa: E402
 from tests.models import GPTStack  # noqa: E402
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+def _rss_anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
 
 
-def worker(rank, args, port, which, results):
+class _TensorPeak(TorchDispatchMode):
+    """The peak of storage bytes alive: the ``held`` tensors, then every storage an op makes until it is freed."""
+
+    def __init__(self, held):
+        super().__init__()
+        self.alive = {}
+        for t in held:
+            self._add(t)
+        self.peak = self._total()
+
+    def _add(self, t):
+        if type(t) is not torch.Tensor or t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key and (key not in self.alive or self.alive[key].expired()):
+            self.alive[key] = StorageWeakRef(storage)
+
+    def _total(self):
+        # a storage's size now: FSDP2 frees a whole parameter by resizing its storage to nothing, and back
+        self.alive = {k: ref for k, ref in self.alive.items() if not ref.expired()}
+        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() for ref in self.alive.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._add(t)
+        self.peak = max(self.peak, self._total())
+        return out
+
+
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def worker(rank, args, port, which, measure, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import shardfn as sf
@@ -46,7 +95,7 @@ def worker(rank, args, port, which, results):
     sf.init()
     torch.manual_seed(0)
     x = torch.randn(args.batch * args.world, args.seq, args.dim)[args.batch * rank: args.batch * (rank + 1)]
-    before = _rss_mib()
+    before = _rss_anon_mib()
     model = GPTStack(args.layers, args.dim, args.heads)
     if which == "FSDP2":
         from torch.distributed.fsdp import fully_shard
@@ -60,23 +109,30 @@ def worker(rank, args, port, which, results):
         plan = {n: (args.world,) + (1,) * (p.dim() - 1) for n, p in model.named_parameters()}
         model = sf.shard(model, in_strategy=(None,), dataset_strategy="data_parallel", parameter_plan=plan, level=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    times, losses, held = [], [], []
-    for step in range(args.steps + 2):  # two warm-up steps (shardfn plans and traces in the first)
+    steps = args.steps + 2 if measure == "time" else 3
+    times, losses, held, tensor_peak = [], [], [], 0
+    for step in range(steps):  # two warm-up steps (shardfn plans and traces in the first)
         timed = step >= 2
+        tracker = contextlib.nullcontext()
+        if measure == "memory" and timed:  # the last step, under the tracker (slow: not timed)
+            state = [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            tracker = _TensorPeak([_local(p) for p in model.parameters()] + state)
         dist.barrier()
         start = time.perf_counter()
-        loss = model(x).square().mean()
-        sampled = [_rss_mib()] if timed else []  # sampling costs microseconds
-        loss.backward()
-        sampled += [_rss_mib()] if timed else []
-        opt.step()
-        sampled += [_rss_mib()] if timed else []
-        opt.zero_grad(set_to_none=True)
+        with tracker:
+            loss = model(x).square().mean()
+            sampled = [_rss_anon_mib()] if timed else []  # sampling costs microseconds
+            loss.backward()
+            sampled += [_rss_anon_mib()] if timed else []
+            opt.step()
+            sampled += [_rss_anon_mib()] if timed else []
+            opt.zero_grad(set_to_none=True)
         if timed:
             times.append(time.perf_counter() - start)
             held += sampled
+            tensor_peak = getattr(tracker, "peak", 0) / 2**20
         losses.append(float(loss.detach()))
-    results[(which, rank)] = (statistics.median(times), max(held) - before, losses)
+    results[(which, measure, rank)] = (statistics.median(times), max(held) - before, tensor_peak, losses)
     dist.barrier()
 
 
@@ -84,30 +140,34 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=6)
     args = p.parse_args()
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
     kinds = ("shardfn level 1", "shardfn FSDP plan", "FSDP2")
-    for which in kinds:
-        mp.start_processes(worker, args=(args, free_port(), which, results), nprocs=args.world, join=True,
-                           start_method="spawn")
-    ms = {w: statistics.median(results[(w, r)][0] for r in range(args.world)) * 1e3 for w in kinds}
-    mib = {w: max(results[(w, r)][1] for r in range(args.world)) for w in ms}
-    for r, w in itertools.product(range(args.world), kinds):  # each rank's losses (its slice's mean), per step
-        a, b = results[(w, r)][2], results[("FSDP2", r)][2]
+    for measure in ("time", "memory"):
+        if measure == "memory":  # read by glibc as each rank starts (see the docstring)
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+        for which in kinds:
+            mp.start_processes(worker, args=(args, free_port(), which, measure, results), nprocs=args.world,
+                               join=True, start_method="spawn")
+    ms = {w: statistics.median(results[(w, "time", r)][0] for r in range(args.world)) * 1e3 for w in kinds}
+    rss = {w: max(results[(w, "memory", r)][1] for r in range(args.world)) for w in kinds}
+    tensors = {w: max(results[(w, "memory", r)][2] for r in range(args.world)) for w in kinds}
+    for r, w, m in itertools.product(range(args.world), kinds, ("time", "memory")):  # each rank's slice's mean
+        a, b = results[(w, m, r)][3], results[("FSDP2", "time", r)][3]
         assert all(abs(u - v) <= 1e-4 * max(1.0, abs(v)) for u, v in zip(a, b)), (w, r, a, b)
     print(f"{args.layers} GPT blocks, dim {args.dim}, {args.world} gloo ranks, batch {args.batch} x {args.seq} "
-          f"per rank, AdamW; same losses for {args.steps + 2} steps")
-    for w in ms:
-        print(f"  {w:<16} step {ms[w]:8.1f} ms   memory per rank {mib[w]:7.1f} MiB")
+          f"per rank, AdamW; the same losses for every step")
+    for w in kinds:
+        print(f"  {w:<17} step {ms[w]:8.1f} ms   tensor peak {tensors[w]:7.1f} MiB   RssAnon peak {rss[w]:7.1f} MiB")
     for w in kinds[:2]:
-        print(f"  ratio {w} / FSDP2: step {ms[w] / ms['FSDP2']:.3f}, memory {mib[w] / mib['FSDP2']:.3f}")
-
+        print(f"  ratio {w} / FSDP2: step {ms[w] / ms['FSDP2']:.3f}, tensor peak {tensors[w] / tensors['FSDP2']:.3f}"
+              f", RssAnon peak {rss[w] / rss['FSDP2']:.3f}")
 
 if __name__ == "__main__":
     main()

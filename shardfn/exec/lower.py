@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..capture.graph import CapturedGraph
 from ._dtensor_internals import layout_of, local_as, local_of
 from ..strategy_search.plan import Plan
-from .passes import simplify
+from .passes import regather_in_backward, simplify
 from .run import LocalsOf, global_stride
 
 __all__ = ["ParallelProgram", "lower"]
@@ -296,8 +296,13 @@ class ParallelProgram:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
+        partition = min_cut_rematerialization_partition
+        if self.plan.reshard_after_forward:
+            def partition(joint, joint_inputs, **kwargs):
+                return min_cut_rematerialization_partition(regather_in_backward(joint, self._n_params),
+                                                           joint_inputs, **kwargs)
         return aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            inference_compiler=keep("forward"), partition_fn=min_cut_rematerialization_partition,
+                            inference_compiler=keep("forward"), partition_fn=partition,
                             decompositions=decompositions)
 
     def parameter_locals(self, params) -> list[torch.Tensor]:

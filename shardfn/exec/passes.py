@@ -27,7 +27,7 @@ import torch.fx
 from ..capture.graph import is_in_place
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
 
-__all__ = ["simplify"]
+__all__ = ["regather_in_backward", "simplify"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -164,6 +164,33 @@ def _overlap(graph: torch.fx.Graph) -> None:
         first = min(node.users, key=lambda u: order[u])
         if node.next is not first:
             first.prepend(node)
+    _prefetch_one_ahead(graph)
+
+
+def _of_an_input(node: torch.fx.Node) -> bool:
+    """Does collective ``node`` move a graph input (through ops on it alone: views, copies, casts)?"""
+    arg = node.args[0]
+    while isinstance(arg, torch.fx.Node) and arg.op == "call_function" and len(arg.all_input_nodes) == 1:
+        arg = arg.all_input_nodes[0]
+    return isinstance(arg, torch.fx.Node) and arg.op == "placeholder"
+
+
+def _prefetch_one_ahead(graph: torch.fx.Graph) -> None:
+    """Collectives of graph inputs (a split parameter's all-gather) could all start at the top of the graph, and
+    every whole result would then be held from there to its reader: all the whole parameters at once. Each
+    starts instead just before the previous one's wait, as FSDP prefetches: one in flight while the previous
+    result is read, so communication still overlaps compute and at most two whole results are held early."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    waited = []
+    for node in graph.nodes:
+        if _is_collective(node) and _of_an_input(node) and len(node.users) == 1:
+            (wait,) = node.users
+            if wait.target is _c10d.wait_tensor.default and wait.users:
+                waited.append((node, wait))
+    waited.sort(key=lambda cw: order[cw[1]])
+    for (_, previous_wait), (node, wait) in zip(waited, waited[1:]):
+        if order[node] < order[previous_wait] < order[wait]:
+            previous_wait.prepend(node)
 
 
 def _reduced_for_output(node: torch.fx.Node, out: torch.fx.Node) -> torch.fx.Node | None:
@@ -245,3 +272,22 @@ def simplify(gm: torch.fx.GraphModule, in_place: bool = True) -> torch.fx.GraphM
     graph.lint()
     gm.recompile()
     return gm
+
+
+def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx.GraphModule:
+    """Tag the joint forward/backward graph so that AOTAutograd's partitioner recomputes every gathered parameter
+    in backward instead of saving it: every op computed from the parameters alone (the first ``n_params``
+    primals): the contiguous copy a gather reads, the all-gather and its wait, the concatenation of a split dim,
+    transposes, casts. Backward then gathers them again from the shards, which it holds anyway (FSDP's
+    reshard_after_forward); the forward frees each whole parameter after its last reader, and saves no copy of
+    a shard either."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    from_params = set(primals[:n_params])
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and all(a in from_params for a in
+                                                                       node.all_input_nodes):
+            from_params.add(node)
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return joint

@@ -119,6 +119,9 @@ class CommOp:
     kind: str
     mesh_dim: int
     nbytes: int
+    # bytes the collective also copies locally: gathering or scattering a dim other than the first interleaves
+    # the ranks' pieces (a chunk and a cat of the whole operand) around a collective that runs on dim 0
+    copied: int = 0
 
 
 def collective_seconds(op: CommOp, mesh_shape: Sequence[int], profile: DeviceProfile) -> float:
@@ -129,6 +132,7 @@ def collective_seconds(op: CommOp, mesh_shape: Sequence[int], profile: DevicePro
     for kind, alpha, beta in profile.per_kind:
         if kind == op.kind:
             a, b, c = alpha, beta, 0.0
+    c += 2 * op.copied / profile.mem_bytes_per_s  # read and write
     if op.kind == "all_reduce":
         return c + 2 * (n - 1) * a + 2 * (n - 1) / n * B * b
     if op.kind in ("all_gather", "reduce_scatter"):
@@ -166,9 +170,9 @@ def redistribute_collectives(
     def nbytes(placements) -> int:
         return local_numel(shape, placements, mesh_shape) * itemsize
 
-    def step(d: int, new: Placement, kind: str | None, size_from) -> None:
+    def step(d: int, new: Placement, kind: str | None, size_from, split: Placement) -> None:
         if kind is not None and mesh_shape[d] > 1:
-            ops.append(CommOp(kind, d, size_from))
+            ops.append(CommOp(kind, d, size_from, size_from if split.dim != 0 else 0))
         cur[d] = new
 
     order = sorted(range(len(cur)), key=lambda d: (not cur[d].is_partial(), not isinstance(cur[d], Shard)))
@@ -178,16 +182,16 @@ def redistribute_collectives(
             continue
         if s.is_partial():
             if isinstance(t, Shard):
-                step(d, t, "reduce_scatter", nbytes(cur))
+                step(d, t, "reduce_scatter", nbytes(cur), t)
             else:  # to Replicate
-                step(d, Replicate(), "all_reduce", nbytes(cur))
+                step(d, Replicate(), "all_reduce", nbytes(cur), Shard(0))
         elif isinstance(s, Shard):
             if isinstance(t, Shard):
-                step(d, t, "all_to_all", nbytes(cur))
+                step(d, t, "all_to_all", nbytes(cur), Shard(0))
             else:
                 gathered = cur.copy()
                 gathered[d] = Replicate()
-                step(d, Replicate(), "all_gather", nbytes(gathered))
+                step(d, Replicate(), "all_gather", nbytes(gathered), s)
     for d in range(len(cur)):
         if cur[d] != dst[d]:  # Replicate -> Shard / Partial: local
             cur[d] = dst[d]

@@ -80,6 +80,9 @@ class Plan:
     ``nodes`` maps each fx node name (placeholders and ops) to its NodePlan; ``inputs`` says how each graph input
     arrives and is laid out; ``outputs`` gives the placements the results are returned in, ``returns_dtensor``
     whether each comes back as a DTensor. ``collectives`` lists forward and backward collectives in program order.
+    ``reshard_after_forward``: the program frees each parameter's gathered copy after forward and gathers it again
+    for backward (the backward all-gathers are in ``collectives``), as FSDP does, trading one all-gather per
+    parameter for the memory of the whole parameters.
     """
 
     mesh: MeshSpec
@@ -92,6 +95,8 @@ class Plan:
     cost: Cost
     optimal: bool = True
     notes: list[str] = field(default_factory=list)
+    # parameters gathered in forward are gathered again in backward, not kept whole in between (level 1)
+    reshard_after_forward: bool = False
 
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
         return sum((kind is None or c.kind == kind) and (phase is None or c.phase == phase) for c in self.collectives)
@@ -102,7 +107,8 @@ class Plan:
             f"shardfn plan  mesh [{mesh}]  level {self.level}  "
             f"compute {self.cost.compute_s * 1e3:.3f} ms  comm {self.cost.comm_s * 1e3:.3f} ms  "
             f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank"
-            + ("" if self.optimal else "  (time limit: best found)"),
+            + ("" if self.optimal else "  (time limit: best found)")
+            + ("  parameters gathered again in backward" if self.reshard_after_forward else ""),
             f"{'node':<28} {'op':<36} {'inputs':<40} outputs",
         ]
         for n in self.nodes.values():
@@ -149,6 +155,7 @@ class Plan:
                 "cost": asdict(self.cost),
                 "optimal": self.optimal,
                 "notes": self.notes,
+                "reshard_after_forward": self.reshard_after_forward,
             },
             default=str,
         )

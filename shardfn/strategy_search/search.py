@@ -275,7 +275,14 @@ def make_plan(
         if d.node is not None:
             op = "input" if d.node.op == "placeholder" else str(d.node.target)
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs)
-    fwd_colls, bwd_colls = [], []
+    fwd_colls, bwd_colls, regathers, regather_s = [], [], [], 0.0
+    # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy from
+    # forward to backward (FSDP's reshard_after_forward): one more all-gather per gathered parameter
+    reshard = level == 1 and request.grad
+    from_params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
+    for node in captured.gm.graph.nodes:  # what backward computes again from the shards: ops on parameters alone
+        if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= from_params:
+            from_params.add(node)
     # reductions of a gradient handed straight back: (position in bwd_colls, (mesh dim, dtype), input number)
     gradients = []
     placeholders = [n for n in captured.gm.graph.nodes if n.op == "placeholder"]
@@ -287,6 +294,11 @@ def make_plan(
                                       chosen[u].accumulate)
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
             fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
+            if reshard and value_node in from_params and _read_in_backward(d, slot, needs_grad):
+                again = [o for o in fwd if o.kind == "all_gather"]
+                regathers += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where + " (again)")
+                              for o in again]
+                regather_s += sum(cm.collective_seconds(o, mesh_shape, profile) for o in again)
             handed_back = _gradient_handed_back(value_node)
             if handed_back is not None:
                 gradients += [(len(bwd_colls) + k, (o.mesh_dim, val.dtype), placeholders.index(handed_back))
@@ -300,7 +312,8 @@ def make_plan(
         fwd_colls = [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, what) for o in fwd] + fwd_colls
         bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, what) for o in bwd]
     compute_s = terms.compute_of(solution.choice)
-    comm_s = terms.comm_of(solution.choice)
+    comm_s = terms.comm_of(solution.choice) + regather_s
+    bwd_colls += regathers
     peak = _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable)
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     notes += why
@@ -319,7 +332,21 @@ def make_plan(
         cost=Cost(compute_s, comm_s, peak, terms.savings_of(solution.choice)),
         optimal=solution.optimal,
         notes=notes,
+        reshard_after_forward=bool(regathers),
     )
+
+
+# inputs an op's backward does not read: terms it only adds (a bias, either side of a sum)
+_ADDED = {aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.addmm.default: (0,), aten.baddbmm.default: (0,),
+          aten.addbmm.default: (0,)}
+
+
+def _read_in_backward(d: _Decision, slot: int, needs_grad: set) -> bool:
+    """Does the backward of ``d``'s op read its input ``slot``? Where another input needs a gradient (a weight
+    is read for its input's gradient), unless the op only adds that input."""
+    if d.node is None or slot in _ADDED.get(d.node.target, ()):
+        return False
+    return any(v in needs_grad for k, (_, _, v) in enumerate(d.sources) if k != slot)
 
 
 def _why_gathered(captured, request, decisions, terms, solution, profile, time_limit_s) -> list[str]:

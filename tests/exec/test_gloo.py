@@ -221,3 +221,42 @@ def _in_place_body(strategy):
 def test_in_place_updates_in_another_layout_are_written_back_on_real_ranks(gloo4):
     for strategy in [(4, 1), None]:
         assert gloo4.run(_in_place_body, strategy) == [True] * 4
+
+
+def _regather_body():
+    from tests.exec.test_modules import _train
+
+    torch.manual_seed(0)
+    reference = GPTBlock(dim=16, heads=4)
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel", level=1)
+    x = torch.randn(4, 8, 16)
+    batch = x[dist.get_rank():dist.get_rank() + 1]
+    plan = sf.explain(model, batch)
+    losses = _train(model, batch, 3)
+    # every rank's loss is its slice's mean: the reference trains on the whole batch, whose loss is their mean
+    whole = _train(reference, x, 3)
+    for loss, ref in zip(losses, whole):
+        mean = torch.tensor(float(loss))
+        dist.all_reduce(mean)
+        torch.testing.assert_close(mean / 4, ref, rtol=1e-5, atol=2e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    (compiled,) = model._shardfn_engine.cache.values()
+    graphs = compiled.program.graphs
+
+    def gathers(name):
+        return sum(str(n.target).startswith("_c10d_functional.all_gather") for n in graphs[name].graph.nodes)
+
+    fw_out = next(n for n in graphs["forward"].graph.nodes if n.op == "output").args[0]
+    params = {tuple(p.shape) for p in model.parameters() if p.dim() == 2 and p.to_local().shape != p.shape}
+    saved_whole = [n.name for n in fw_out[len(compiled.program.out_vals):]
+                   if n.op != "placeholder" and tuple(n.meta["val"].shape) in params | {s[::-1] for s in params}]
+    return (plan.reshard_after_forward, plan.count("all_gather", "backward"), gathers("backward"),
+            plan.count("all_gather", "forward"), gathers("forward"), saved_whole)
+
+
+def test_level_1_gathers_parameters_again_in_backward_and_trains_like_eager(gloo4):
+    # FSDP's memory: no whole parameter is saved from forward to backward; backward gathers the ones it reads
+    for reshard, planned_bw, traced_bw, planned_fw, traced_fw, saved_whole in gloo4.run(_regather_body):
+        assert reshard and planned_fw == traced_fw > 0 and 0 < traced_bw == planned_bw < traced_fw
+        assert saved_whole == [], saved_whole

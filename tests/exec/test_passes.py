@@ -4,10 +4,12 @@ import operator
 
 
 import torch
+import torch.distributed as dist
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from shardfn.exec.passes import simplify
+from shardfn.runtime import simulated_world
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -209,3 +211,64 @@ def _identity_collectives(g):
         if n.op == "call_function" and ("all_reduce" in str(n.target) or n.target is c10d.wait_tensor.default):
             n.target, n.args = aten.alias.default, n.args[:1]
     return g
+
+
+def test_gathers_of_inputs_start_one_ahead_of_their_readers():
+    # a split parameter's all-gather reads a graph input and could start at the top of the graph; then every whole
+    # parameter would be held from there. Each starts just before the previous one's wait instead.
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    shards = []
+    for k in range(3):
+        shards.append(g.placeholder(f"w{k}"))
+        shards[-1].meta["val"] = torch.empty(2, 4)
+    h, gathers, waits = x, [], []
+    for w in shards:
+        gathered = _node(g, c10d.all_gather_into_tensor.default, (w, 2, "0"), torch.empty(4, 4))
+        waited = _node(g, c10d.wait_tensor.default, (gathered,), torch.empty(4, 4))
+        h = _node(g, aten.mm.default, (h, waited), torch.empty(4, 4))
+        gathers.append(gathered)
+        waits.append(waited)
+    g.output((h,))
+    simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    pos = list(g.nodes).index
+    assert pos(gathers[0]) < pos(gathers[1]) < pos(waits[0])  # the next is in flight while the first is read
+    assert pos(waits[0]) < pos(gathers[2]) < pos(waits[1])  # not before: two whole results at most
+    assert pos(gathers[2]) < pos(waits[1]) < pos(waits[2])
+
+
+def test_level_1_regathers_parameters_in_backward():
+    # FSDP's reshard after forward: the joint graph's ops on parameters alone are tagged for recomputation, so the
+    # partitioner saves no gathered parameter (nor a copy of a shard) and backward gathers again
+    from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+
+    from shardfn.exec.passes import regather_in_backward
+
+    graphs = {}
+
+    def keep(name):
+        def compiler(gm, _):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def step(w, x):  # w: this rank's shard of a weight (transposed, as a Linear's split on dim 1), gathered whole
+        whole = c10d.all_gather_into_tensor(w.t().contiguous(), 2, dist.group.WORLD.group_name)
+        return (x @ c10d.wait_tensor(whole)).tanh()
+
+    for regather in (False, True):
+        def partition(joint, inputs, **kw):
+            return min_cut_rematerialization_partition(regather_in_backward(joint, 1) if regather else joint,
+                                                       inputs, **kw)
+
+        w, x = torch.randn(4, 1, requires_grad=True), torch.randn(3, 2, requires_grad=True)
+        f = aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=partition)
+        with simulated_world(2, local_tensors=False):  # the fake process group: collectives run, numbers aside
+            f(w, x).sum().backward()
+        fw_out = next(n for n in graphs["forward"].graph.nodes if n.op == "output").args[0]
+        saved = {tuple(n.meta["val"].shape) for n in fw_out[1:] if n.op != "placeholder"}  # made in forward
+        gathers = [n for n in graphs["backward"].graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+        assert bool({(2, 4), (4, 2)} & saved) != regather  # the whole (gathered) weight, or its transpose
+        assert not {(1, 4), (4, 1)} & saved  # no copy of the shard either
+        assert bool(gathers) == regather
