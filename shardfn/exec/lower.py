@@ -66,6 +66,22 @@ def _in_traced_strides(boxed: Callable, example_inputs: list) -> Callable:
     return run
 
 
+def _tracing_context(gm: torch.fx.GraphModule):
+    """A tracing context around Inductor's compile of ``gm``: its FX graph cache keys a graph by the guards of the
+    context's shape environment, and without one compiles every graph again (identical layers, later processes).
+    AOTAutograd traced with static shapes, in a fake mode with no shape environment: it gets an empty one (no
+    symbols, no guards), which changes nothing else."""
+    from torch._guards import TracingContext, detect_fake_mode, tracing
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    if TracingContext.try_get() is not None or fake is None:
+        return contextlib.nullcontext()
+    if fake.shape_env is None:
+        fake.shape_env = ShapeEnv()
+    return tracing(TracingContext(fake))
+
+
 def _conform(x: Any, placements: tuple[Placement, ...] | None):
     """Put an op result in its planned placement. A pending sum stays as the op left it: one the op resolved
     early stays resolved, and DTensor's own kinds (embedding's masked sum) are not re-labelled."""
@@ -273,16 +289,21 @@ class ParallelProgram:
                 import torch._inductor.config
                 from torch._inductor.compile_fx import compile_fx_inner
 
-                start = time.perf_counter()
+                from torch._dynamo.utils import counters
+
+                start, hits = time.perf_counter(), counters["inductor"]["fxgraph_cache_hit"]
                 # the backward graph takes the saved tensors in the strides AOTAutograd traced: Inductor may not
                 # choose other layouts for them (channels-last convolutions), as it can under torch.compile,
                 # which tells the backward what the forward chose
-                with torch._inductor.config.patch(layout_optimization=False):
+                with torch._inductor.config.patch(layout_optimization=False), _tracing_context(gm):
                     boxed = _in_traced_strides(compile_fx_inner(gm, example_inputs), example_inputs)
                 self.compile_s[name] = time.perf_counter() - start
-                _log.info("shardfn: Inductor compiled the %s graph in %.1f s", name, self.compile_s[name])
-                self.plan.notes.append(f"Inductor compiled the {name} graph in {self.compile_s[name]:.1f} s "
-                                       "(first call of this signature)")
+                # Inductor's FX graph cache (on disk): an identical graph, from an identical layer or an earlier
+                # process, is loaded instead of compiled
+                done = f"loaded the {name} graph from its cache" if counters["inductor"]["fxgraph_cache_hit"] > hits \
+                    else f"compiled the {name} graph"
+                _log.info("shardfn: Inductor %s in %.1f s", done, self.compile_s[name])
+                self.plan.notes.append(f"Inductor {done} in {self.compile_s[name]:.1f} s (first call of this signature)")
                 self.runners[name] = lambda *args: boxed(list(args))
                 return boxed
 

@@ -76,7 +76,27 @@ def test_world_of_one_compiles_the_whole_graph(monkeypatch):
         plan = sf.explain(model, x)  # of the signature that ran: the plan that ran, with its compile times
     (compiled,) = model._shardfn_engine.cache.values()
     assert "forward" in compiled.program.compile_s  # Inductor's code ran, not the traced graph
-    assert plan is compiled.plan and any(n.startswith("Inductor compiled the forward graph in") for n in plan.notes)
+    assert plan is compiled.plan and any(n.startswith("Inductor compiled the forward graph in") or
+                                         n.startswith("Inductor loaded the forward graph from its cache in")
+                                         for n in plan.notes)
+
+
+def test_an_identical_layer_loads_its_graphs_from_inductors_cache(monkeypatch):
+    # two blocks of the same shapes sharded apart trace the same graphs: the second's are not compiled again
+    monkeypatch.setenv("SHARDFN_COMPILE", "1")
+    x = torch.randn(8, 32, requires_grad=True)
+    with simulated_world(1, local_tensors=False):
+        notes = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            reference = BasicBlock()
+            model = sf.shard(copy.deepcopy(reference), in_strategy=(None,))
+            model(x).sum().backward()
+            torch.testing.assert_close(model.dense1.weight.grad.full_tensor(),
+                                       torch.autograd.grad(reference(x).sum(), reference.dense1.weight)[0])
+            notes.append([n for n in sf.explain(model, x).notes if n.startswith("Inductor")])
+    assert [n.split(" in ")[0] for n in notes[1]] == ["Inductor loaded the forward graph from its cache",
+                                                      "Inductor loaded the backward graph from its cache"], notes
 
 
 def test_the_setting_is_checked(monkeypatch):
