@@ -135,7 +135,7 @@ def _movable(node: torch.fx.Node) -> bool:
         return False
     if is_in_place(target):
         return _owned(node.args[0])
-    return not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)
+    return _pure(node)
 
 
 def _overlap(graph: torch.fx.Graph) -> None:
@@ -274,6 +274,13 @@ def simplify(gm: torch.fx.GraphModule, in_place: bool = True) -> torch.fx.GraphM
     return gm
 
 
+def _pure(node: torch.fx.Node) -> bool:
+    """Can ``node`` run again with the same result? Not a random op (drawn again, it would differ), nor a write."""
+    target = node.target
+    return not is_in_place(target) and not (
+        isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)
+
+
 def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx.GraphModule:
     """Tag the joint forward/backward graph so that AOTAutograd's partitioner recomputes every gathered parameter
     in backward instead of saving it: every op computed from the parameters alone (the first ``n_params``
@@ -287,7 +294,7 @@ def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx
     from_params = set(primals[:n_params])
     for node in joint.graph.nodes:
         if node.op == "call_function" and node.all_input_nodes and all(a in from_params for a in
-                                                                       node.all_input_nodes):
+                                                                       node.all_input_nodes) and _pure(node):
             from_params.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return joint
