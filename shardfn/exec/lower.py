@@ -303,7 +303,8 @@ class ParallelProgram:
                 done = f"loaded the {name} graph from its cache" if counters["inductor"]["fxgraph_cache_hit"] > hits \
                     else f"compiled the {name} graph"
                 _log.info("shardfn: Inductor %s in %.1f s", done, self.compile_s[name])
-                self.plan.notes.append(f"Inductor {done} in {self.compile_s[name]:.1f} s (first call of this signature)")
+                self.plan.notes.append(f"Inductor {done} in {self.compile_s[name]:.1f} s "
+                                       "(first call of this signature)")
                 self.runners[name] = lambda *args: boxed(list(args))
                 return boxed
 
