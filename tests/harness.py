@@ -12,7 +12,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -37,10 +39,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, conn) -> None:
+def _worker(rank: int, world: int, port: int, conn, log: str) -> None:
     import faulthandler
 
-    faulthandler.enable(all_threads=True)  # a rank killed by a signal (SIGSEGV, SIGABRT) shows where it was
+    # this rank's stderr goes to its log, which the pool quotes if the rank dies: glibc's heap-check messages and
+    # the Python stacks faulthandler prints on a fatal signal (SIGSEGV, SIGABRT) land in the test's report
+    os.dup2(os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+    faulthandler.enable(all_threads=True)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -77,9 +82,11 @@ class RankPool:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.conns, self.procs = [], []
+        self.logs = tempfile.mkdtemp(prefix="shardfn-ranks-")
         for rank in range(self.world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(rank, self.world, port, child), daemon=True)
+            log = os.path.join(self.logs, f"rank{rank}.stderr")
+            p = ctx.Process(target=_worker, args=(rank, self.world, port, child, log), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -121,14 +128,22 @@ class RankPool:
                 if not self.procs[rank].is_alive():
                     self.procs[rank].join(timeout=10)
                     code = self.procs[rank].exitcode
+                    stderr = self._stderr_tail(rank)
                     self.close()
                     died = RuntimeError if code is None or code >= 0 else _Crashed
-                    raise died(f"rank {rank} died (exit code {code}) running {fn.__name__}{args}; its stack is "
-                               "above, on stderr")
+                    raise died(f"rank {rank} died (exit code {code}) running {fn.__name__}{args}; the end of its "
+                               f"stderr:\n{stderr}")
         for rank, (status, value) in enumerate(results):
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
         return [value for _, value in results]
+
+    def _stderr_tail(self, rank: int, chars: int = 6000) -> str:
+        try:
+            with open(os.path.join(self.logs, f"rank{rank}.stderr"), errors="replace") as f:
+                return f.read()[-chars:]
+        except OSError as e:
+            return f"(unreadable: {e})"
 
     def close(self) -> None:
         for c in self.conns:
@@ -140,3 +155,4 @@ class RankPool:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(self.logs, ignore_errors=True)

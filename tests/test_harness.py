@@ -42,8 +42,12 @@ def _crash_on_rank_one():
 def test_a_crashed_rank_is_rerun_once_then_fails():
     pool = RankPool(2, timeout_s=120)
     try:
-        with pytest.warns(RuntimeWarning, match="rank 1 died"), pytest.raises(RuntimeError, match="rank 1 died"):
+        with pytest.warns(RuntimeWarning, match="rank 1 died") as warned, \
+                pytest.raises(RuntimeError, match="rank 1 died"):
             pool.run(_crash_on_rank_one)  # crashes every time: the rerun crashes too, and that fails
+        # the report quotes the dead rank's stderr: faulthandler's stack of where it was
+        said = str(warned[0].message)
+        assert "Fatal Python error: Segmentation fault" in said and "_crash_on_rank_one" in said, said
         assert pool.run(_rank) == [0, 1]
     finally:
         pool.close()
