@@ -29,6 +29,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..capture.graph import CapturedGraph
 from ._dtensor_internals import layout_of, local_as, local_of
+from ._graph_internals import boxed_graph, release_saved
 from ..strategy_search.plan import Plan
 from .passes import regather_in_backward, simplify
 from .run import LocalsOf, global_stride
@@ -275,7 +276,7 @@ class ParallelProgram:
     # --- compilation --------------------------------------------------------------------------------------
 
     def _compile(self, step: Callable) -> Callable:
-        from functorch.compile import aot_function, make_boxed_func, min_cut_rematerialization_partition
+        from functorch.compile import aot_function, min_cut_rematerialization_partition
 
         inductor = use_inductor(self.mesh.device_type)
 
@@ -284,8 +285,8 @@ class ParallelProgram:
                 # Inductor plans its own buffers: the graph it gets stays functional (no in-place rewrites)
                 self.graphs[name] = simplify(gm, in_place=not inductor)
                 if not inductor:
-                    self.runners[name] = gm
-                    return make_boxed_func(gm.forward)
+                    self.runners[name] = boxed_graph(gm)
+                    return self.runners[name]
                 import torch._inductor.config
                 from torch._inductor.compile_fx import compile_fx_inner
 
@@ -305,7 +306,7 @@ class ParallelProgram:
                 _log.info("shardfn: Inductor %s in %.1f s", done, self.compile_s[name])
                 self.plan.notes.append(f"Inductor {done} in {self.compile_s[name]:.1f} s "
                                        "(first call of this signature)")
-                self.runners[name] = lambda *args: boxed(list(args))
+                self.runners[name] = boxed
                 return boxed
 
             return compiler
@@ -440,8 +441,8 @@ class GraphStep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program: ParallelProgram, *args):
         n_params = program._n_params
-        out = program.runners["forward"](*program.parameter_locals(args[:n_params]), *args[n_params:],
-                                        *program.constants)
+        out = program.runners["forward"]([*program.parameter_locals(args[:n_params]), *args[n_params:],
+                                          *program.constants])
         n_out = len(program.out_vals)
         ctx.save_for_backward(*out[n_out:])
         ctx.program, ctx.layouts, ctx.n_args = program, program._layouts, len(args)
@@ -450,8 +451,10 @@ class GraphStep(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         program = ctx.program
-        grads = [g.contiguous() for g in grads]
-        local = program.runners["backward"](*ctx.saved_tensors, *grads)
+        inputs = [*ctx.saved_tensors, *(g.contiguous() for g in grads)]
+        del grads
+        release_saved(ctx)  # the graph frees each saved tensor after its last use
+        local = program.runners["backward"](inputs)
         wrapped = [None if g is None else local_as(layout, g) for g, layout in zip(local, ctx.layouts)]
         return (None, *wrapped, *local[len(wrapped):ctx.n_args])
 

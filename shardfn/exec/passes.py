@@ -26,6 +26,7 @@ import torch.fx
 
 from ..capture.graph import is_in_place
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
+from ._graph_internals import held_elsewhere
 
 __all__ = ["regather_in_backward", "simplify"]
 
@@ -81,6 +82,8 @@ def _alias_of(node: torch.fx.Node) -> torch.fx.Node | None:
     target = node.target
     if target is operator.getitem:
         return node.args[0] if _alias_of(node.args[0]) is not None else None
+    if isinstance(node.kwargs.get("out"), torch.fx.Node):  # an out= variant returns its out
+        return node.kwargs["out"]
     if target in _ALIAS_FIRST_INPUT or is_in_place(target) or (
             isinstance(target, torch._ops.OpOverload) and target.is_view):
         return node.args[0]
@@ -204,11 +207,11 @@ def _reduced_for_output(node: torch.fx.Node, out: torch.fx.Node) -> torch.fx.Nod
     return node if isinstance(val, torch.Tensor) else None
 
 
-def _fuse_reductions(graph: torch.fx.Graph, limit: int) -> None:
+def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -> None:
     """Gradients' all-reduces into buckets of up to ``limit`` bytes (strategy_search.buckets' rule, taking the
     gradients last input first, as the plan lists them): one collective each, launched where the bucket's last
     gradient is ready (the overlap pass then starts it as early as that allows). A gradient read inside the
-    graph is never in one."""
+    graph is never in one. ``in_place``: each bucket is a buffer kept between calls (see :func:`_fuse`)."""
     out = next(n for n in graph.nodes if n.op == "output")
     returned = list(out.args[0])
     found = [n for n in graph.nodes if _reduced_for_output(n, out) is not None]
@@ -220,37 +223,63 @@ def _fuse_reductions(graph: torch.fx.Graph, limit: int) -> None:
     for number in set(numbers):
         bucket = sorted((n for n, k in zip(found, numbers) if k == number), key=order.__getitem__)
         if len(bucket) > 1:
-            _fuse(graph, bucket)
+            _fuse(graph, bucket, in_place)
 
 
 def _meta(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> None:
+class _KeptBuffer:
+    """A graph op with no inputs returning a flat buffer for a bucket, the same one on every call while nothing
+    else holds it (as DDP keeps its buckets): a fresh buffer of megabytes each step costs its page faults again
+    on the CPU (a 25 MB concatenation ~4x slower than into a buffer in use). The bucket's gradients leave the
+    graph as views of it, so it is free again once they are released (``zero_grad()``, or autograd consuming
+    them); while any is alive (gradients accumulated over calls, ``zero_grad(set_to_none=False)``), a call takes
+    a new buffer, and keeps that one."""
+
+    __name__ = "kept_buffer"  # what the graph's code calls it
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.numel, self.dtype, self.device = numel, dtype, device
+        self.buffer: torch.Tensor | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.buffer is None or held_elsewhere(self.buffer):
+            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        return self.buffer
+
+
+def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool) -> None:
+    """One all-reduce for the gradients of ``bucket``: concatenated, reduced, each gradient a view of its piece.
+    ``in_place``: concatenated into a :class:`_KeptBuffer` and reduced there (functional, for Inductor: into a
+    new buffer)."""
     vals = [_val(n.args[0]) for n in bucket]
     dtype, group = vals[0].dtype, bucket[0].args[2]
     sizes = [v.numel() for v in vals]
+
+    def add(target, args, val, kwargs=None):
+        node = graph.call_function(target, args, kwargs)
+        node.meta["val"] = val
+        return node
+
+    whole = _meta((sum(sizes),), dtype)
     with graph.inserting_before(bucket[-1]):
-        flat = []
-        for n, v in zip(bucket, vals):
-            flat.append(graph.call_function(aten.reshape.default, (n.args[0], [-1])))
-            flat[-1].meta["val"] = _meta((v.numel(),), dtype)
-        joined = graph.call_function(aten.cat.default, (flat,))
-        joined.meta["val"] = _meta((sum(sizes),), dtype)
-        reduced = graph.call_function(_c10d.all_reduce.default, (joined, "sum", group))
-        reduced.meta["val"] = joined.meta["val"]
-        waited = graph.call_function(_c10d.wait_tensor.default, (reduced,))
-        waited.meta["val"] = joined.meta["val"]
-        parts = graph.call_function(aten.split_with_sizes.default, (waited, sizes))
-        parts.meta["val"] = [_meta((k,), dtype) for k in sizes]
+        flat = [add(aten.reshape.default, (n.args[0], [-1]), _meta((k,), dtype)) for n, k in zip(bucket, sizes)]
+        if in_place:
+            kept = add(_KeptBuffer(sum(sizes), dtype, vals[0].device), (), whole)
+            joined = add(aten.cat.out, (flat,), whole, {"out": kept})
+            reduced = add(_c10d.all_reduce_.default, (joined, "sum", group), whole)
+        else:
+            joined = add(aten.cat.default, (flat,), whole)
+            reduced = add(_c10d.all_reduce.default, (joined, "sum", group), whole)
+        waited = add(_c10d.wait_tensor.default, (reduced,), whole)
+        parts = add(aten.split_with_sizes.default, (waited, sizes), [_meta((k,), dtype) for k in sizes])
         for i, (n, v) in enumerate(zip(bucket, vals)):
-            part = graph.call_function(operator.getitem, (parts, i))
-            part.meta["val"] = parts.meta["val"][i]
-            shaped = graph.call_function(aten.view.default, (part, list(v.shape)))
-            shaped.meta["val"] = _meta(tuple(v.shape), dtype)
+            piece = add(operator.getitem, (parts, i), parts.meta["val"][i])
             (old_wait,) = n.users
-            old_wait.replace_all_uses_with(shaped)
+            old_wait.replace_all_uses_with(add(aten.view.default, (piece, list(v.shape)), _meta(tuple(v.shape),
+                                                                                               dtype)))
     for n in bucket:
         (old_wait,) = n.users
         graph.erase_node(old_wait)
@@ -264,7 +293,7 @@ def simplify(gm: torch.fx.GraphModule, in_place: bool = True) -> torch.fx.GraphM
     out = next(n for n in graph.nodes if n.op == "output")
     _drop_identities(graph, set(out.all_input_nodes))
     if bucket_bytes() > 0:
-        _fuse_reductions(graph, bucket_bytes())
+        _fuse_reductions(graph, bucket_bytes(), in_place)
     if in_place:
         _reduce_in_place(graph)
         _accumulate_in_place(graph)

@@ -2,7 +2,7 @@
 
 import operator
 
-
+import pytest
 import torch
 import torch.distributed as dist
 import torch.fx
@@ -192,18 +192,32 @@ def test_gradient_reductions_fuse_into_buckets(monkeypatch):
     assert [tuple(n.args[0].meta["val"].shape) for n in _collectives(g)] == [(32,), (32,)]
 
 
-def test_fused_reductions_keep_the_values():
+@pytest.mark.parametrize("in_place", [True, False])
+def test_fused_reductions_keep_the_values(in_place):
     # with the collectives as identities, every output is its own gradient again, fused or not
     from shardfn.exec import passes
 
     x = torch.randn(4, 4)
     g, _ = _gradient_graph([4, 4, 4])
     want = torch.fx.GraphModule(torch.nn.Module(), _identity_collectives(_gradient_graph([4, 4, 4])[0]))(x)
-    passes._fuse_reductions(g, limit=1 << 20)
+    passes._fuse_reductions(g, limit=1 << 20, in_place=in_place)
     assert len(_collectives(g)) == 1
-    got = torch.fx.GraphModule(torch.nn.Module(), _identity_collectives(g))(x)
+    gm = torch.fx.GraphModule(torch.nn.Module(), _identity_collectives(g))
+    got = gm(x)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+    if not in_place:
+        return
+    # in place: the outputs are views of one bucket buffer, taken again only once nothing holds them
+    base = got[0].untyped_storage().data_ptr()
+    assert all(o.untyped_storage().data_ptr() == base for o in got)
+    again = gm(x + 1)  # the first call's outputs are alive: a new buffer, and the old values stay
+    assert again[0].untyped_storage().data_ptr() != base
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    kept = again[0].untyped_storage().data_ptr()
+    del got, again
+    assert gm(x)[0].untyped_storage().data_ptr() == kept  # released: the kept one is used again
 
 
 def _identity_collectives(g):

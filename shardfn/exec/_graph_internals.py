@@ -1,0 +1,49 @@
+"""The torch internals exec uses to run traced graphs as AOTAutograd runs them (private torch API, kept here
+alone): the "boxed" calling convention, where a graph takes one list of its inputs and empties it as it reads
+them, so each input is freed after its last use inside the graph instead of living until the graph returns;
+releasing a backward's saved tensors into that list; and whether a buffer's memory is held by anything else."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+__all__ = ["boxed_graph", "held_elsewhere", "release_saved"]
+
+
+def boxed_graph(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
+    """``gm`` as a function of one list of its inputs, which it clears (AOTAutograd's convention: the
+    ``_boxed_call`` mark). Where this torch has no boxed code generation, the inputs live until it returns."""
+    # gm.forward, not gm(): a graph is no module of the user's, and module hooks (CommDebugMode's tracker)
+    # would read the list it empties
+    try:
+        from torch.fx.graph import _BoxedCodeGen
+    except ImportError:
+        def run(args: list) -> Any:
+            return gm.forward(*args)
+    else:
+        gm.graph.set_codegen(_BoxedCodeGen())
+        gm.recompile()
+
+        def run(args: list) -> Any:
+            return gm.forward(args)
+    run._boxed_call = True
+    return run
+
+
+def release_saved(ctx: Any) -> None:
+    """Drop the tensors ``ctx`` saved for backward, unless the backward now running keeps the graph
+    (retain_graph): the caller holds them in the list it hands a boxed graph, which frees each after its last
+    use (as AOTAutograd's own backward does)."""
+    ctx.maybe_clear_saved_tensors()
+
+
+def held_elsewhere(buffer: torch.Tensor) -> bool:
+    """Does anything but ``buffer`` itself hold its memory (a view of it handed out earlier, still alive)? Where
+    this torch cannot tell, yes."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return True
+    return count(buffer.untyped_storage()._cdata) > 2  # buffer's own tensor, and the storage object asked here
