@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement
 
-from ..capture.graph import CapturedGraph
+from ..capture.graph import CapturedGraph, is_in_place
 from ._dtensor_internals import layout_of, local_as, local_of
 from ._graph_internals import boxed_graph, release_saved
 from ..strategy_search.plan import Plan
@@ -131,6 +131,24 @@ class _GradAsDTensor(torch.autograd.Function):
         return _contiguous(_as_dtensor(grad, ctx.mesh, ctx.placements))
 
 
+class _GradSettled(_GradAsDTensor):
+    """An op's result whose gradient (its readers' contributions summed) is brought to the result's own layout,
+    pending sums resolved, before it reaches the op: the plan prices each value's gradient so (one reduction
+    where readers left pending sums). Left to DTensor, a pending sum would travel on into the backward of the
+    ops that made the value, which would then gather their other operands to run whole on every rank (a
+    Megatron layer's weights, in transformers' Llama)."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _GradAsDTensor.backward(ctx, grad)
+        return grad if tuple(grad.placements) == ctx.placements else \
+            _contiguous(grad.redistribute(ctx.mesh, ctx.placements))
+
+
+def _settled(x: Any) -> Any:
+    return _GradSettled.apply(x) if isinstance(x, DTensor) and x.requires_grad else x
+
+
 def _gradient_placements(placements) -> tuple:
     """Where a gradient goes: the value's own placements with pending sums replicated (as DTensor's)."""
     return tuple(Replicate() if p.is_partial() else p for p in placements)
@@ -181,6 +199,7 @@ class ParallelProgram:
                           if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
         self._n_params = sum(e.kind == "param" for e in self.entries)
         self._written_elsewhere = [k for k in captured.writes if self.entries[k].held != self.entries[k].planned]
+        self._written = {n.args[0] for n in captured.gm.graph.nodes if is_in_place(n.target)}
         # one rank holds everything: the captured graph itself runs, with nothing to lay out
         step = self.whole_step if mesh.size() == 1 else self.local_step
         if compiled:  # traced into forward/backward graphs; whether a call can run them directly: after the first
@@ -194,10 +213,18 @@ class ParallelProgram:
     # --- interpretation -----------------------------------------------------------------------------------
 
     def _run_node(self, node: torch.fx.Node, env: dict) -> Any:
-        np_ = self.plan.nodes.get(node.name)
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-        if np_ is None:  # getitem on a multi-output node
+        if node.name not in self.plan.nodes:  # getitem on a multi-output node
             return node.target(*args, **kwargs)
+        out = self._compute(node, args, kwargs)
+        # a view's pending sum costs nothing; a result a later op writes into stays as autograd made it
+        if node.target in _VIEWS or getattr(node.target, "is_view", False) or node in self._written:
+            return out
+        return type(out)(_settled(o) for o in out) if isinstance(out, (tuple, list)) else _settled(out)
+
+    def _compute(self, node: torch.fx.Node, args, kwargs) -> Any:
+        """``node``'s result, its inputs laid out as planned and the result put in its planned placement."""
+        np_ = self.plan.nodes[node.name]
         leaves, spec = pytree.tree_flatten((args, kwargs))
         slot = 0
         for i, leaf in enumerate(leaves):

@@ -130,6 +130,20 @@ def test_compiled_runs_agree_with_plans(gloo4):
     assert gloo4.run(_agreement_body) == [True] * 4
 
 
+def _transformers_agreement_body():
+    from tests.exec.test_plan_agreement import transformers_tp_counts
+
+    plan, run = transformers_tp_counts("llama", dist.get_world_size())
+    return plan == run, plan[1]
+
+
+def test_traced_backward_of_a_tensor_parallel_llama_runs_what_it_plans(gloo4):
+    # the traced graphs on real ranks: Megatron's 2 backward all-reduces per layer, and nothing else
+    from collections import Counter
+
+    assert gloo4.run(_transformers_agreement_body) == [(True, Counter(all_reduce=4))] * 4
+
+
 def _buckets_body(limit_mb):
     os.environ["SHARDFN_BUCKET_MB"] = str(limit_mb)
     torch.manual_seed(0)
