@@ -103,8 +103,12 @@ def _split(c: Candidate, mesh_shape: Sequence[int]) -> int:
 
 
 def _pending(c: Candidate, slot: int) -> tuple[bool, ...]:
-    """Mesh dims where this candidate leaves the gradient of input ``slot`` as a pending sum."""
+    """Mesh dims where this candidate leaves the gradient of input ``slot`` as a pending sum. The outputs' sink
+    leaves none: each output's gradient comes back as the caller computed it, a replicated output's whole on
+    every rank."""
     pl = c.inputs[slot]
+    if c.rule == "output":
+        return (False,) * len(pl)
     working = set()
     for other in list(c.inputs) + [o for o in c.outputs if o is not None]:
         working.update(d for d, p in enumerate(other) if not p.is_replicate())

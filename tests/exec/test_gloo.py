@@ -131,9 +131,9 @@ def test_compiled_runs_agree_with_plans(gloo4):
 
 
 def _transformers_agreement_body():
-    from tests.exec.test_plan_agreement import transformers_tp_counts
+    from tests.exec.test_plan_agreement import transformers_counts
 
-    plan, run = transformers_tp_counts("llama", dist.get_world_size())
+    plan, run = transformers_counts("llama", "tp", dist.get_world_size())
     return plan == run, plan[1]
 
 
@@ -315,7 +315,8 @@ def _kept_buckets_body():
     for g, v in zip(held, values):
         torch.testing.assert_close(g.full_tensor(), v, rtol=0, atol=0)
     (compiled,) = model._shardfn_engine.cache.values()
-    return sum(getattr(n.target, "__name__", "") == "kept_buffer" for n in compiled.program.graphs["backward"].graph.nodes)
+    backward = compiled.program.graphs["backward"]
+    return sum(getattr(n.target, "__name__", "") == "kept_buffer" for n in backward.graph.nodes)
 
 
 def test_gradients_in_kept_buckets_accumulate_and_stay_as_eager(gloo4):
