@@ -4,9 +4,10 @@
 
 A 12-layer transformer (tests.models.GPTBlock stack), each rank a slice of the batch: shardfn with
 dataset_strategy="data_parallel" and torch's DDP (default 25 MB buckets), AdamW; the same losses asserted, and
-the median step time of each printed with their ratio (shardfn / DDP). With --compile, also both compiled:
-shardfn with SHARDFN_COMPILE=1 (Inductor on its per-rank graphs) and DDP under torch.compile (the first steps,
-not timed, compile). The script starts its own gloo ranks.
+the median step time of each printed with their ratio (shardfn / DDP). The versions take turns step by step (a
+slow spell of this shared machine falls on all alike). With --compile, also both compiled: shardfn with
+SHARDFN_COMPILE=1 (Inductor on its per-rank graphs) and DDP under torch.compile (the first steps, not timed,
+compile). The script starts its own gloo ranks.
 """
 
 from __future__ import annotations
@@ -30,19 +31,23 @@ from tests.harness import free_port  # noqa: E402
 from tests.models import GPTStack  # noqa: E402
 
 
-def _train(model, x, steps):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    times, losses = [], []
-    for _ in range(steps):
+class _Trainer:
+    """One model and its AdamW: step() trains one step and records its time and loss."""
+
+    def __init__(self, model, x):
+        self.model, self.x = model, x
+        self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        self.times, self.losses = [], []
+
+    def step(self):
         dist.barrier()
         t = time.perf_counter()
-        loss = model(x).square().mean()
+        loss = self.model(self.x).square().mean()
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t)
-        losses.append(loss.detach())
-    return times, losses
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.times.append(time.perf_counter() - t)
+        self.losses.append(loss.detach())
 
 
 def worker(rank, args, port):
@@ -62,12 +67,18 @@ def worker(rank, args, port):
                                                dataset_strategy="data_parallel"), "1"),
                  ("DDP + torch.compile", torch.compile(nn.parallel.DistributedDataParallel(copy.deepcopy(model))),
                   "0")]
-    results = {}
+    trainers = {}
     for name, m, compile_ in runs:
         os.environ["SHARDFN_COMPILE"] = compile_  # read when a program is first made
-        _train(m, x, 2)  # warm up (shardfn plans, traces and compiles here)
-        results[name] = _train(m, x, args.steps)
-    # DDP's loss is this rank's slice's mean; shardfn's output is this rank's slice: the same local loss
+        trainers[name] = _Trainer(m, x)
+        for _ in range(2):  # warm up (shardfn plans, traces and compiles here)
+            trainers[name].step()
+    for _ in range(args.steps):  # the versions take turns step by step: a slow spell falls on all alike
+        for t in trainers.values():
+            t.step()
+    results = {name: (t.times[2:], t.losses) for name, t in trainers.items()}
+    # DDP's gradients are the ranks' mean, shardfn's their sum (the gradient of the sum of the ranks' losses):
+    # AdamW's steps do not depend on that scale, so every version's losses are the same
     for name in results:
         torch.testing.assert_close(torch.stack(results[name][1]), torch.stack(results["DDP"][1]), rtol=1e-4,
                                    atol=1e-5, msg=lambda m: f"{name}: {m}")
