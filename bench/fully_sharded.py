@@ -11,11 +11,12 @@ block and the root). Each runs twice in its own fresh gloo ranks:
 - timing: the median step (forward, backward, optimizer) after two warm-up steps (shardfn plans in the first);
 - memory, per rank, two measures: the peak of tensor bytes alive during one step (parameters, gradients,
   optimizer states, activations, collective buffers: every storage an op makes, freed when its last tensor
-  goes; what torch.cuda.max_memory_allocated reports on a GPU), and the peak anonymous resident memory
-  (RssAnon, sampled after forward, backward and the optimizer) above the process before the model was built:
-  everything, shardfn's compiler state and imports included. glibc's malloc is told to return blocks of 64 KiB
-  and more at once (MALLOC_MMAP_THRESHOLD_): with its default, blocks up to 32 MiB stay in its heap when freed,
-  and the resident set shows the allocator's high-water mark rather than what is held.
+  goes; what torch.cuda.max_memory_allocated reports on a GPU), and the peak resident set during another step
+  (the kernel's high-water mark VmHWM, reset as the step starts by writing 5 to /proc/self/clear_refs) above
+  the resident set before the model was built: everything, shardfn's compiler state and imports included.
+  glibc's malloc is told to return blocks of 64 KiB and more at once (MALLOC_MMAP_THRESHOLD_): with its
+  default, blocks up to 32 MiB stay in its heap when freed, and the resident set shows the allocator's
+  high-water mark rather than what is held.
 
 Printed: median step and both memory measures for each, and the ratios against FSDP2, after checking that all
 trained to the same losses.
@@ -46,9 +47,14 @@ from tests.harness import free_port  # noqa: E402
 from tests.models import GPTStack  # noqa: E402
 
 
-def _rss_anon_mib() -> float:
+def _status_mib(field: str) -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) / 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS (Linux 4.0+)
+        f.write("5")
 
 
 class _TensorPeak(TorchDispatchMode):
@@ -95,7 +101,7 @@ def worker(rank, args, port, which, measure, results):
     sf.init()
     torch.manual_seed(0)
     x = torch.randn(args.batch * args.world, args.seq, args.dim)[args.batch * rank: args.batch * (rank + 1)]
-    before = _rss_anon_mib()
+    before = _status_mib("VmRSS")
     model = GPTStack(args.layers, args.dim, args.heads)
     if which == "FSDP2":
         from torch.distributed.fsdp import fully_shard
@@ -109,30 +115,31 @@ def worker(rank, args, port, which, measure, results):
         plan = {n: (args.world,) + (1,) * (p.dim() - 1) for n, p in model.named_parameters()}
         model = sf.shard(model, in_strategy=(None,), dataset_strategy="data_parallel", parameter_plan=plan, level=2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    steps = args.steps + 2 if measure == "time" else 3
-    times, losses, held, tensor_peak = [], [], [], 0
+    # memory: two warm-up steps, then one step for the resident peak and one under the tensor tracker (slow)
+    steps = args.steps + 2 if measure == "time" else 4
+    times, losses, rss_peak, tensor_peak = [], [], 0.0, 0.0
     for step in range(steps):  # two warm-up steps (shardfn plans and traces in the first)
-        timed = step >= 2
         tracker = contextlib.nullcontext()
-        if measure == "memory" and timed:  # the last step, under the tracker (slow: not timed)
+        if measure == "memory" and step == 3:
             state = [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
             tracker = _TensorPeak([_local(p) for p in model.parameters()] + state)
         dist.barrier()
+        if measure == "memory" and step == 2:
+            _reset_peak_rss()
         start = time.perf_counter()
         with tracker:
             loss = model(x).square().mean()
-            sampled = [_rss_anon_mib()] if timed else []  # sampling costs microseconds
             loss.backward()
-            sampled += [_rss_anon_mib()] if timed else []
             opt.step()
-            sampled += [_rss_anon_mib()] if timed else []
             opt.zero_grad(set_to_none=True)
-        if timed:
+        if step >= 2:
             times.append(time.perf_counter() - start)
-            held += sampled
-            tensor_peak = getattr(tracker, "peak", 0) / 2**20
+        if measure == "memory" and step == 2:
+            rss_peak = _status_mib("VmHWM") - before
+        if isinstance(tracker, _TensorPeak):
+            tensor_peak = tracker.peak / 2**20
         losses.append(float(loss.detach()))
-    results[(which, measure, rank)] = (statistics.median(times), max(held) - before, tensor_peak, losses)
+    results[(which, measure, rank)] = (statistics.median(times), rss_peak, tensor_peak, losses)
     dist.barrier()
 
 
@@ -160,14 +167,17 @@ def main():
     tensors = {w: max(results[(w, "memory", r)][2] for r in range(args.world)) for w in kinds}
     for r, w, m in itertools.product(range(args.world), kinds, ("time", "memory")):  # each rank's slice's mean
         a, b = results[(w, m, r)][3], results[("FSDP2", "time", r)][3]
-        assert all(abs(u - v) <= 1e-4 * max(1.0, abs(v)) for u, v in zip(a, b)), (w, r, a, b)
+        # shardfn's gradients are the ranks' sum, FSDP2's their mean: AdamW's eps lets the losses drift apart
+        # slowly (~1e-5 a step), not more
+        assert all(abs(u - v) <= 2e-5 * (k + 1) * max(1.0, abs(v)) for k, (u, v) in enumerate(zip(a, b))), \
+            (w, r, a, b)
     print(f"{args.layers} GPT blocks, dim {args.dim}, {args.world} gloo ranks, batch {args.batch} x {args.seq} "
           f"per rank, AdamW; the same losses for every step")
     for w in kinds:
-        print(f"  {w:<17} step {ms[w]:8.1f} ms   tensor peak {tensors[w]:7.1f} MiB   RssAnon peak {rss[w]:7.1f} MiB")
+        print(f"  {w:<17} step {ms[w]:8.1f} ms   tensor peak {tensors[w]:7.1f} MiB   RSS peak {rss[w]:7.1f} MiB")
     for w in kinds[:2]:
         print(f"  ratio {w} / FSDP2: step {ms[w] / ms['FSDP2']:.3f}, tensor peak {tensors[w] / tensors['FSDP2']:.3f}"
-              f", RssAnon peak {rss[w] / rss['FSDP2']:.3f}")
+              f", RSS peak {rss[w] / rss['FSDP2']:.3f}")
 
 if __name__ == "__main__":
     main()
