@@ -479,7 +479,6 @@ class GraphStep(torch.autograd.Function):
     def backward(ctx, *grads):
         program = ctx.program
         inputs = [*ctx.saved_tensors, *(g.contiguous() for g in grads)]
-        del grads
         release_saved(ctx)  # the graph frees each saved tensor after its last use
         local = program.runners["backward"](inputs)
         wrapped = [None if g is None else local_as(layout, g) for g, layout in zip(local, ctx.layouts)]

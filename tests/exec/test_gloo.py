@@ -291,8 +291,7 @@ def _kept_buckets_body():
         return [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in m.parameters()]
 
     def same_grads(note):
-        for (name, g), r in zip([(n, g) for (n, _), g in zip(model.named_parameters(), grads(model))],
-                                grads(reference)):
+        for (name, _), g, r in zip(model.named_parameters(), grads(model), grads(reference)):
             torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5, msg=lambda m: f"{note}, {name}: {m}")
 
     # losses are sums: the ranks' slices' gradients add up to the whole batch's
