@@ -10,13 +10,19 @@ import torch.fx
 
 from .structure import Structure
 
-__all__ = ["CapturedGraph", "GraphInput", "is_in_place"]
+__all__ = ["CapturedGraph", "GraphInput", "is_in_place", "is_view"]
 
 
 def is_in_place(target: Any) -> bool:
     """An aten-style op that writes into its first input and returns it (``copy_``, ``add_``): the ``_`` suffix.
     In a captured (functionalized) graph these are the updates of inputs: a buffer's running statistics."""
     return isinstance(target, torch._ops.OpOverload) and target.name().split("::")[-1].split(".")[0].endswith("_")
+
+
+def is_view(target: Any) -> bool:
+    """An aten op whose result is a view of its input (``view``, ``t``, ``slice``, ``expand``): it holds no memory
+    of its own, and its gradient goes to its input's."""
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
 @dataclass(frozen=True)

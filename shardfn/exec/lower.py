@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement
 
-from ..capture.graph import CapturedGraph, is_in_place
+from ..capture.graph import CapturedGraph, is_in_place, is_view
 from ._dtensor_internals import layout_of, local_as, local_of
 from ._graph_internals import boxed_graph, release_saved
 from ..strategy_search.plan import Plan
@@ -217,8 +217,9 @@ class ParallelProgram:
         if node.name not in self.plan.nodes:  # getitem on a multi-output node
             return node.target(*args, **kwargs)
         out = self._compute(node, args, kwargs)
-        # a view's pending sum costs nothing; a result a later op writes into stays as autograd made it
-        if node.target in _VIEWS or getattr(node.target, "is_view", False) or node in self._written:
+        # a view hands its gradient's pending sum on to the value it views, which sums it with its other readers'
+        # and resolves it once; a result a later op writes into stays as autograd made it
+        if node.target in _VIEWS or is_view(node.target) or node in self._written:
             return out
         return type(out)(_settled(o) for o in out) if isinstance(out, (tuple, list)) else _settled(out)
 

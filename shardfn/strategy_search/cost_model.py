@@ -34,6 +34,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import flop_registry
 
+from ..capture.graph import is_view
+
 __all__ = [
     "CPU",
     "H100",
@@ -289,5 +291,4 @@ def compute_seconds(flops: int, nbytes: int, split: int, profile: DeviceProfile,
 
 def is_alias_op(node) -> bool:
     """Ops whose result is a view of an input: they hold no memory of their own."""
-    target = getattr(node, "target", None)
-    return isinstance(target, torch._ops.OpOverload) and target.is_view
+    return is_view(getattr(node, "target", None))

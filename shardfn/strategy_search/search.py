@@ -102,13 +102,17 @@ def _split(c: Candidate, mesh_shape: Sequence[int]) -> int:
     return int(np.prod([mesh_shape[d] for d in dims])) if dims else 1
 
 
-def _pending(c: Candidate, slot: int) -> tuple[bool, ...]:
+def _pending(c: Candidate, slot: int, passes_on: bool = False) -> tuple[bool, ...]:
     """Mesh dims where this candidate leaves the gradient of input ``slot`` as a pending sum. The outputs' sink
     leaves none: each output's gradient comes back as the caller computed it, a replicated output's whole on
-    every rank."""
+    every rank. A view that ``passes_on`` its readers' pending sums (:func:`_offer_accumulation`) leaves them
+    pending on its input wherever its result accumulates them."""
     pl = c.inputs[slot]
     if c.rule == "output":
         return (False,) * len(pl)
+    if passes_on:
+        return tuple(a.is_partial() and not isinstance(p, Shard)
+                     for a, p in zip(cm.accumulator_placement(c.outputs[0]), pl))
     working = set()
     for other in list(c.inputs) + [o for o in c.outputs if o is not None]:
         working.update(d for d, p in enumerate(other) if not p.is_replicate())
@@ -294,8 +298,8 @@ def make_plan(
         for slot, (u, out_idx, value_node) in enumerate(d.sources):
             val = _val(value_node)
             src = chosen[u].outputs[out_idx]
-            fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], _pending(c, slot), value_node in needs_grad,
-                                      chosen[u].accumulate)
+            fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], _pending(c, slot, _passes_on(d, c)),
+                                      value_node in needs_grad, chosen[u].accumulate)
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
             fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
             if reshard and value_node in from_params and _read_in_backward(d, slot, needs_grad):
@@ -312,7 +316,8 @@ def make_plan(
     for i, (d, c) in enumerate(zip(decisions, chosen)):
         fwd, bwd = _node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None
                                      else False, mesh_shape)
-        what = f"{d.name} (entry)" if d.node is not None and d.node.op == "placeholder" else f"{d.name} (summed)"
+        entry = held.get(i) is not None and held[i] != c.outputs[0]  # else its readers' gradients summed
+        what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
         fwd_colls = [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, what) for o in fwd] + fwd_colls
         bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, what) for o in bwd]
     compute_s = terms.compute_of(solution.choice)
@@ -545,11 +550,12 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, keep_spl
             src_cands = decisions[u].candidates
             # identical layers share candidate lists: their edge matrices are built once
             key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, grad,
-                   mesh_shape, profile)
+                   mesh_shape, profile, cm.is_alias_op(d.node))
             m = _EDGE_MEMO.get(key)
             if m is None or m[0] is not src_cands or m[1] is not d.candidates:
                 src_keys, src_idx = _distinct([(sc.outputs[out_idx], sc.accumulate) for sc in src_cands])
-                dst_keys, dst_idx = _distinct([(c.inputs[slot], _pending(c, slot)) for c in d.candidates])
+                dst_keys, dst_idx = _distinct([(c.inputs[slot], _pending(c, slot, _passes_on(d, c)))
+                                               for c in d.candidates])
                 small = np.array([[comm_ops(val, s, t, pend, grad, acc)[2] for t, pend in dst_keys]
                                   for s, acc in src_keys])
                 m = (src_cands, d.candidates, small[np.ix_(src_idx, dst_idx)])
@@ -625,7 +631,7 @@ def _node_collectives(d: _Decision, c: Candidate, held, grad: bool, mesh_shape) 
     if d.node is None:
         return [], []
     fwd, bwd = [], []
-    if c.accumulate:
+    if c.accumulate and not _passes_on(d, c):  # a view's sum is resolved where its input's is
         val = _val_of_first_output(d.node)
         bwd += cm.accumulated_collectives(val.shape, val.element_size(), c.outputs[0], mesh_shape)
     if held is not None and held != c.outputs[0]:
@@ -641,18 +647,31 @@ def _val_of_first_output(node: torch.fx.Node) -> torch.Tensor:
     return next(v for v in torch.utils._pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
 
 
+def _passes_on(d: _Decision, c: Candidate) -> bool:
+    """Does ``d``, a view, hand its readers' pending gradient sums on to its input (the accumulating variant of a
+    view), where the value it views sums and resolves them? Exec does so at every view; a plan prices it where
+    it changes the count: a view of a value with several readers (see :func:`_offer_accumulation`)."""
+    return c.accumulate and d.node is not None and cm.is_alias_op(d.node)
+
+
 def _offer_accumulation(decisions: list[_Decision], needs_grad: set) -> None:
     """A single-output value read by several readers that send gradients back may sum them pending and reduce
-    once: offer each of its candidates in that variant too."""
+    once: offer each of its candidates in that variant too. A view of such a value (a tied embedding read
+    through a transpose) is offered handing its readers' pending sums on to it (:func:`_passes_on`), so that
+    all of them are summed there and reduced once."""
     readers: dict[int, int] = {}
     for d in decisions:
         for u, out_idx, value_node in d.sources:
             if value_node in needs_grad:
                 readers[u] = readers.get(u, 0) + 1
-    for u, n in readers.items():
-        d = decisions[u]
-        if n > 1 and len(d.candidates[0].outputs) == 1 and d.candidates[0].outputs[0] is not None:
+    offered: set[int] = set()
+    for u, d in enumerate(decisions):  # in graph order: a view's input is offered before the view
+        n = readers.get(u, 0)
+        if not n or len(d.candidates[0].outputs) != 1 or d.candidates[0].outputs[0] is None:
+            continue
+        if n > 1 or (cm.is_alias_op(d.node) and d.sources[0][0] in offered):
             d.candidates = with_accumulation(d.candidates)
+            offered.add(u)
 
 
 def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s: float):

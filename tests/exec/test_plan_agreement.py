@@ -9,6 +9,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 import shardfn as sf
 from shardfn.runtime import simulated_world
 from tests.models import GPTBlock
+from tests.parity import check_parity
 
 _KINDS = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
           "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all", "broadcast": "broadcast"}
@@ -77,6 +78,24 @@ def test_data_parallel_mlp():
         assert planned(plan)[1]["all_reduce"] == 2  # one per weight gradient
 
 
+def tied(ids, w):
+    return torch.nn.functional.embedding(ids, w) @ w.t()  # a tied embedding: looked up, and read as the head
+
+
+def _tied_args():
+    return torch.randint(0, 16, (8, 5)), torch.randn(16, 8, requires_grad=True)
+
+
+def test_tied_weight_gradient_is_reduced_once():
+    # the weight's two readers each leave a pending gradient sum (the batch is split); the head reads it through
+    # a transpose, which hands its sum on, so the weight adds both and reduces once
+    plan = check_parity(tied, _tied_args, ((4, 1), (1, 1)))
+    assert planned(plan)[1] == Counter(all_reduce=1)
+    with simulated_world(4):
+        f = sf.shard(tied, in_strategy=((4, 1), (1, 1)))
+        assert planned(sf.explain(f, *_tied_args())) == executed(f, _tied_args())
+
+
 def test_tensor_parallel_transformer_block():
     with simulated_world(4):
         block = sf.shard(GPTBlock(16, 4), in_strategy=(None,), parameter_plan=MEGATRON)
@@ -101,13 +120,8 @@ def transformers_counts(name: str, mode: str, world: int) -> tuple:
     return planned(plan), executed(model, args, kwargs, loss=lambda out: out.loss)
 
 
-# GPT-2 data parallel is left out: its tied embedding is read through a transpose (the head) and directly (the
-# lookup); the plan reduces each reader's pending gradient, the program sums them first and reduces once
-_CASES = [(n, m) for n in ("llama", "gpt2", "bert", "resnet") for m in ("dp", "tp", "search")
-          if (n, m) != ("gpt2", "dp")]
-
-
-@pytest.mark.parametrize("name, mode", _CASES)
+@pytest.mark.parametrize("name, mode", [(n, m) for n in ("llama", "gpt2", "bert", "resnet")
+                                        for m in ("dp", "tp", "search")])
 def test_transformers_models_run_what_they_plan(name, mode):
     # backward too: left to DTensor, a pending gradient sum travelled on into the ops that made the value, which
     # then gathered their weights and ran whole on every rank (Llama under Megatron: 13 all-gathers and 6
@@ -117,3 +131,9 @@ def test_transformers_models_run_what_they_plan(name, mode):
     assert plan == run
     if (name, mode) == ("llama", "tp"):
         assert plan[1] == Counter(all_reduce=4)  # 2 layers, 2 each
+    if (name, mode) == ("gpt2", "dp"):
+        # one per parameter gradient: the tied embedding's two readers (the lookup, and the head through a
+        # transpose) sum their pending gradients and reduce once
+        from tests.transformers_models import MODELS
+
+        assert plan[1] == Counter(all_reduce=len(list(MODELS[name].make().parameters())))
