@@ -157,7 +157,9 @@ def _fits(cands: list[Candidate], node: torch.fx.Node, inputs: list[torch.fx.Nod
     in_vals = [a.meta.get("val") for a in inputs]
     kept = [c for c in cands if all(ok(pl, v) for pl, v in zip(c.inputs, in_vals))
             and all(ok(pl, v) for pl, v in zip(c.outputs, out_vals))]
-    return kept if len(kept) == len(cands) else (kept or cands)
+    # the list itself where nothing is dropped: identical layers share candidate lists, and with them the edge
+    # matrices built for them (_terms)
+    return cands if len(kept) == len(cands) else (kept or cands)
 
 
 def _outputs(node: torch.fx.Node) -> list:
@@ -482,6 +484,7 @@ class _Terms:
 
 
 _EDGE_MEMO: dict = {}
+_VIOLATION_MEMO: dict = {}
 _COMM_MEMO: dict = {}
 
 
@@ -584,12 +587,19 @@ def _violations(decisions, comm_ops, keep_split, split_values) -> list[tuple[int
             if value_node not in split_values:
                 continue
             val = _val(value_node)
-            src_keys, src_idx = _distinct([sc.outputs[out_idx] for sc in decisions[u].candidates])
-            dst_keys, dst_idx = _distinct([c.inputs[slot] for c in d.candidates])
-            bad = np.array([[float(_gathers(comm_ops(val, a, b, (), False, False)[0], keep_split))
-                             for b in dst_keys] for a in src_keys])
-            if bad.any():
-                found.append((u, v, bad[np.ix_(src_idx, dst_idx)]))
+            src_cands = decisions[u].candidates
+            # identical layers share candidate lists: their matrices are built once (as _terms' edges)
+            key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, keep_split)
+            m = _VIOLATION_MEMO.get(key)
+            if m is None or m[0] is not src_cands or m[1] is not d.candidates:
+                src_keys, src_idx = _distinct([sc.outputs[out_idx] for sc in src_cands])
+                dst_keys, dst_idx = _distinct([c.inputs[slot] for c in d.candidates])
+                bad = np.array([[float(_gathers(comm_ops(val, a, b, (), False, False)[0], keep_split))
+                                 for b in dst_keys] for a in src_keys])
+                m = (src_cands, d.candidates, bad[np.ix_(src_idx, dst_idx)] if bad.any() else None)
+                _VIOLATION_MEMO[key] = m
+            if m[2] is not None:
+                found.append((u, v, m[2]))
     return found
 
 
