@@ -126,7 +126,11 @@ class CommOp:
     copied: int = 0
 
 
-def collective_seconds(op: CommOp, mesh_shape: Sequence[int], profile: DeviceProfile) -> float:
+def collective_seconds(op: CommOp, mesh_shape: Sequence[int], profile: DeviceProfile,
+                       latency_share: float = 1.0) -> float:
+    """Alpha-beta seconds of ``op`` on a ring. ``latency_share``: the part of the collective's fixed costs (its
+    launch, the latency of each hop) this operand bears: less than 1 for a gradient reduction fused with others
+    into one collective (strategy_search.buckets)."""
     n = mesh_shape[op.mesh_dim]
     if n <= 1:
         return 0.0
@@ -134,6 +138,7 @@ def collective_seconds(op: CommOp, mesh_shape: Sequence[int], profile: DevicePro
     for kind, alpha, beta in profile.per_kind:
         if kind == op.kind:
             a, b, c = alpha, beta, 0.0
+    a, c = a * latency_share, c * latency_share
     c += 2 * op.copied / profile.mem_bytes_per_s  # read and write
     if op.kind == "all_reduce":
         return c + 2 * (n - 1) * a + 2 * (n - 1) / n * B * b

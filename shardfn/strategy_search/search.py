@@ -304,7 +304,7 @@ def make_plan(
                                       value_node in needs_grad, chosen[u].accumulate)
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
             fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
-            if reshard and value_node in from_params and _read_in_backward(d, slot, needs_grad):
+            if reshard and value_node in from_params and _read_in_backward(d.node, slot, needs_grad):
                 again = [o for o in fwd if o.kind == "all_gather"]
                 regathers += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where + " (again)")
                               for o in again]
@@ -314,14 +314,17 @@ def make_plan(
                 gradients += [(len(bwd_colls) + k, (o.mesh_dim, val.dtype), placeholders.index(handed_back))
                               for k, o in enumerate(bwd) if o.kind == "all_reduce"]
             bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where) for o in bwd]
-    bwd_colls = _with_buckets(bwd_colls, gradients)
     for i, (d, c) in enumerate(zip(decisions, chosen)):
         fwd, bwd = _node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None
                                      else False, mesh_shape)
         entry = held.get(i) is not None and held[i] != c.outputs[0]  # else its readers' gradients summed
         what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
+        if d.node is not None and d.node.op == "placeholder":  # a graph input's gradient, handed back
+            gradients += [(len(bwd_colls) + k, (o.mesh_dim, _val(d.node).dtype), placeholders.index(d.node))
+                          for k, o in enumerate(bwd) if o.kind == "all_reduce"]
         fwd_colls = [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, what) for o in fwd] + fwd_colls
         bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, what) for o in bwd]
+    bwd_colls = _with_buckets(bwd_colls, gradients)
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + regather_s
     bwd_colls += regathers
@@ -352,12 +355,18 @@ _ADDED = {aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.addmm.default: 
           aten.addbmm.default: (0,)}
 
 
-def _read_in_backward(d: _Decision, slot: int, needs_grad: set) -> bool:
-    """Does the backward of ``d``'s op read its input ``slot``? Where another input needs a gradient (a weight
-    is read for its input's gradient), unless the op only adds that input."""
-    if d.node is None or slot in _ADDED.get(d.node.target, ()):
+def _read_in_backward(node: torch.fx.Node | None, slot: int, needs_grad: set) -> bool:
+    """Does the backward of ``node``'s op read its tensor input ``slot``? Where another input needs a gradient (a
+    weight is read for its input's gradient), unless the op only adds that input. A view's backward reads
+    nothing itself, but what its readers' backward reads of the view is its input, seen through it."""
+    if node is None or node.op != "call_function":
         return False
-    return any(v in needs_grad for k, (_, _, v) in enumerate(d.sources) if k != slot)
+    if cm.is_alias_op(node) or is_alias(node):
+        return any(_read_in_backward(user, k, needs_grad) for user in node.users
+                   for k, a in enumerate([node] if is_alias(user) else tensor_inputs(user)) if a is node)
+    if slot in _ADDED.get(node.target, ()):
+        return False
+    return any(a in needs_grad for k, a in enumerate(tensor_inputs(node)) if k != slot)
 
 
 def _why_gathered(captured, request, decisions, terms, solution, profile, time_limit_s) -> list[str]:
@@ -465,6 +474,8 @@ class _Terms:
     comm_ops: Any  # (value, src, dst, pending, grad, accumulate) -> (forward CommOps, backward CommOps)
     # edges where a choice gathers a value that must stay split (keep_split): 1 per such pair of choices
     violations: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    # edges where a pair of choices prices what no program runs (:func:`_left_to_view`): 1 per such pair
+    impossible: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
 
     def violations_of(self, choice) -> int:
         return int(sum(m[choice[u], choice[v]] for u, v, m in self.violations))
@@ -535,44 +546,59 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, keep_spl
                        for v, pl in zip(vals, c.outputs) if pl is not None)
             for c in d.candidates], dtype=float))
 
-    def comm_ops(val, src, dst, pending, grad, accumulate):
-        key = (tuple(val.shape), val.dtype, src, dst, pending, grad, accumulate, mesh_shape, profile)
+    share = _BucketShare(bucket_bytes(), sum(d.node is not None and d.node.op == "placeholder"
+                                             and d.node in needs_grad for d in decisions))
+
+    def seconds(fwd, bwd, handed_back: bool) -> float:
+        """Forward and backward collectives' seconds; a gradient ``handed_back`` has its reduction fused."""
+        return sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd) + sum(
+            cm.collective_seconds(op, mesh_shape, profile, share(op) if handed_back else 1.0) for op in bwd)
+
+    def comm_ops(val, src, dst, pending, grad, accumulate, handed_back=False):
+        key = (tuple(val.shape), val.dtype, src, dst, pending, grad, accumulate, mesh_shape, profile,
+               handed_back and share)
         if key not in _COMM_MEMO:
             item = val.element_size()
             fwd = cm.redistribute_collectives(val.shape, item, src, dst, mesh_shape)
             bwd = cm.backward_collectives(val.shape, item, src, dst, pending, mesh_shape, accumulate) if grad else []
-            secs = sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd + bwd)
-            _COMM_MEMO[key] = (fwd, bwd, secs)
+            _COMM_MEMO[key] = (fwd, bwd, seconds(fwd, bwd, handed_back))
         return _COMM_MEMO[key]
 
-    edges = []
+    edges, impossible = [], []
     for v, d in enumerate(decisions):
         for slot, (u, out_idx, value_node) in enumerate(d.sources):
             val = _val(value_node)
             grad = value_node in needs_grad
+            handed_back = grad and _gradient_handed_back(value_node) is not None
             src_cands = decisions[u].candidates
+            from_view = grad and cm.is_alias_op(decisions[u].node)
             # identical layers share candidate lists: their edge matrices are built once
             key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, grad,
-                   mesh_shape, profile, cm.is_alias_op(d.node))
+                   mesh_shape, profile, cm.is_alias_op(d.node), handed_back and share, from_view)
             m = _EDGE_MEMO.get(key)
             if m is None or m[0] is not src_cands or m[1] is not d.candidates:
+                pending = [_pending(c, slot, _passes_on(d, c)) for c in d.candidates]
                 src_keys, src_idx = _distinct([(sc.outputs[out_idx], sc.accumulate) for sc in src_cands])
-                dst_keys, dst_idx = _distinct([(c.inputs[slot], _pending(c, slot, _passes_on(d, c)))
-                                               for c in d.candidates])
-                small = np.array([[comm_ops(val, s, t, pend, grad, acc)[2] for t, pend in dst_keys]
+                dst_keys, dst_idx = _distinct([(c.inputs[slot], p) for c, p in zip(d.candidates, pending)])
+                small = np.array([[comm_ops(val, s, t, pend, grad, acc, handed_back)[2] for t, pend in dst_keys]
                                   for s, acc in src_keys])
-                m = (src_cands, d.candidates, small[np.ix_(src_idx, dst_idx)])
+                m = (src_cands, d.candidates, small[np.ix_(src_idx, dst_idx)],
+                     _left_to_view(src_cands, pending, mesh_shape) if from_view else None)
                 _EDGE_MEMO[key] = m
             edges.append((u, v, m[2]))
+            if m[3] is not None:
+                impossible.append((u, v, m[3]))
     reductions = []
     for i, d in enumerate(decisions):
         secs = np.zeros(len(d.candidates))
         for k, c in enumerate(d.candidates):
             fwd, bwd = _node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None else False,
                                          mesh_shape)
-            secs[k] = sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd + bwd)
+            # a graph input's own reductions (its readers' gradients summed) hand its gradient back
+            secs[k] = seconds(fwd, bwd, d.node is not None and d.node.op == "placeholder")
         reductions.append(secs)
-    terms = _Terms(decisions, compute, savings, memory, edges, reductions, lambda *a: comm_ops(*a)[:2])
+    terms = _Terms(decisions, compute, savings, memory, edges, reductions, lambda *a: comm_ops(*a)[:2],
+                   impossible=impossible)
     terms.violations = _violations(decisions, terms.comm_ops, keep_split, split_values)
     return terms
 
@@ -612,6 +638,22 @@ def _gathered_at(decisions, choice, violations) -> list[str]:
 # ops whose gradient is their input's, reshaped: a gradient reduced after them is the input's own
 _RESHAPES = (torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
              torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
+
+
+@dataclass(frozen=True)
+class _BucketShare:
+    """The part of its collective's fixed costs a gradient's reduction bears once exec fuses it into a bucket of
+    ``limit`` bytes (buckets.bucket_bytes): its bytes' share of a full bucket, and no less than an equal share
+    among the ``grads`` gradients of graph inputs (a small model's all fit in one bucket, whose latency they
+    then share)."""
+
+    limit: int
+    grads: int
+
+    def __call__(self, op: cm.CommOp) -> float:
+        if op.kind != "all_reduce" or self.limit <= 0:
+            return 1.0
+        return min(1.0, max(op.nbytes / self.limit, 1 / max(self.grads, 1)))
 
 
 def _gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:
@@ -659,29 +701,37 @@ def _val_of_first_output(node: torch.fx.Node) -> torch.Tensor:
 
 def _passes_on(d: _Decision, c: Candidate) -> bool:
     """Does ``d``, a view, hand its readers' pending gradient sums on to its input (the accumulating variant of a
-    view), where the value it views sums and resolves them? Exec does so at every view; a plan prices it where
-    it changes the count: a view of a value with several readers (see :func:`_offer_accumulation`)."""
+    view), where the value it views sums and resolves them? Exec does so at every view; a view's other variant
+    is for readers that leave it no pending sum (:func:`_left_to_view`)."""
     return c.accumulate and d.node is not None and cm.is_alias_op(d.node)
+
+
+def _left_to_view(view_cands: list[Candidate], pending: list[tuple[bool, ...]], mesh_shape) -> np.ndarray | None:
+    """1 where a reader leaves a pending gradient sum (over more than one rank) to a view that does not pass it
+    on: exec never resolves a sum at a view (it hands it to the value viewed), so such a pair of choices prices
+    a reduction no program runs; the view's passing variant prices the one that does. None if there is none."""
+    keeps = np.array([not c.accumulate for c in view_cands], dtype=float)
+    leaves = np.array([any(p and n > 1 for p, n in zip(pend, mesh_shape)) for pend in pending], dtype=float)
+    if not (keeps.any() and leaves.any()) or not any(c.accumulate for c in view_cands):
+        return None  # a view without the passing variant (several outputs): priced where it is read, as before
+    return np.outer(keeps, leaves)
 
 
 def _offer_accumulation(decisions: list[_Decision], needs_grad: set) -> None:
     """A single-output value read by several readers that send gradients back may sum them pending and reduce
-    once: offer each of its candidates in that variant too. A view of such a value (a tied embedding read
-    through a transpose) is offered handing its readers' pending sums on to it (:func:`_passes_on`), so that
-    all of them are summed there and reduced once."""
+    once: offer each of its candidates in that variant too. A view is offered handing its readers' pending sums
+    on to the value it views (:func:`_passes_on`), as exec does: a tied embedding's head reads it through a
+    transpose, and both readers' sums add up at the weight, reduced once."""
     readers: dict[int, int] = {}
     for d in decisions:
         for u, out_idx, value_node in d.sources:
             if value_node in needs_grad:
                 readers[u] = readers.get(u, 0) + 1
-    offered: set[int] = set()
-    for u, d in enumerate(decisions):  # in graph order: a view's input is offered before the view
+    for u, d in enumerate(decisions):
         n = readers.get(u, 0)
-        if not n or len(d.candidates[0].outputs) != 1 or d.candidates[0].outputs[0] is None:
-            continue
-        if n > 1 or (cm.is_alias_op(d.node) and d.sources[0][0] in offered):
+        if (n > 1 or n and cm.is_alias_op(d.node)) and len(d.candidates[0].outputs) == 1 \
+                and d.candidates[0].outputs[0] is not None:
             d.candidates = with_accumulation(d.candidates)
-            offered.add(u)
 
 
 def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s: float):
@@ -696,8 +746,9 @@ def _solve_level(level: int, t: _Terms, profile: cm.DeviceProfile, time_limit_s:
     upper_time = sum(float(c.max()) for c in unary_time) + sum(float(m.max()) for _, _, m in t.edges) + 1e-12
 
     def kept_split(edges, scale):
-        # one gather of a value that must stay split outweighs everything the objective can gain elsewhere
-        return edges + [(u, v, (10 * scale + 1) * m) for u, v, m in t.violations]
+        # one gather of a value that must stay split, or one pair of choices no program runs, outweighs
+        # everything the objective can gain elsewhere
+        return edges + [(u, v, (10 * scale + 1) * m) for u, v, m in t.violations + t.impossible]
 
     time_problem = Problem(unary_time, kept_split(t.edges, upper_time))
     if level == 2:

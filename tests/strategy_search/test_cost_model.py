@@ -36,6 +36,12 @@ def test_alpha_beta_ring_formulas(kind, hops, volume):
     assert cm.collective_seconds(cm.CommOp(kind, 0, nbytes), (1,), p) == 0.0  # a dim of one rank moves nothing
 
 
+def test_a_fused_reduction_bears_its_share_of_the_latency():
+    p, op = cm.CPU, cm.CommOp("all_reduce", 0, 1 << 20)
+    whole, quarter = cm.collective_seconds(op, (4,), p), cm.collective_seconds(op, (4,), p, latency_share=0.25)
+    assert whole - quarter == pytest.approx(0.75 * (p.launch_s + 2 * 3 * p.alpha_s))
+
+
 @pytest.mark.parametrize("src, dst, kinds", [
     ((Shard(0),), (Replicate(),), ["all_gather"]),
     ((Partial(),), (Replicate(),), ["all_reduce"]),

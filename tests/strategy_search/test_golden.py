@@ -62,6 +62,23 @@ def test_alpa_mlp_large_batch_plans_data_parallel(level):
     assert all(w.is_replicate() for w in _weights(plan))
 
 
+def test_gradient_reductions_fused_in_one_bucket_share_one_latency(monkeypatch):
+    # data parallel's 4 weight gradients (1 MiB each) fit one 25 MiB bucket, which exec runs as one all-reduce:
+    # the estimate counts one collective's latency for the four, not four
+    from shardfn.strategy_search import cost_model as cm
+
+    def comm_s():
+        x = torch.empty(16384, 512, device="meta")
+        return sf.explain(_mlp_module(512, 4), x, in_strategy=(None,), out_strategy=((4, 1),), world_size=4,
+                          level=2, device="cuda").cost.comm_s
+
+    fused = comm_s()
+    monkeypatch.setenv("SHARDFN_BUCKET_MB", "0")  # fusion off: each gradient its own all-reduce
+    op = cm.CommOp("all_reduce", 0, 512 * 512 * 4)
+    latency = cm.collective_seconds(op, (4,), cm.H100) - cm.collective_seconds(op, (4,), cm.H100, latency_share=0)
+    assert comm_s() - fused == pytest.approx(3 * latency)
+
+
 def test_whole_weights_passed_to_a_function_pay_for_their_gradients():
     # the same small-batch MLP as a function of whole weights: a sharded weight's gradient must be gathered
     # back whole (8192^2 floats), which costs more than the compute it saves: the plan stays replicated
