@@ -11,6 +11,8 @@ rank working at once (so ranks sharing a machine see each other's load, as in tr
   operand: the cost model's alpha-beta formula solved for both (the whole latency counted per hop, none as a
   fixed launch cost). In a world of one these stay the built-in profile's.
 
+Each figure is the lower quartile of repeated timings (noise on a shared machine only adds time).
+
 The slowest rank's times are used by all, so every rank plans with the same profile (ranks that plan
 differently are stopped by the agreement check).
 """
@@ -42,10 +44,16 @@ def _timed(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - start
 
 
+def _typical(seconds: list[float]) -> float:
+    """The lower quartile of repeated timings: a busy machine only ever adds time (a rank descheduled while its
+    peer waits), in spells that moved the median of ten collectives fourfold between two calibrations here."""
+    return statistics.quantiles(seconds, n=4)[0]
+
+
 def _seconds(fn: Callable[[], object], device: str, repeat: int) -> float:
-    """The median seconds of ``fn`` (after one warm-up run)."""
+    """The typical seconds of ``fn`` (after one warm-up run)."""
     _timed(fn, device)
-    return statistics.median(_timed(fn, device) for _ in range(repeat))
+    return _typical([_timed(fn, device) for _ in range(repeat)])
 
 
 def _matmul_flops(dtype: torch.dtype, device: str, n: int, repeat: int) -> float:
@@ -97,7 +105,7 @@ def _collectives(world: int, device: str, repeat: int) -> tuple[tuple[str, float
                 return _timed(lambda: funcol.wait_tensor(op(x)), device)
 
             once()
-            timed.append(statistics.median(once() for _ in range(repeat)))
+            timed.append(_typical([once() for _ in range(2 * repeat)]))
     timed = _slowest(timed, device)
     out = []
     for k, kind in enumerate(run):
