@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -499,6 +499,16 @@ _VIOLATION_MEMO: dict = {}
 _COMM_MEMO: dict = {}
 
 
+def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: list, build: Callable[[], Any]):
+    """``build()`` once per pair of candidate lists (``key`` holds their ids): identical layers share candidate
+    lists, and with them what is built for their edges. The entry keeps the lists, so their ids are not reused
+    while it stands."""
+    hit = memo.get(key)
+    if hit is None or hit[0] is not src_cands or hit[1] is not dst_cands:
+        hit = memo[key] = (src_cands, dst_cands, build())
+    return hit[2]
+
+
 def _splits(placements: Placements, dims: tuple[int, ...]) -> bool:
     return any(isinstance(placements[d], Shard) for d in dims)
 
@@ -572,22 +582,22 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, keep_spl
             handed_back = grad and _gradient_handed_back(value_node) is not None
             src_cands = decisions[u].candidates
             from_view = grad and cm.is_alias_op(decisions[u].node)
-            # identical layers share candidate lists: their edge matrices are built once
             key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, grad,
                    mesh_shape, profile, cm.is_alias_op(d.node), handed_back and share, from_view)
-            m = _EDGE_MEMO.get(key)
-            if m is None or m[0] is not src_cands or m[1] is not d.candidates:
+
+            def build():
                 pending = [_pending(c, slot, _passes_on(d, c)) for c in d.candidates]
                 src_keys, src_idx = _distinct([(sc.outputs[out_idx], sc.accumulate) for sc in src_cands])
                 dst_keys, dst_idx = _distinct([(c.inputs[slot], p) for c, p in zip(d.candidates, pending)])
                 small = np.array([[comm_ops(val, s, t, pend, grad, acc, handed_back)[2] for t, pend in dst_keys]
                                   for s, acc in src_keys])
-                m = (src_cands, d.candidates, small[np.ix_(src_idx, dst_idx)],
-                     _left_to_view(src_cands, pending, mesh_shape) if from_view else None)
-                _EDGE_MEMO[key] = m
-            edges.append((u, v, m[2]))
-            if m[3] is not None:
-                impossible.append((u, v, m[3]))
+                return (small[np.ix_(src_idx, dst_idx)],
+                        _left_to_view(src_cands, pending, mesh_shape) if from_view else None)
+
+            matrix, forbidden = _per_candidate_lists(_EDGE_MEMO, key, src_cands, d.candidates, build)
+            edges.append((u, v, matrix))
+            if forbidden is not None:
+                impossible.append((u, v, forbidden))
     reductions = []
     for i, d in enumerate(decisions):
         secs = np.zeros(len(d.candidates))
@@ -614,18 +624,18 @@ def _violations(decisions, comm_ops, keep_split, split_values) -> list[tuple[int
                 continue
             val = _val(value_node)
             src_cands = decisions[u].candidates
-            # identical layers share candidate lists: their matrices are built once (as _terms' edges)
             key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, keep_split)
-            m = _VIOLATION_MEMO.get(key)
-            if m is None or m[0] is not src_cands or m[1] is not d.candidates:
+
+            def build():
                 src_keys, src_idx = _distinct([sc.outputs[out_idx] for sc in src_cands])
                 dst_keys, dst_idx = _distinct([c.inputs[slot] for c in d.candidates])
                 bad = np.array([[float(_gathers(comm_ops(val, a, b, (), False, False)[0], keep_split))
                                  for b in dst_keys] for a in src_keys])
-                m = (src_cands, d.candidates, bad[np.ix_(src_idx, dst_idx)] if bad.any() else None)
-                _VIOLATION_MEMO[key] = m
-            if m[2] is not None:
-                found.append((u, v, m[2]))
+                return bad[np.ix_(src_idx, dst_idx)] if bad.any() else None
+
+            bad = _per_candidate_lists(_VIOLATION_MEMO, key, src_cands, d.candidates, build)
+            if bad is not None:
+                found.append((u, v, bad))
     return found
 
 
