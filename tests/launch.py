@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -56,10 +59,32 @@ def run_mpirun(script: str, nproc: int, *args: str, timeout: float = 600):
 
 
 def check(result: subprocess.CompletedProcess) -> str:
+    # the tail of eight ranks' tracebacks shows two or three of them: every rank's own error line comes first
+    errors = dict.fromkeys(line for line in result.stderr.splitlines()
+                           if re.match(r"(\[rank\d+\]: )?\w*(Error|Exception)\b", line))
     assert result.returncode == 0, (
-        f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr[-6000:]}"
+        f"exit {result.returncode}\nstdout:\n{result.stdout}\nerrors:\n" + "\n".join(errors) +
+        f"\nstderr:\n{result.stderr[-6000:]}"
     )
     return result.stdout
+
+
+# How the intermittent failure inside torch's C++ code (README, "Known open problem") ends a launched run: a rank
+# killed by a signal, or every rank stuck in one collective until gloo's transport times out
+_INTERMITTENT = re.compile(r"exited on signal|Signal \d+ \(SIG|Segmentation fault|"
+                           r"gloo/transport/tcp/unbound_buffer\.cc:\d+\] Timed out waiting")
+
+
+def succeeds(launch: Callable[..., subprocess.CompletedProcess], script: str, *args: Any, **kwargs: Any) -> str:
+    """``launch(script, *args, **kwargs)``'s stdout, checked. A run that ended in the intermittent failure is said
+    aloud and run once more, which must pass in full (as tests/harness.py's rank pool does)."""
+    result = launch(script, *args, **kwargs)
+    if result.returncode != 0 and _INTERMITTENT.search(result.stderr):
+        first = next(line for line in result.stderr.splitlines() if _INTERMITTENT.search(line))
+        warnings.warn(f"{script}: {first.strip()}; running it again", RuntimeWarning, stacklevel=2)
+        print(f"launch: {script}: {first.strip()}; running it again", file=sys.stderr, flush=True)
+        result = launch(script, *args, **kwargs)
+    return check(result)
 
 
 def run_ranks(script: str, envs: list[dict[str, str]], *args: str, timeout: float = 120):

@@ -157,8 +157,8 @@ def test_an_error_on_one_rank_stops_every_rank_and_the_world_goes_on(ranks):
 
 @pytest.mark.parametrize("name", ["uneven data_parallel batch", "in_strategy differs"])
 def test_under_mpirun_every_rank_reports_the_error(name):
-    from tests.launch import check, run_mpirun
+    from tests.launch import run_mpirun, succeeds
 
-    out = check(run_mpirun("tests/scripts/disagree.py", 4, name, timeout=120))
+    out = succeeds(run_mpirun, "tests/scripts/disagree.py", 4, name, timeout=120)
     for r in range(4):
         assert f"rank {r}: ValueError after" in out and "not making the same call" in out, out

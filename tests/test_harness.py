@@ -1,14 +1,17 @@
 """The real-rank pool reports a rank that dies at once (not after the others' timeout) and starts afresh; a rank
-killed by a signal gets one rerun on fresh ranks, said aloud, and a second crash fails."""
+killed by a signal gets one rerun on fresh ranks, said aloud, and a second crash fails. A launched run (mpirun,
+torchrun) that ends in the same intermittent failure is run once more, alike."""
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 import torch.distributed as dist
 
 from tests.harness import RankPool
+from tests.launch import succeeds
 
 
 def _exit_on_rank_one():
@@ -51,3 +54,40 @@ def test_a_crashed_rank_is_rerun_once_then_fails():
         assert pool.run(_rank) == [0, 1]
     finally:
         pool.close()
+
+
+_STUCK = ("[rank1]: RuntimeError: [/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 300000ms "
+          "for send operation to complete")
+
+
+def _launches(*outcomes):
+    """A stand-in launcher answering each run with the next (exit code, stderr); the scripts it was asked for."""
+    asked, left = [], list(outcomes)
+
+    def launch(script, *args, **kwargs):
+        asked.append((script, args, kwargs))
+        code, err = left.pop(0)
+        return subprocess.CompletedProcess([script], code, stdout=f"out {len(asked)}", stderr=err)
+
+    return launch, asked
+
+
+@pytest.mark.parametrize("failure", [_STUCK, "mpirun noticed that process rank 3 with PID 7 on node x exited on "
+                                               "signal 11 (Segmentation fault)."])
+def test_a_launch_that_ends_in_the_intermittent_failure_runs_once_more(failure):
+    launch, asked = _launches((1, failure), (0, ""))
+    with pytest.warns(RuntimeWarning, match="samples/x.py: .*; running it again"):
+        assert succeeds(launch, "samples/x.py", 8, timeout=5) == "out 2"
+    assert asked == [("samples/x.py", (8,), {"timeout": 5})] * 2
+
+    launch, asked = _launches((1, failure), (1, failure))  # a second time fails the test
+    with pytest.warns(RuntimeWarning), pytest.raises(AssertionError, match="exit 1"):
+        succeeds(launch, "samples/x.py", 8)
+    assert len(asked) == 2
+
+
+def test_a_launch_that_fails_otherwise_is_not_run_again():
+    launch, asked = _launches((1, "[rank0]: ValueError: in_strategy[0] splits dim 0 of size 6 over 4"), (0, ""))
+    with pytest.raises(AssertionError, match=r"errors:\n\[rank0\]: ValueError: in_strategy"):
+        succeeds(launch, "samples/x.py", 4)
+    assert len(asked) == 1

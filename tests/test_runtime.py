@@ -4,7 +4,7 @@ import pytest
 
 from shardfn.runtime import DEFAULT_MASTER_PORT, detect_launch
 from tests.harness import free_port
-from tests.launch import check, run_mpirun, run_python, run_ranks, run_torchrun
+from tests.launch import run_mpirun, run_python, run_ranks, run_torchrun, succeeds
 
 
 @pytest.mark.parametrize(
@@ -39,18 +39,18 @@ def test_default_port_is_documented():
 
 
 def test_plain_python_is_a_world_of_one():
-    out = check(run_python("tests/scripts/init_report.py"))
+    out = succeeds(run_python, "tests/scripts/init_report.py")
     assert "launcher=none rank=0 world=1 backend=gloo sum=1" in out
 
 
 def test_torchrun_four_ranks():
-    out = check(run_torchrun("tests/scripts/init_report.py", 4))
+    out = succeeds(run_torchrun, "tests/scripts/init_report.py", 4)
     for r in range(4):
         assert f"launcher=torchrun rank={r} world=4 backend=gloo sum=4" in out
 
 
 def test_mpirun_four_ranks():
-    out = check(run_mpirun("tests/scripts/init_report.py", 4))
+    out = succeeds(run_mpirun, "tests/scripts/init_report.py", 4)
     for r in range(4):
         assert f"launcher=Open MPI rank={r} world=4 backend=gloo sum=4" in out
 

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.launch import check, run_mpirun, run_torchrun
+from tests.launch import run_mpirun, run_torchrun, succeeds
 
 LAUNCHERS = {"mpirun": run_mpirun, "torchrun": run_torchrun}
 
@@ -17,7 +17,7 @@ def ranks_reporting(out: str, pattern: str) -> set[int]:
 
 @pytest.mark.parametrize("launcher, n", [("torchrun", 4)])
 def test_dense_relu(launcher, n):
-    out = check(LAUNCHERS[launcher]("samples/dense_relu.py", n))
+    out = succeeds(LAUNCHERS[launcher], "samples/dense_relu.py", n)
     split = re.escape(str((4, 2) if n % 8 == 0 else (n, 1)))
     assert ranks_reporting(out, rf"rank (\d+)/{n}: dense_relu in_strategy=\({split}, None, None\) matches eager") \
         == set(range(n)), out
@@ -25,7 +25,7 @@ def test_dense_relu(launcher, n):
 
 
 def test_shard_cell_mpirun_8():
-    out = check(run_mpirun("samples/shard_cell.py", 8))
+    out = succeeds(run_mpirun, "samples/shard_cell.py", 8)
     assert ranks_reporting(out, r"rank (\d+)/8: shard_cell block1 \(8, 1\) \+ block2 \(1, 8\) trains like eager") \
         == set(range(8)), out
     assert "shardfn plan" in out
@@ -33,7 +33,7 @@ def test_shard_cell_mpirun_8():
 
 @pytest.mark.parametrize("launcher", ["torchrun"])
 def test_mlp_parallel_4(launcher):
-    out = check(LAUNCHERS[launcher]("samples/mlp_parallel.py", 4))
+    out = succeeds(LAUNCHERS[launcher], "samples/mlp_parallel.py", 4)
     for config in ("dp", "tp", "dp2 x tp2"):
         assert ranks_reporting(out, rf"rank (\d+)/4: mlp {config} trains like single process") == set(range(4)), \
             f"{config}:\n{out}"
@@ -41,7 +41,7 @@ def test_mlp_parallel_4(launcher):
 
 @pytest.mark.parametrize("launcher, n", [("mpirun", 8)])
 def test_pipeline_hybrid(launcher, n):
-    out = check(LAUNCHERS[launcher]("samples/pipeline_hybrid.py", n))
+    out = succeeds(LAUNCHERS[launcher], "samples/pipeline_hybrid.py", n)
     assert ranks_reporting(out, rf"rank (\d+)/{n}: pipeline_hybrid stage \d trains like single process") \
         == set(range(n)), out
     assert "bubble fraction 0.200" in out  # rank 0's explain(): 2 stages, 4 micro-batches, 1F1B
