@@ -157,7 +157,8 @@ class _Engine:
         if self.module is not None:
             self._relay_parameters(compiled, mesh)
             self.params_laid_out = True
-        compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled=not runtime.is_simulated())
+        compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled=not runtime.is_simulated(),
+                                 name=self.name)
         self.cache[key] = compiled
         return compiled
 

@@ -20,6 +20,7 @@ import time
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
@@ -65,6 +66,27 @@ def _in_traced_strides(boxed: Callable, example_inputs: list) -> Callable:
 
     run._boxed_call = True  # AOTAutograd's calling convention: one list, which the callee may clear
     return run
+
+
+def _saying_where(run: Callable, program: str, graph: str) -> Callable:
+    """``run`` (a boxed graph) whose errors also say which sharded callable's graph raised them, in which of its
+    calls on this rank: a collective that times out names only its transport's source line, and each rank prints
+    its own, so ranks stuck in different calls (or in one) show in their reports."""
+    calls = 0
+
+    def saying(args: list) -> Any:
+        nonlocal calls
+        calls += 1
+        try:
+            return run(args)
+        except Exception as e:
+            if hasattr(e, "add_note"):  # Python >= 3.11
+                rank = f"rank {dist.get_rank()}: " if dist.is_initialized() else ""
+                e.add_note(f"shardfn: {rank}raised in the {graph} graph of {program}, its call {calls} here")
+            raise
+
+    saying._boxed_call = True
+    return saying
 
 
 def _tracing_context(gm: torch.fx.GraphModule):
@@ -186,8 +208,8 @@ class ParallelProgram:
     DTensors, in the order of ``plan.inputs``); returns the flat tensor outputs: DTensors where
     ``plan.returns_dtensor`` says so, else plain local tensors (a whole value, or this rank's batch slice)."""
 
-    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool):
-        self.captured, self.plan, self.mesh = captured, plan, mesh
+    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool, name: str = "fn"):
+        self.captured, self.plan, self.mesh, self.name = captured, plan, mesh, name
         self.entries, self.as_dtensor = plan.inputs, plan.returns_dtensor
         self.graphs: dict[str, torch.fx.GraphModule] = {}  # the traced per-rank graphs, after the passes
         self.runners: dict[str, Callable] = {}  # what runs each: the graph itself, or Inductor's code of it
@@ -313,7 +335,7 @@ class ParallelProgram:
                 # Inductor plans its own buffers: the graph it gets stays functional (no in-place rewrites)
                 self.graphs[name] = simplify(gm, in_place=not inductor)
                 if not inductor:
-                    self.runners[name] = boxed_graph(gm)
+                    self.runners[name] = _saying_where(boxed_graph(gm), self.name, name)
                     return self.runners[name]
                 import torch._inductor.config
                 from torch._inductor.compile_fx import compile_fx_inner
@@ -334,8 +356,8 @@ class ParallelProgram:
                 _log.info("shardfn: Inductor %s in %.1f s", done, self.compile_s[name])
                 self.plan.notes.append(f"Inductor {done} in {self.compile_s[name]:.1f} s "
                                        "(first call of this signature)")
-                self.runners[name] = boxed
-                return boxed
+                self.runners[name] = _saying_where(boxed, self.name, name)
+                return self.runners[name]
 
             return compiler
 
@@ -486,7 +508,9 @@ class GraphStep(torch.autograd.Function):
         return (None, *wrapped, *local[len(wrapped):ctx.n_args])
 
 
-def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool = True) -> ParallelProgram:
+def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool = True,
+          name: str = "fn") -> ParallelProgram:
     """The program that runs ``plan`` on this rank. ``compiled``: traced into local forward/backward graphs on the
-    first call (real process groups); else interpreted over DTensors on every call (simulated worlds)."""
-    return ParallelProgram(captured, plan, mesh, compiled)
+    first call (real process groups); else interpreted over DTensors on every call (simulated worlds). ``name``:
+    the sharded callable's, for error messages."""
+    return ParallelProgram(captured, plan, mesh, compiled, name)

@@ -320,3 +320,30 @@ def _kept_buckets_body():
 
 def test_gradients_in_kept_buckets_accumulate_and_stay_as_eager(gloo4):
     assert gloo4.run(_kept_buckets_body) == [1] * 4
+
+
+def solve_rows(a, b):
+    return torch.linalg.solve(a, b)
+
+
+def _runtime_error_body():
+    torch.manual_seed(0)  # the same b on every rank
+    f = sf.shard(solve_rows, in_strategy=(None, (1, 4)))
+    a, b = torch.eye(6) * 2, torch.randn(6, 8)
+    torch.testing.assert_close(f(a, b), b / 2)
+    try:
+        f(torch.zeros(6, 6), b)  # the same signature: the traced graph runs, and its check fails on every rank
+    except RuntimeError as e:
+        return str(e), getattr(e, "__notes__", [])
+    raise AssertionError("a singular matrix was solved")
+
+
+def test_an_error_inside_a_graph_names_the_callable_and_its_call(gloo4):
+    import sys
+
+    results = gloo4.run(_runtime_error_body)
+    for rank, (message, notes) in enumerate(results):
+        assert "singular" in message, message
+        if sys.version_info >= (3, 11):
+            assert notes == [f"shardfn: rank {rank}: raised in the forward graph of solve_rows, its call 2 here"], \
+                notes
