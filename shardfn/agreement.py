@@ -9,9 +9,16 @@ gathers every rank's readable description, and every rank raises the same error 
 So ranks that disagree (a different strategy, a smaller last batch, a skipped call, another order of calls, a
 failure on one rank) get an error on every rank, never a hang or a wrong number.
 
-``SHARDFN_CHECK`` sets what is compared: ``signature`` (default, as above), ``values`` (also a digest of the bytes
-of every full-batch input, whose values must be equal on every rank), ``first`` (only the first call of each
-signature: no collective on repeat calls).
+The values that must be equal on every rank are compared too, by digests of their bytes: every full-batch input
+(dataset_strategy="full_batch": the whole batch, the same on every rank), every replicated input DTensor, and, on
+a module's first call, its replicated parameters and its buffers (laid out from each rank's own copy, so a model
+initialised with different random numbers on each rank would train diverging replicas). A rank whose batch or
+model differs (no seed, another seed, a distributed sampler in full-batch mode) would compute wrong numbers
+without a word.
+
+``SHARDFN_CHECK`` sets what is compared: ``signature`` (default: the signature on every call, the values on each
+signature's first call), ``values`` (the input values on every call too), ``first`` (signature and values on the
+first call of each signature only: no collective on repeat calls).
 """
 
 from __future__ import annotations
@@ -19,14 +26,14 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from . import runtime
 
-__all__ = ["Agreement", "CHECK_MODES", "check_mode", "digest", "values_digest"]
+__all__ = ["Agreement", "CHECK_MODES", "check_mode", "digest", "tensor_digest"]
 
 CHECK_MODES = ("signature", "values", "first")
 
@@ -43,18 +50,23 @@ def digest(text: str) -> int:
     return int.from_bytes(hashlib.sha1(text.encode()).digest()[:8], "big") >> 2
 
 
-def values_digest(tensors: list[torch.Tensor]) -> int:
-    """A digest of tensors' bytes (integer arithmetic: the same whatever the threads or the reduction order)."""
-    total = 0
-    for t in tensors:
-        t = t.detach()
-        if t.is_floating_point() or t.is_complex():
-            t = t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-        flat = t.reshape(-1).long()
-        weights = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64) * 1000003
-        pair = torch.stack([flat.sum(), (flat * weights).sum()]).tolist()
-        total = digest(f"{total}:{pair}")
-    return total
+_CHUNK = 1 << 22  # elements summed at once: a digest of a large tensor needs no copy of it as wide integers
+
+
+def tensor_digest(t: torch.Tensor) -> int:
+    """A digest of a tensor's bytes (integer arithmetic: the same whatever the threads or the reduction order)."""
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.is_floating_point():
+        t = t.contiguous().view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    flat = t.reshape(-1)
+    sums = []
+    for start in range(0, flat.numel(), _CHUNK):
+        part = flat[start:start + _CHUNK].long()
+        weights = torch.arange(start + 1, start + part.numel() + 1, device=part.device, dtype=torch.int64) * 1000003
+        sums += [part.sum(), (part * weights).sum()]
+    return digest(f"{tuple(t.shape)}:{torch.stack(sums).tolist() if sums else []}")
 
 
 _SEQUENCE: dict = {}  # calls of sharded callables made by this process, per set of ranks they run on
@@ -69,21 +81,31 @@ class Agreement:
     describe: dict[str, str] = field(default_factory=dict)  # field -> readable value (for messages)
     ranks: tuple[int, ...] | None = None  # the ranks the call runs on (None: the world)
 
-    def check(self, first: bool, error: BaseException | None = None, values: int = 0) -> None:
-        """Compare with every other rank (no-op in a world of one); raise on every rank if anything differs."""
+    def check(self, first: bool, error: BaseException | None = None,
+              values: Callable[[], dict[str, int]] | None = None) -> None:
+        """Compare with every other rank (no-op in a world of one); raise on every rank if anything differs.
+        ``values``: gives the digests of the values that must be equal on every rank, by name (see the module's
+        doc); called only where there are other ranks."""
         group = _group(self.ranks)
         if group is None:
             if error is not None:
                 raise error
             return
         _SEQUENCE[self.ranks] = sequence = _SEQUENCE.get(self.ranks, 0) + 1
-        mine = [self.signature, sequence, int(first), 0 if error is None else 1, values]
+        digests: dict[str, int] = {}
+        if values is not None and error is None:
+            try:  # a failure here is this rank's failure to prepare the call: the others hear of it, none waits
+                digests = values()
+            except Exception as e:  # noqa: BLE001 - re-raised below, reported on the others
+                error = e
+        mine = [self.signature, sequence, int(first), 0 if error is None else 1,
+                digest(repr(sorted(digests.items())))]
         both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         top, low = both[: len(mine)].tolist(), [-v for v in both[len(mine):].tolist()]
         if top == low and error is None:
             return
-        self._disagree(group, error, values)
+        self._disagree(group, error, digests)
 
     def check_program(self, graph: str, plan: str) -> None:
         """A first call, once all agree on the signature: the traced graph and the plan must agree too."""
@@ -95,17 +117,18 @@ class Agreement:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         if both[:2].tolist() != mine or [-v for v in both[2:].tolist()] != mine:
             self.describe = {**self.describe, "traced graph": graph, "plan": plan}
-            self._disagree(group, None, 0)
+            self._disagree(group, None, {})
 
-    def _disagree(self, group, error: BaseException | None, values: int) -> None:
+    def _disagree(self, group, error: BaseException | None, values: dict[str, int]) -> None:
         """Second exchange: every rank's description and error; the same message raised everywhere."""
-        me = {"sequence": str(_SEQUENCE.get(self.ranks, 0)), **self.describe}
-        if values:
-            me["input values"] = f"digest {values:x}"
+        me = {"sequence": str(_SEQUENCE.get(self.ranks, 0)), **self.describe,
+              **{f"values of {name}": f"digest {v:x}" for name, v in values.items()}}
         failure = None if error is None else f"{type(error).__name__}: {error}"
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (me, failure), group=group)
         failed = [r for r, (_, f) in enumerate(everyone) if f is not None]
+        if failed:  # a rank that failed gave no values: only its failure is news
+            everyone = [({k: v for k, v in d.items() if not k.startswith("values of ")}, f) for d, f in everyone]
         ranks = dist.get_process_group_ranks(group)
         if error is not None and len({f for _, f in everyone}) == 1:
             raise error  # every rank failed alike in its own checks: its own error, as in a world of one
@@ -116,12 +139,22 @@ class Agreement:
             lines += _differs("could not prepare this call", [f or "(prepared)" for _, f in everyone], ranks)
         if not lines:  # the same call, but some rank made more calls: one skipped or repeated one
             lines = _differs("calls made so far", [d["sequence"] for d, _ in everyone], ranks)
+        if any(line.startswith("  values of ") for line in lines):
+            lines.append(_VALUES_DIFFER)
         message = ("shardfn: the ranks are not making the same call, so its collectives would not match (a "
                    "hang or wrong numbers); every rank stops here. What differs:\n" + "\n".join(lines) + "\n"
                    "Every rank must call sharded callables in the same order with the same strategies and arguments "
                    "of the same shapes, dtypes and layouts (with dataset_strategy='data_parallel', equal batch "
                    "slices: drop or pad an uneven last batch).")
         raise ValueError(message) from error
+
+
+_VALUES_DIFFER = (
+    "  Values that every rank must hold alike differ: with dataset_strategy='full_batch' each tensor input is the "
+    "whole batch, and a replicated parameter is laid out from each rank's own copy. Make them equal on every rank "
+    "(the same torch.manual_seed before building the model and drawing the data, one data order and no distributed "
+    "sampler, or torch.distributed.broadcast from one rank), or give each rank its slice of the batch with "
+    "dataset_strategy='data_parallel'.")
 
 
 def _differs(what: str, per_rank: list[str], ranks: list[int]) -> list[str]:

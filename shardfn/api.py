@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from . import runtime
-from .agreement import Agreement, check_mode, digest, values_digest
+from .agreement import Agreement, check_mode, digest, tensor_digest
 from .arguments import BoundCall, bind, call_key
 from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.graph import CapturedGraph
@@ -76,7 +76,8 @@ class _Engine:
         if compiled is None:
             compiled = self._first_call(key, args, kwargs, arrived)
         elif check_mode() != "first":
-            compiled.agreement.check(first=False, values=self._values(tensors))
+            compiled.agreement.check(first=False, values=(lambda: self._values(args, kwargs))
+                                     if check_mode() == "values" else None)
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
         return compiled.captured.result(outs, tensors, objects)
 
@@ -151,7 +152,11 @@ class _Engine:
             compiled.agreement = agreement
         except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
             error = e
-        agreement.check(first=True, error=error, values=self._values(call_key(args, kwargs)[1]))
+        # a model's replicas are compared once, before its first step: later, kernels that sum in no fixed order
+        # (atomics on a GPU) may leave replicated parameters apart in their last bits, harmlessly
+        first_step = not self.params_laid_out
+        agreement.check(first=True, error=error, values=lambda: {
+            **self._values(args, kwargs), **(self._replicated_state() if first_step else {})})
         agreement.check_program(compiled.captured.gm.code, str(compiled.plan))
         mesh = runtime.device_mesh(compiled.mesh_spec, device, self._ranks())
         if self.module is not None:
@@ -329,10 +334,18 @@ class _Engine:
         return {"callable": self._identity().split("|")[0], **config, "tensor inputs": described,
                 "other arguments": f"{others} in {spec}", "mode": mode}
 
-    def _values(self, tensors: list[torch.Tensor]) -> int:
-        if check_mode() != "values" or self.config.dataset_strategy != "full_batch":
-            return 0
-        return values_digest([t for t in tensors if not isinstance(t, DTensor)])
+    def _values(self, args, kwargs) -> dict[str, int]:
+        """Digests of the tensor inputs that every rank holds alike: whole full-batch inputs, replicated DTensors."""
+        tensors, names, _ = split_arguments(args, kwargs, names=True)
+        alike = {name: _local_if_replicated(t) for name, t in zip(names, tensors)
+                 if self.config.dataset_strategy == "full_batch" or isinstance(t, DTensor)}
+        return {name: tensor_digest(t) for name, t in alike.items() if t is not None}
+
+    def _replicated_state(self) -> dict[str, int]:
+        """Digests of the parameters and buffers that every rank holds alike (replicated, or plain tensors)."""
+        params, buffers = self._state()
+        alike = {name: _local_if_replicated(t) for name, t in {**params, **buffers}.items()}
+        return {name: tensor_digest(t) for name, t in alike.items() if t is not None}
 
     # -- module state ------------------------------------------------------------------------------------------
 
@@ -466,6 +479,14 @@ def _alias_names(strategies) -> dict:
             for i, n in enumerate(s.alias_name):
                 names[Axis(s.device_matrix[i], math.prod(s.device_matrix[i + 1 :]))] = n
     return names
+
+
+def _local_if_replicated(t: torch.Tensor) -> torch.Tensor | None:
+    """What of ``t`` must be equal on every rank: a plain tensor, or a replicated DTensor's local tensor (a split
+    one holds another piece on each rank)."""
+    if not isinstance(t, DTensor):
+        return t
+    return t.to_local() if all(p.is_replicate() for p in t.placements) else None
 
 
 # --- public objects -----------------------------------------------------------------------------------------

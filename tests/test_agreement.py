@@ -61,6 +61,7 @@ def _different_dtype():
 
 
 def _uneven_last_batch():
+    torch.manual_seed(0)  # the same model on every rank
     m = sf.shard(nn.Linear(16, 12), in_strategy=(None,), dataset_strategy="data_parallel")
     m(torch.randn(2, 16))
     m(torch.randn(_odd(1, 2), 16))
@@ -88,12 +89,25 @@ def _structure_differs():
 
 
 def _values_differ():
+    x = _args()[0] + _odd(1.0, 0.0)  # a full batch drawn differently on one rank (another seed)
+    sf.shard(lambda t: t * 2, in_strategy=((4, 1),))(x)
+
+
+def _values_differ_later():
     os.environ["SHARDFN_CHECK"] = "values"
     try:
-        x = _args()[0] + _odd(1.0, 0.0)
-        sf.shard(lambda t: t * 2, in_strategy=((4, 1),))(x)
+        f = sf.shard(lambda t: t * 2, in_strategy=((4, 1),))
+        f(_args()[0])
+        f(_args()[0] + _odd(1.0, 0.0))
     finally:
         del os.environ["SHARDFN_CHECK"]
+
+
+def _model_initialised_apart():
+    torch.manual_seed(_odd(1, 0))  # rank 3 builds its model from other random numbers
+    model = sf.shard(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)), in_strategy=((4, 1),),
+                     parameter_plan={"0.weight": (4, 1)})  # a split parameter holds another piece on every rank
+    model(_args()[0])
 
 
 def _a_skipped_call():
@@ -114,7 +128,10 @@ CASES = {
     "shapes change on one rank later": (_shapes_change_on_one_rank_later, ["rank 3: input 0 (16, 16)"]),
     "another call order": (_other_call_order, ["callable", "<lambda>", "dense_relu"]),
     "traced structure differs": (_structure_differs, ["traced graph"]),
-    "input values differ (SHARDFN_CHECK=values)": (_values_differ, ["input values", "rank 3: digest"]),
+    "input values differ": (_values_differ, ["values of input 0: ranks 0,1,2: digest", "torch.manual_seed"]),
+    "input values differ later (SHARDFN_CHECK=values)": (_values_differ_later, ["values of input 0: ranks 0,1,2"]),
+    "a model initialised apart": (_model_initialised_apart, ["values of 0.bias: ranks 0,1,2", "values of 2.weight",
+                                                             "values of 2.bias", "before building the model"]),
     "a skipped call": (_a_skipped_call, ["callable", "dense_relu", "<lambda>"]),
 }
 
