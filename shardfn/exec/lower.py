@@ -332,8 +332,10 @@ class ParallelProgram:
 
         def keep(name):
             def compiler(gm: torch.fx.GraphModule, example_inputs):
-                # Inductor plans its own buffers: the graph it gets stays functional (no in-place rewrites)
-                self.graphs[name] = simplify(gm, in_place=not inductor)
+                # Inductor plans its own buffers: the graph it gets stays functional (no in-place rewrites);
+                # gloo runs one collective at a time (passes._one_in_flight)
+                self.graphs[name] = simplify(gm, in_place=not inductor,
+                                             one_in_flight=self.mesh.device_type == "cpu")
                 if not inductor:
                     self.runners[name] = _saying_where(boxed_graph(gm), self.name, name)
                     return self.runners[name]
