@@ -14,7 +14,7 @@ The values that must be equal on every rank are compared too, by digests of thei
 a module's first call, its replicated parameters and its buffers (laid out from each rank's own copy, so a model
 initialised with different random numbers on each rank would train diverging replicas). A rank whose batch or
 model differs (no seed, another seed, a distributed sampler in full-batch mode) would compute wrong numbers
-without a word.
+without a word. Inside sf.pipeline's step the stages' inputs are activations, not compared.
 
 ``SHARDFN_CHECK`` sets what is compared: ``signature`` (default: the signature on every call, the values on each
 signature's first call), ``values`` (the input values on every call too), ``first`` (signature and values on the
@@ -23,6 +23,8 @@ first call of each signature only: no collective on repeat calls).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -33,7 +35,8 @@ import torch.distributed as dist
 
 from . import runtime
 
-__all__ = ["Agreement", "CHECK_MODES", "check_mode", "digest", "tensor_digest"]
+__all__ = ["Agreement", "CHECK_MODES", "check_mode", "digest", "inputs_compared", "inputs_not_compared",
+           "tensor_digest"]
 
 CHECK_MODES = ("signature", "values", "first")
 
@@ -67,6 +70,24 @@ def tensor_digest(t: torch.Tensor) -> int:
         weights = torch.arange(start + 1, start + part.numel() + 1, device=part.device, dtype=torch.int64) * 1000003
         sums += [part.sum(), (part * weights).sum()]
     return digest(f"{tuple(t.shape)}:{torch.stack(sums).tolist() if sums else []}")
+
+
+_INPUTS_COMPARED = contextvars.ContextVar("shardfn_inputs_compared", default=True)
+
+
+@contextlib.contextmanager
+def inputs_not_compared():
+    """Calls inside compare no input values: a pipeline stage's inputs are the previous stage's activations, and
+    torch's pipelining first runs each stage on uninitialised tensors to learn its shapes."""
+    token = _INPUTS_COMPARED.set(False)
+    try:
+        yield
+    finally:
+        _INPUTS_COMPARED.reset(token)
+
+
+def inputs_compared() -> bool:
+    return _INPUTS_COMPARED.get()
 
 
 _SEQUENCE: dict = {}  # calls of sharded callables made by this process, per set of ranks they run on

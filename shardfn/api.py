@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from . import runtime
-from .agreement import Agreement, check_mode, digest, tensor_digest
+from .agreement import Agreement, check_mode, digest, inputs_compared, tensor_digest
 from .arguments import BoundCall, bind, call_key
 from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.graph import CapturedGraph
@@ -336,6 +336,8 @@ class _Engine:
 
     def _values(self, args, kwargs) -> dict[str, int]:
         """Digests of the tensor inputs that every rank holds alike: whole full-batch inputs, replicated DTensors."""
+        if not inputs_compared():
+            return {}
         tensors, names, _ = split_arguments(args, kwargs, names=True)
         alike = {name: _local_if_replicated(t) for name, t in zip(names, tensors)
                  if self.config.dataset_strategy == "full_batch" or isinstance(t, DTensor)}

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import runtime
-from .agreement import Agreement, digest
+from .agreement import Agreement, digest, inputs_not_compared
 from .api import ShardedModule, plan_stage
 from .arguments import batch_slices
 from .strategy_search import Plan
@@ -182,7 +182,8 @@ class Pipeline:
         kwargs = {}
         if last:
             kwargs = {"target": target, "losses": losses}
-        schedule.step(*(inputs if first else ()), **kwargs)
+        with inputs_not_compared():  # the stages' inputs are activations (see inputs_not_compared)
+            schedule.step(*(inputs if first else ()), **kwargs)
         if not last:
             return None
         return self._batch_loss(losses)
