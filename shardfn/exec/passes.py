@@ -11,7 +11,8 @@ runs, and each fresh all-reduce buffer a copy, so :func:`simplify` removes what 
   and ``detach`` its input (the graphs run without autograd);
 - each collective starts as soon as its input is computed and is waited for just before its result is first
   read, so work that does not need it (a weight gradient's matmul beside the input gradient's all-reduce) runs
-  while it is in flight. Every rank runs the same graph, so collectives keep one order on all of them.
+  while it is in flight. Every rank runs the same graph, so collectives keep one order on all of them. On gloo
+  one collective is in flight at a time (the next starts once the previous is waited for): see _one_in_flight.
 
 Only nodes that are not graph outputs are rewritten away, so what the graph returns (and what aliases what) is
 unchanged.
