@@ -143,13 +143,13 @@ class Agreement:
     def _disagree(self, group, error: BaseException | None, values: dict[str, int]) -> None:
         """Second exchange: every rank's description and error; the same message raised everywhere."""
         me = {"sequence": str(_SEQUENCE.get(self.ranks, 0)), **self.describe,
-              **{f"values of {name}": f"digest {v:x}" for name, v in values.items()}}
+              **{f"{_VALUES_OF}{name}": f"digest {v:x}" for name, v in values.items()}}
         failure = None if error is None else f"{type(error).__name__}: {error}"
         everyone: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, (me, failure), group=group)
         failed = [r for r, (_, f) in enumerate(everyone) if f is not None]
         if failed:  # a rank that failed gave no values: only its failure is news
-            everyone = [({k: v for k, v in d.items() if not k.startswith("values of ")}, f) for d, f in everyone]
+            everyone = [({k: v for k, v in d.items() if not k.startswith(_VALUES_OF)}, f) for d, f in everyone]
         ranks = dist.get_process_group_ranks(group)
         if error is not None and len({f for _, f in everyone}) == 1:
             raise error  # every rank failed alike in its own checks: its own error, as in a world of one
@@ -160,7 +160,7 @@ class Agreement:
             lines += _differs("could not prepare this call", [f or "(prepared)" for _, f in everyone], ranks)
         if not lines:  # the same call, but some rank made more calls: one skipped or repeated one
             lines = _differs("calls made so far", [d["sequence"] for d, _ in everyone], ranks)
-        if any(line.startswith("  values of ") for line in lines):
+        if any(line.startswith(f"  {_VALUES_OF}") for line in lines):
             lines.append(_VALUES_DIFFER)
         message = ("shardfn: the ranks are not making the same call, so its collectives would not match (a "
                    "hang or wrong numbers); every rank stops here. What differs:\n" + "\n".join(lines) + "\n"
@@ -170,6 +170,7 @@ class Agreement:
         raise ValueError(message) from error
 
 
+_VALUES_OF = "values of "  # the description's key of a digest, before the tensor's name
 _VALUES_DIFFER = (
     "  Values that every rank must hold alike differ: with dataset_strategy='full_batch' each tensor input is the "
     "whole batch, and a replicated parameter is laid out from each rank's own copy. Make them equal on every rank "

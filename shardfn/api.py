@@ -75,9 +75,9 @@ class _Engine:
         compiled = self.cache.get(key)
         if compiled is None:
             compiled = self._first_call(key, args, kwargs, arrived)
-        elif check_mode() != "first":
+        elif (mode := check_mode()) != "first":
             compiled.agreement.check(first=False, values=(lambda: self._values(args, kwargs))
-                                     if check_mode() == "values" else None)
+                                     if mode == "values" else None)
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
         return compiled.captured.result(outs, tensors, objects)
 
@@ -339,15 +339,13 @@ class _Engine:
         if not inputs_compared():
             return {}
         tensors, names, _ = split_arguments(args, kwargs, names=True)
-        alike = {name: _local_if_replicated(t) for name, t in zip(names, tensors)
-                 if self.config.dataset_strategy == "full_batch" or isinstance(t, DTensor)}
-        return {name: tensor_digest(t) for name, t in alike.items() if t is not None}
+        return _digests_of_alike({name: t for name, t in zip(names, tensors)
+                                  if self.config.dataset_strategy == "full_batch" or isinstance(t, DTensor)})
 
     def _replicated_state(self) -> dict[str, int]:
         """Digests of the parameters and buffers that every rank holds alike (replicated, or plain tensors)."""
         params, buffers = self._state()
-        alike = {name: _local_if_replicated(t) for name, t in {**params, **buffers}.items()}
-        return {name: tensor_digest(t) for name, t in alike.items() if t is not None}
+        return _digests_of_alike({**params, **buffers})
 
     # -- module state ------------------------------------------------------------------------------------------
 
@@ -483,12 +481,11 @@ def _alias_names(strategies) -> dict:
     return names
 
 
-def _local_if_replicated(t: torch.Tensor) -> torch.Tensor | None:
-    """What of ``t`` must be equal on every rank: a plain tensor, or a replicated DTensor's local tensor (a split
-    one holds another piece on each rank)."""
-    if not isinstance(t, DTensor):
-        return t
-    return t.to_local() if all(p.is_replicate() for p in t.placements) else None
+def _digests_of_alike(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Digests of what of ``tensors`` must be equal on every rank: plain tensors, and replicated DTensors' local
+    tensors (a split one holds another piece on each rank)."""
+    return {name: tensor_digest(t if not isinstance(t, DTensor) else t.to_local()) for name, t in tensors.items()
+            if not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements)}
 
 
 # --- public objects -----------------------------------------------------------------------------------------

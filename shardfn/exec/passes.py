@@ -183,8 +183,7 @@ def _one_in_flight(graph: torch.fx.Graph) -> None:
         elif _is_collective(node):
             if pending is not None:
                 node.prepend(pending)
-            waits = [u for u in node.users if u.target is _c10d.wait_tensor.default]
-            pending = waits[0] if waits else None
+            pending = next((u for u in node.users if u.target is _c10d.wait_tensor.default), None)
 
 
 def _of_an_input(node: torch.fx.Node) -> bool:
