@@ -55,6 +55,27 @@ def _data_dependent():
     sf.shard(branchy, in_strategy=((4, 1),))(torch.randn(8, 4))
 
 
+class _AddOneInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        ctx.mark_dirty(a)
+        return a.add_(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _ThroughNumpy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        return torch.from_numpy(a.numpy() + 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 def _closure_requiring_grad():
     w = torch.randn(4, 4, requires_grad=True)
     sf.shard(lambda x: x @ w, in_strategy=((4, 1),))(torch.randn(8, 4))
@@ -222,6 +243,13 @@ BAD = {
     "a tensor from outside that requires grad": (_closure_requiring_grad, sf.CaptureError,
                                                  ["requires grad but is not one of its inputs",
                                                   "Pass it as an argument"]),
+    "an autograd.Function writing into its input": (
+        lambda: sf.shard(lambda x: _AddOneInPlace.apply(x * 2), in_strategy=((4, 1),))(torch.randn(8, 4)),
+        sf.CaptureError, ["_AddOneInPlace.apply writes into its input", "Return a new tensor"]),
+    "an autograd.Function fake tensors cannot run": (
+        lambda: sf.shard(lambda x: _ThroughNumpy.apply(x), in_strategy=((4, 1),))(torch.randn(8, 4)),
+        sf.CaptureError, ["could not run _ThroughNumpy.apply on fake tensors", "torch.library.custom_op",
+                          "register_fake"]),
     # (a DTensor on other ranks than the call's is no misuse: the call moves it, see tests/test_reshard.py)
     "a layout naming ranks outside the world": (lambda: sf.shard(lambda t: t * 2, in_strategy=(
         sf.Layout((2,), ("a",), ranks=(4, 5))("a"),))(torch.randn(8, 4)), ValueError,

@@ -43,6 +43,7 @@ class Spec:
     layers: str  # the attribute path of the layer list
     column: tuple[str, ...] = ()  # names (within a layer) of weights split by output rows
     row: tuple[str, ...] = ()  # names (within a layer) of weights split by input columns; Conv1D: the reverse
+    conv1d: bool = False  # GPT-2's Conv1D weights are (in, out)
 
 
 _LLAMA_COLUMN = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -63,7 +64,14 @@ MODELS = {
                                                           n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
                                                           attn_pdrop=0.0)),
                  "tokens", "transformer.h", ("attn.c_proj.weight", "mlp.c_proj.weight"),
-                 ("attn.c_attn.weight", "mlp.c_fc.weight")),
+                 ("attn.c_attn.weight", "mlp.c_fc.weight"), conv1d=True),
+    # Bloom's MLP activation is a custom autograd.Function (in training), its attention an ALiBi bias
+    "bloom": Spec(lambda: tf.BloomForCausalLM(tf.BloomConfig(hidden_size=64, n_layer=2, n_head=4, vocab_size=VOCAB,
+                                                             hidden_dropout=0.0, attention_dropout=0.0)),
+                  "tokens", "transformer.h",
+                  ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
+                   "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias"),
+                  ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")),
     "bert": Spec(lambda: tf.BertForSequenceClassification(_encoder_config(
         tf.BertConfig, vocab_size=VOCAB, max_position_embeddings=64, num_labels=3)), "classes",
         "bert.encoder.layer", _BERT_COLUMN, _BERT_ROW),
@@ -96,7 +104,7 @@ def megatron(spec: Spec, world: int, prefix: str = "") -> dict:
     """A Megatron parameter_plan for one layer's names (prefixed)."""
     plan = {prefix + n: (world, 1) for n in spec.column}
     plan.update({prefix + n: (1, world) for n in spec.row})
-    if spec.inputs == "tokens" and spec.layers == "transformer.h":  # Conv1D: (in, out)
+    if spec.conv1d:  # (in, out)
         plan = {prefix + n: (world, 1) for n in spec.row} | {prefix + n: (1, world) for n in spec.column}
     for n in list(plan):
         if n.endswith(".bias"):

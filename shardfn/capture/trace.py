@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
 from ._tracing import looks_like_tracing
+from .functions import functions_as_calls, functions_as_targets
 from .graph import CapturedGraph, GraphInput
 from .structure import split
 
@@ -184,7 +185,8 @@ def capture(
         fakes = [torch.empty(gi.shape, dtype=gi.dtype, device=device).requires_grad_(
             gi.requires_grad and (gi.dtype.is_floating_point or gi.dtype.is_complex)) for gi in inputs]
     try:
-        with _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing():
+        with _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing(), \
+                functions_as_calls() as function_calls:
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
             gm = make_fx(torch.func.functionalize(flat_fn), decomposition_table=_DECOMPOSITIONS,
                          tracing_mode="real")(*fakes)
@@ -208,6 +210,7 @@ def capture(
     # identical ops on the same inputs (q, k and v each viewing the same normalised activations) become one node,
     # so the search sees one value with several readers; random ops are never merged
     gm = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
+    functions_as_targets(gm, function_calls, fake_mode)  # after CSE: two calls of a Function stay two
     return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"])
 
 

@@ -27,6 +27,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from ..capture.functions import FunctionCall
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
 
 __all__ = [
@@ -90,7 +91,9 @@ _RULES: dict[Any, Callable[[torch.fx.Node, DeviceMesh], list[Candidate]]] = {}
 
 
 def register_rule(*ops):
-    """Register ``fn(node, mesh) -> list[Candidate]`` as the rule for ``ops`` (checked before DTensor's)."""
+    """Register ``fn(node, mesh) -> list[Candidate]`` (None: no rule for this node) as the rule for ``ops``
+    (checked before DTensor's). An op may also be a torch.autograd.Function class: the rule of its calls in fn
+    (which then run as ``rule="local"`` candidates say: the Function called on each rank's pieces)."""
 
     def deco(fn):
         for op in ops:
@@ -124,6 +127,15 @@ def _per_mesh_dim(mesh: DeviceMesh, choices: list[tuple[Placements | None, tuple
         ins = tuple(tuple(c[1][i] for c in combo) for i in range(n_in))
         out.append(Candidate(outs, ins, rule))
     return out
+
+
+def _rule(target) -> Callable | None:
+    """The own rule of ``target``: one registered for it, or for a Function call, one registered for the Function
+    class, else the rule of Function calls."""
+    rule = _RULES.get(target)
+    if rule is None and isinstance(target, FunctionCall):
+        rule = _RULES.get(target.function, _RULES.get(FunctionCall))
+    return rule
 
 
 # --- assembling ---------------------------------------------------------------------------------------------
@@ -188,8 +200,9 @@ def node_candidates(node: torch.fx.Node, mesh: DeviceMesh, fallbacks: set[str]) 
     if key in _CACHE:
         cands = _CACHE[key]
     else:
-        if node.target in _RULES:
-            cands = _RULES[node.target](node, mesh)
+        rule = _rule(node.target)
+        if rule is not None:
+            cands = rule(node, mesh)
         elif _seeded(node.target) and node.target not in RANDOM_FILLS:
             cands = _replicated(node, mesh)
         elif not tensor_inputs(node):

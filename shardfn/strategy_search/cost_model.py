@@ -34,6 +34,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import flop_registry
 
+from ..capture.functions import FunctionCall
 from ..capture.graph import is_view
 
 __all__ = [
@@ -253,20 +254,25 @@ _FLOPS: dict = {}
 
 
 def node_flops(node) -> int:
-    """FLOPs of one fx node at its global shapes (torch.utils.flop_counter; 0 for ops it does not count)."""
+    """FLOPs of one fx node at its global shapes (torch.utils.flop_counter; 0 for ops it does not count). A custom
+    autograd.Function's call counts the ops its forward ran at capture."""
+    if isinstance(node.target, FunctionCall):
+        return sum(_op_flops(op, args, kwargs, out) for op, args, kwargs, out in node.target.forward_ops)
     if not isinstance(node.target, torch._ops.OpOverload):
         return 0
-    key = (node.target, repr(pytree.tree_map(
-        lambda x: (tuple(x.meta["val"].shape), x.meta["val"].dtype) if isinstance(x, torch.fx.Node)
-        and isinstance(x.meta.get("val"), torch.Tensor) else repr(x), (node.args, node.kwargs))))
+    args, kwargs = pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, torch.fx.Node) else x,
+                                   (node.args, node.kwargs))
+    return _op_flops(node.target, args, kwargs, node.meta.get("val"))
+
+
+def _op_flops(op, args, kwargs, out) -> int:
+    key = (op, repr(pytree.tree_map(lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x),
+                                    (args, kwargs))))
     if key not in _FLOPS:
-        packet = node.target.overloadpacket
+        packet = op.overloadpacket
         if packet not in flop_registry:
             _FLOPS[key] = 0
         else:
-            args, kwargs = pytree.tree_map(
-                lambda x: x.meta["val"] if isinstance(x, torch.fx.Node) else x, (node.args, node.kwargs))
-            out = node.meta.get("val")
             try:
                 _FLOPS[key] = int(flop_registry[packet](*args, **kwargs, out_val=out))
             except TypeError:

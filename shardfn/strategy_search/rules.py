@@ -10,9 +10,11 @@ import itertools
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from ..capture.functions import FunctionCall
 from . import dtensor_rules  # noqa: F401 - rules in DTensor's form, for ops DTensor lacks
 from ._dtensor_adapter import local_shapes, valid_placements
 from .candidates import RANDOM_FILLS, Candidate, _per_mesh_dim, register_check, register_rule, tensor_inputs
@@ -177,3 +179,47 @@ def _random_fill(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     # drawn whole and sliced: any layout, the shape-carrying input in the same layout (no communication)
     n_in = len(tensor_inputs(node))
     return [Candidate((p,), (p,) * n_in, "random") for p in valid_placements(node.meta["val"].shape, mesh)]
+
+
+# --- custom autograd.Functions ------------------------------------------------------------------------------
+#
+# A Function call is one node that runs the Function itself on the pieces it is given (capture.functions), its
+# own backward included. That is right on pieces where the Function is elementwise both ways: every op its
+# forward and its backward ran at the captured shapes is pointwise (or a same-shape cast, copy or alias), none
+# draws random numbers, and every tensor they touch has one shape or is a 0-dim scalar. Then one split, the same
+# for all of its tensors (scalars whole), is right. Any other Function runs whole (no rule: the fallback, named
+# in its warning); a rule registered for the Function class itself comes first.
+
+_SAME_SHAPE_OPS = {aten._to_copy.default, aten.clone.default, aten.detach.default, aten.alias.default,
+                   aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+                   aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
+
+
+def _elementwise_ops(ops: list[tuple] | None, shape: torch.Size) -> bool:
+    if ops is None:
+        return False
+    for op, args, kwargs, out in ops:
+        if op not in _SAME_SHAPE_OPS and (torch.Tag.pointwise not in op.tags
+                                           or torch.Tag.nondeterministic_seeded in op.tags):
+            return False
+        tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if any(t.dim() and t.shape != shape for t in tensors):
+            return False
+    return True
+
+
+@register_rule(FunctionCall)
+def _function_call(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
+    call: FunctionCall = node.target
+    ins = [a.meta["val"] for a in tensor_inputs(node)]
+    outs = list(node.meta["val"])
+    shaped = [t for t in ins + outs if t.dim()]
+    if not shaped or any(t.shape != shaped[0].shape for t in shaped):
+        return None
+    shape = shaped[0].shape
+    if not (_elementwise_ops(call.forward_ops, shape) and _elementwise_ops(call.backward_ops, shape)):
+        return None
+    choices = [tuple(tuple(Shard(d) if t.dim() else R for t in ts) for ts in (outs, ins)) for d in range(len(shape))]
+    valid = set(valid_placements(shape, mesh))
+    return [c for c in _per_mesh_dim(mesh, [((R,) * len(outs), (R,) * len(ins)), *choices], "local")
+            if all(pl in valid for pl, t in zip(c.inputs + c.outputs, ins + outs) if t.dim())]

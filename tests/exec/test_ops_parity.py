@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import shardfn as sf
+from tests.functions import BloomGelu, GradientReversal, MaskedScale, RowSoftmax, StraightThroughRound
 from tests.parity import check_parity
 
 
@@ -101,6 +102,20 @@ CASES = {
     "batch_norm_legit": (lambda x, rm, rv: torch.ops.aten._native_batch_norm_legit(x, None, None, rm, rv, True, 0.1,
                                                                                   1e-5)[0],
                          lambda: (rand(4, 3, 5), torch.zeros(3), torch.ones(3)), ((4, 1, 1), None, None)),
+    # custom autograd.Functions: each runs as itself (its own backward), on pieces where it is elementwise
+    "function_straight_through": (lambda x, w: StraightThroughRound.apply(x @ w), lambda: (rand(8, 6), rand(6, 4)),
+                                  ((4, 1), None)),
+    "function_gradient_reversal": (lambda x: GradientReversal.apply(torch.tanh(x), 0.5) * x,
+                                   lambda: (rand(8, 6),), ((2, 2),)),
+    "function_two_outputs_mask": (lambda x, m: sum(MaskedScale.apply(x * 3, m, 1.5)),
+                                  lambda: (rand(8, 4), torch.rand(8, 4) > 0.3), ((1, 4), None)),
+    "function_whole_rows": (lambda x: RowSoftmax.apply(x) * x, lambda: (rand(8, 6),), ((2, 2),)),
+    "function_bloom_gelu": (lambda x: BloomGelu.apply(x).sum(0), lambda: (rand(8, 6),), ((4, 1),)),
+    "function_inside_vmap": (lambda x, w: torch.func.vmap(lambda row: StraightThroughRound.apply(row @ w))(x),
+                             lambda: (rand(8, 6), rand(6, 4)), ((4, 1), None)),
+    "checkpoint_reentrant": (lambda x, w: torch.utils.checkpoint.checkpoint(lambda a: torch.tanh(a @ w) @ w.t(), x,
+                                                                             use_reentrant=True),
+                             lambda: (rand(8, 6), rand(6, 4)), ((4, 1), None)),
 }
 
 # run on real ranks only: LocalTensorMode (the simulated world) crashes on the lazy zeros of sgn's gradient

@@ -83,3 +83,23 @@ def test_a_measured_profile_prices_each_collective_kind_and_each_op(tmp_path, mo
     monkeypatch.setenv("SHARDFN_PROFILE", str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="not a readable device profile.*python -m shardfn.calibrate"):
         cm.profile_for("cpu")
+
+
+def test_a_custom_function_costs_the_flops_of_its_forward():
+    from shardfn.capture import capture
+
+    class MatMul(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return a @ b
+
+        @staticmethod
+        def backward(ctx, g):
+            a, b = ctx.saved_tensors
+            return g @ b.t(), a.t() @ g
+
+    gm = capture(lambda a, b: MatMul.apply(a, b) + a @ b, (torch.randn(8, 6), torch.randn(6, 4)), {}).gm
+    (call,) = [n for n in gm.graph.nodes if str(n.target).endswith("MatMul.apply")]
+    (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert cm.node_flops(call) == cm.node_flops(mm) == 2 * 8 * 6 * 4

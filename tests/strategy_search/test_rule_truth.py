@@ -79,11 +79,56 @@ def test_var_mean_rule(case):
     assert failures(aten.var_mean.correction, args, kwargs) == []
 
 
+def _function_calls():
+    # (Function call as fn makes it, its arguments); the target of its captured node is what the rule sees
+    from tests.functions import BloomGelu, GradientReversal, MaskedScale, RowSoftmax, StraightThroughRound, TimesCount
+
+    yield "straight_through", lambda x: StraightThroughRound.apply(x), (r(6, 5),)
+    yield "bloom_gelu", lambda x: BloomGelu.apply(x), (r(5, 1, 3),)
+    yield "gradient_reversal", lambda x: GradientReversal.apply(x, 0.5), (r(7, 3),)
+    yield "masked_scale", lambda x, m: MaskedScale.apply(x, m, 1.5), (r(5, 6), torch.rand(5, 6) > 0.5)
+    yield "times_count", lambda x, n: TimesCount.apply(x, n), (r(6, 5), torch.tensor(3))  # 0-dim operand: whole
+    yield "row_softmax", lambda x: RowSoftmax.apply(x), (r(5, 6),)  # not elementwise: whole only
+
+
+@pytest.mark.parametrize("case", list(_function_calls()), ids=lambda c: c[0])
+def test_function_call_rule(case):
+    # an autograd.Function runs as itself on the pieces its rule gives: its forward and its own backward on those
+    # pieces give pieces of the whole Function's results and input gradients
+    from shardfn.capture import capture
+    from shardfn.capture.functions import FunctionCall
+    from tests.strategy_search.truth import backward_failures
+
+    _, fn, args = case
+    (node,) = [n for n in capture(fn, args, {}).gm.graph.nodes if isinstance(n.target, FunctionCall)]
+    tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+    assert failures(node.target, tensors, {}) == []
+    assert backward_failures(node.target, tensors) == []
+
+
+def test_function_call_rule_splits_only_elementwise_functions():
+    from shardfn.capture import capture
+    from shardfn.capture.functions import FunctionCall
+    from shardfn.strategy_search.candidates import node_candidates
+    from tests.strategy_search.truth import planning
+
+    splits = {}
+    for _, fn, args in _function_calls():
+        (node,) = [n for n in capture(fn, args, {}).gm.graph.nodes if isinstance(n.target, FunctionCall)]
+        fallbacks = set()
+        cands = node_candidates(node, planning(2, 2), fallbacks)
+        splits[repr(node.target)] = {p for c in cands for pl in c.inputs for p in pl if not p.is_replicate()}
+        assert bool(fallbacks) == (not splits[repr(node.target)])
+    assert splits["RowSoftmax.apply"] == set()
+    assert splits["BloomGelu.apply"] == {Shard(0), Shard(2)}  # (5, 1, 3): its size-1 dim stays whole
+
+
 def test_every_own_rule_has_ground_truth():
+    from shardfn.capture.functions import FunctionCall
     from shardfn.strategy_search.candidates import RANDOM_FILLS
 
     # random fills are drawn whole and sliced by exec: their truth is test_dropout_same_numbers_whatever_the_layout
-    assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction}
+    assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction, FunctionCall}
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims

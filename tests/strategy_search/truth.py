@@ -164,3 +164,30 @@ def _fmt(pls) -> str:
 
 def _short(p: Placement) -> str:
     return "R" if p.is_replicate() else f"S{p.dim}" if hasattr(p, "dim") else "P"
+
+
+def backward_failures(op, args: tuple, meshes=MESHES) -> list[str]:
+    """:func:`failures` for the backward of ``op`` (differentiable, returning a list of tensors): under each
+    candidate, the inputs laid out as it says and the outputs' gradients as its outputs are, autograd through
+    ``op`` on each rank's pieces gives pieces of the whole backward's input gradients (laid out as the inputs)."""
+    grads = [torch.randn_like(o) for o in op(*args)]
+    wanted = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+
+    def vjp(*tensors):
+        ins = [t.detach().requires_grad_() if i in wanted else t for i, t in enumerate(tensors[:len(args)])]
+        pairs = [(o, g) for o, g in zip(op(*ins), tensors[len(args):]) if o.requires_grad]
+        return list(torch.autograd.grad([o for o, _ in pairs], [ins[i] for i in wanted], [g for _, g in pairs]))
+
+    expected = vjp(*args, *grads)
+    node = op_node(op, args, {})
+    found = []
+    for shape in meshes:
+        cands = C.node_candidates(node, planning(*shape), set())
+        with simulated_world(int(torch.tensor(shape).prod())):
+            mesh = DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).reshape(shape))
+            for cand in cands:
+                backward = C.Candidate(tuple(cand.inputs[i] for i in wanted), (*cand.inputs, *cand.outputs), "local")
+                why = check_candidate(vjp, (*args, *grads), {}, expected, backward, mesh)
+                if why:
+                    found.append(f"{shape} {_fmt(cand.inputs)} -> {_fmt(cand.outputs)} backward: {why}")
+    return found

@@ -1,0 +1,74 @@
+"""torch's autograd.Function machinery as capture uses it (private torch API, kept here alone): routing
+``Function.apply`` while fn is traced, torch.utils.checkpoint's reentrant Function, and a dispatch mode that
+records the ops a Function runs."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["OpRecorder", "applies_routed_to", "is_reentrant_checkpoint", "original_apply"]
+
+_APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod every Function inherits
+_LOCK = threading.Lock()
+_ROUTED = 0  # how many captures (on any thread) have Function.apply routed
+
+
+def original_apply(cls: type, args: tuple, kwargs: dict) -> Any:
+    """``cls.apply(*args, **kwargs)`` as torch defines it, whatever is routed."""
+    return _APPLY.__get__(None, cls)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def applies_routed_to(handler: Callable[[type, tuple, dict], Any]) -> Iterator[None]:
+    """While active, every ``Function.apply`` calls ``handler(cls, args, kwargs)``, on every thread: the handler
+    calls :func:`original_apply` where the call is not its own (another thread's)."""
+    global _ROUTED
+
+    def apply(cls, *args, **kwargs):
+        return handler(cls, args, kwargs)
+
+    with _LOCK:
+        _ROUTED += 1
+        torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _ROUTED -= 1
+            if _ROUTED == 0:
+                torch.autograd.Function.apply = _APPLY
+
+
+def is_reentrant_checkpoint(cls: type) -> bool:
+    """torch.utils.checkpoint's reentrant Function: apply(function, preserve_rng_state, *args)."""
+    return cls is getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+
+
+def _as_meta(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        with unset_fake_temporarily():  # a plain meta tensor, not one of the fake mode's
+            return torch.empty_strided(tuple(x.shape), tuple(x.stride()), dtype=x.dtype, device="meta")
+    return x
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records each op run inside it that computes tensors (not metadata queries such as a tensor's device):
+    (op, args, kwargs, out), tensors as meta tensors of their shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
+            self.ops.append((func, *pytree.tree_map(_as_meta, (args, kwargs, out))))
+        return out
