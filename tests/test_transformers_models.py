@@ -16,7 +16,7 @@ CASES = [(m, mode) for m in MODELS for mode in MODES if not (m == "resnet" and m
 # DTensors instead: one mode per model there, every mode at least once, keeps that path covered in a third of the
 # time (the suite runs on 2 cores).
 SIMULATED = [("llama", "tp"), ("qwen2", "layer"), ("gpt2", "search"), ("bert", "dp"), ("vit", "layer"),
-             ("resnet", "search"), ("bloom", "dp")]
+             ("resnet", "search"), ("bloom", "dp"), ("gemma3", "layer")]
 assert set(SIMULATED) <= set(CASES) and {mode for _, mode in SIMULATED} == set(MODES)
 
 

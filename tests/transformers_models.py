@@ -26,9 +26,9 @@ MODES = ("dp", "tp", "search", "layer")
 VOCAB, SEQ, BATCH = 128, 16, 8
 
 
-def _decoder_config(cls):
+def _decoder_config(cls, **kw):
     return cls(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-               num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64)
+               num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=64, **kw)
 
 
 def _encoder_config(cls, **kw):
@@ -59,6 +59,11 @@ MODELS = {
     "qwen2": Spec(lambda: tf.Qwen2ForCausalLM(_decoder_config(tf.Qwen2Config)), "tokens", "model.layers",
                   _LLAMA_COLUMN + ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
                   _LLAMA_ROW),
+    # Gemma 3 interleaves sliding-window and global attention, each with its own rotary tables, which it computes
+    # in the order of a Python set of strings: another order in each process a launcher starts
+    "gemma3": Spec(lambda: tf.Gemma3ForCausalLM(_decoder_config(
+        tf.Gemma3TextConfig, head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
+        "tokens", "model.layers", _LLAMA_COLUMN, _LLAMA_ROW),
     # GPT-2's Conv1D weights are (in, out): the column split is on dim 1, the row split on dim 0
     "gpt2": Spec(lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB,
                                                           n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,

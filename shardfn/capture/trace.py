@@ -23,6 +23,7 @@ from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
 from ._tracing import looks_like_tracing
 from .functions import functions_as_calls, functions_as_targets
+from .order import canonical_order
 from .graph import CapturedGraph, GraphInput
 from .structure import split
 
@@ -211,6 +212,8 @@ def capture(
     # so the search sees one value with several readers; random ops are never merged
     gm = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
     functions_as_targets(gm, function_calls, fake_mode)  # after CSE: two calls of a Function stay two
+    # every rank holds this graph in one order, whatever order fn's Python ran independent work in on this rank
+    gm = canonical_order(gm)
     return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"])
 
 

@@ -60,6 +60,31 @@ def test_gpt_block_training_dp_tp(gloo4):
     assert len(set(losses)) == 1  # every rank saw the same loss
 
 
+def _rank_ordered_body():
+    # each rank's Python runs fn's independent work in its own order (a set of strings iterates by the process's
+    # hash seed: transformers' Gemma 3 and ModernBERT): the ranks still capture one graph, agree, and compute
+    from tests.capture.test_order import tables
+
+    order = ["global", "local"] if dist.get_rank() % 2 else ["local", "global"]
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 6), torch.randn(6, 6, requires_grad=True)
+    f = sf.shard(lambda a, b: tables(a, b, order), in_strategy=((4, 1), None))
+    y = f(x, w)
+    y.backward()
+    rw = w.detach().clone().requires_grad_()
+    ref = tables(x, rw, order)
+    ref.backward()
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(w.grad, rw.grad)
+    (compiled,) = f._engine.cache.values()
+    return compiled.captured.gm.code
+
+
+def test_ranks_whose_python_runs_in_another_order_capture_one_graph(gloo4):
+    codes = gloo4.run(_rank_ordered_body)
+    assert len(set(codes)) == 1
+
+
 def _shape_mismatch_body(odd_rank, odd_rows):
     x = torch.randn(odd_rows if dist.get_rank() == odd_rank else 8, 4)
     try:
