@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,11 @@ class CapturedGraph:
         for number, first, state in self.states:
             state.write_back(arguments[number], values[first:], inputs, arguments)
         return self.outputs.rebuild(values, inputs, arguments)
+
+    def code_across_ranks(self) -> str:
+        """The graph's code as every rank must hold it: each rank traces on its own device (cuda:0 on rank 0,
+        cuda:1 on rank 1), whose index is left out."""
+        return re.sub(r"device\(type='(\w+)', index=\d+\)", r"device(type='\1')", self.gm.code)
 
     def __post_init__(self):
         # the graph is final once captured: its placeholders and outputs are read on every call

@@ -20,6 +20,7 @@ import heapq
 
 import torch
 import torch.fx
+import torch.utils._pytree as pytree
 
 from .functions import FunctionCall
 from .graph import is_in_place, is_view
@@ -41,6 +42,8 @@ def _digests(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, str]:
             what = f"{node.op} {node.target}"
         else:
             args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: digest[a])
+            # each rank traces on its own device (cuda:0, cuda:1, ...): the kind is what the op computes
+            args = pytree.tree_map_only(torch.device, lambda d: d.type, args)
             what = f"{node.op} {node.target!r} {args!r}"
         digest[node] = hashlib.blake2b(what.encode(), digest_size=16).hexdigest()
     return digest

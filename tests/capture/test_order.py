@@ -53,3 +53,17 @@ def test_writes_into_inputs_stay_after_their_readers():
     out = gm(x, w, running)
     torch.testing.assert_close(out[1], expected[1])  # read before the write
     torch.testing.assert_close(running, expected_running)  # and written
+
+
+def test_ranks_on_their_own_devices_hold_one_graph():
+    # each rank traces on its own device (cuda:0, cuda:1, ...; here cpu:0 and cpu:1 stand in): factory ops carry
+    # it, and ranks must still hold one program as they compare it, in one order
+    def tables_on(device):
+        def fn(x):
+            return [x * k for k in range(1, 5)] + [torch.arange(n, device=device, dtype=torch.float32) + n
+                                                   for n in range(2, 10)]
+        return fn
+
+    a, b = (capture(tables_on(torch.device("cpu", i)), (torch.randn(4, 6),), {}) for i in (0, 1))
+    assert a.gm.code != b.gm.code and "index=0" in a.gm.code  # each its own device
+    assert a.code_across_ranks() == b.code_across_ranks()
