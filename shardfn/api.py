@@ -63,6 +63,9 @@ class _Engine:
         target = module if module is not None else fn
         self.name = getattr(target, "__qualname__", type(target).__name__)  # before a module's class is swapped
 
+    # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
+    # capture, plan and traced graphs) instead of tracing shardfn's Python
+    @torch.compiler.disable
     def __call__(self, *args, **kwargs):
         args, kwargs, arrived, key, tensors, objects = self._signature(args, kwargs, move=True)
         self._check_not_nested_or_transformed(tensors)

@@ -27,6 +27,7 @@ __all__ = ["outside_placeholder", "reshard", "transfers"]
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (offset, length) per tensor dim
 
 
+@torch.compiler.disable  # under torch.compile around it: a graph break, run as it is
 def reshard(tensor: DTensor, layout: TensorLayout) -> DTensor:
     """``tensor`` laid out as ``layout`` (whose ``ranks`` may name other ranks than the tensor's mesh), with
     autograd: gradients flow back to where the tensor came from. Call it on every rank."""

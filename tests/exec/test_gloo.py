@@ -85,6 +85,42 @@ def test_ranks_whose_python_runs_in_another_order_capture_one_graph(gloo4):
     assert len(set(codes)) == 1
 
 
+class _Wrapped(torch.nn.Module):
+    """A model with one sharded block between eager parts, as users compile whole models."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.block, self.head = torch.nn.Linear(6, 16), GPTBlock(dim=16, heads=4), torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(self.block(torch.tanh(self.embed(x)))).mean(1)
+
+
+def _compiled_around_body():
+    # torch.compile around a model holding a sharded block: Dynamo breaks the graph at the sharded call (shardfn's
+    # own capture and graphs run it) instead of tracing shardfn's Python
+    torch.manual_seed(0)
+    reference = _Wrapped()
+    model = copy.deepcopy(reference)
+    model.block = sf.shard(model.block, in_strategy=(None,), parameter_plan={"fc.weight": (4, 1), "fc.bias": (4,),
+                                                                             "out.weight": (1, 4)})
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(2):
+        torch.manual_seed(step)
+        x = torch.randn(2, 8, 6)
+        y, ref = compiled(x), reference(x)
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+        y.square().sum().backward()
+        ref.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_torch_compile_around_a_sharded_block(gloo4):
+    gloo4.run(_compiled_around_body)
+
+
 def _shape_mismatch_body(odd_rank, odd_rows):
     x = torch.randn(odd_rows if dist.get_rank() == odd_rank else 8, 4)
     try:
