@@ -31,6 +31,17 @@ def test_trains_like_unsharded_on_simulated_ranks(name, mode):
         train_and_compare(name, mode, WORLD, _simulated_slice, ranks=WORLD)
 
 
+def test_gradient_checkpointing_as_transformers_enables_it():
+    # gradient_checkpointing_enable() checkpoints each layer and makes the embeddings' output require grad (a
+    # requires_grad_() inside the trace, which functionalization refused): traced through, the same gradients
+    def enable(model):
+        model.gradient_checkpointing_enable()
+        model.enable_input_require_grads()
+
+    with simulated_world(WORLD):
+        train_and_compare("llama", "tp", WORLD, _simulated_slice, ranks=WORLD, steps=2, prepare=enable)
+
+
 def _real_slice(t):
     per = t.shape[0] // dist.get_world_size()
     return t[per * dist.get_rank(): per * (dist.get_rank() + 1)]

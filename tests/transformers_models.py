@@ -132,10 +132,11 @@ def shard(model: torch.nn.Module, spec: Spec, mode: str, world: int) -> torch.nn
 
 
 def train_and_compare(name: str, mode: str, world: int, rank_slice: Callable, ranks: int = 1, steps: int = 3,
-                      rtol: float = 1e-4, atol: float = 1e-5) -> list[float]:
+                      rtol: float = 1e-4, atol: float = 1e-5, prepare: Callable | None = None) -> list[float]:
     """Train ``name`` sharded as ``mode`` and unsharded on the same batches; assert losses and gradients agree
     at every step. ``rank_slice(t)`` gives this rank's dim-0 slice (data_parallel inputs); ``ranks``: how many
-    ranks' values each tensor holds (a simulated world's). Returns the losses (rank 0's)."""
+    ranks' values each tensor holds (a simulated world's); ``prepare(model)``: done to the model first (both
+    copies). Returns the losses (rank 0's)."""
 
     def close(a, b, what):
         for r in range(ranks):
@@ -145,6 +146,8 @@ def train_and_compare(name: str, mode: str, world: int, rank_slice: Callable, ra
     spec = MODELS[name]
     torch.manual_seed(0)
     reference = spec.make()
+    if prepare is not None:
+        prepare(reference)
     model = shard(copy.deepcopy(reference), spec, mode, world)
     # torch's foreach kernels take no mix of DTensor and plain parameters in one group: one group per kind
     groups = [[p for p in model.parameters() if isinstance(p, DTensor) == kind] for kind in (True, False)]

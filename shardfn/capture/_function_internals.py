@@ -5,19 +5,18 @@ records the ops a Function runs."""
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._tracing import patched
+
 __all__ = ["OpRecorder", "applies_routed_to", "is_reentrant_checkpoint", "original_apply"]
 
 _APPLY = torch.autograd.Function.__dict__["apply"]  # the classmethod every Function inherits
-_LOCK = threading.Lock()
-_ROUTED = 0  # how many captures (on any thread) have Function.apply routed
 
 
 def original_apply(cls: type, args: tuple, kwargs: dict) -> Any:
@@ -25,25 +24,14 @@ def original_apply(cls: type, args: tuple, kwargs: dict) -> Any:
     return _APPLY.__get__(None, cls)(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def applies_routed_to(handler: Callable[[type, tuple, dict], Any]) -> Iterator[None]:
+def applies_routed_to(handler: Callable[[type, tuple, dict], Any]) -> contextlib.AbstractContextManager:
     """While active, every ``Function.apply`` calls ``handler(cls, args, kwargs)``, on every thread: the handler
     calls :func:`original_apply` where the call is not its own (another thread's)."""
-    global _ROUTED
 
     def apply(cls, *args, **kwargs):
         return handler(cls, args, kwargs)
 
-    with _LOCK:
-        _ROUTED += 1
-        torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _ROUTED -= 1
-            if _ROUTED == 0:
-                torch.autograd.Function.apply = _APPLY
+    return patched(torch.autograd.Function, "apply", classmethod(apply))
 
 
 def is_reentrant_checkpoint(cls: type) -> bool:

@@ -1,18 +1,25 @@
-"""The signals library code reads to tell that it is being traced (private torch state, kept here alone).
+"""What library code sees of the trace while fn is captured (private torch state, kept here alone).
 
 transformers, torch.utils.checkpoint and others skip value-dependent shortcuts when ``torch.compiler.
 is_compiling()`` is true, and pick trace-friendly paths when a non-strict (make_fx-based) trace is running.
 torch.export's non-strict mode sets both while it runs the user's code; capture sets them the same way.
+
+Library code may also mark an activation as requiring grad (transformers' gradient checkpointing makes the
+embeddings' output require grad, so a checkpointed first layer gets gradients under frozen embeddings), which
+functionalization refuses. The captured graph is forward only and its program differentiates what needs it, so
+while fn is captured such a mark leaves the traced tensor as it is.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import threading
+from typing import Any, Callable, Iterator
 
+import torch
 import torch.compiler
 
-__all__ = ["looks_like_tracing"]
+__all__ = ["looks_like_tracing", "patched", "requires_grad_marks_ignored"]
 
 _FLAGS = ("_is_compiling_flag", "_is_non_strict_tracing_flag")
 
@@ -29,3 +36,44 @@ def looks_like_tracing() -> Iterator[None]:
     finally:
         for f, v in old.items():
             setattr(torch.compiler, f, v)
+
+
+_LOCK = threading.Lock()
+_PATCHES: dict[tuple[int, str], list] = {}  # (owner, name) -> [patches active, torch's own attribute or None]
+
+
+@contextlib.contextmanager
+def patched(owner: Any, name: str, replacement: Any) -> Iterator[None]:
+    """``owner.name`` is ``replacement`` while any capture (on any thread) is inside this; torch's own after. The
+    replacement must hand calls that are not its thread's capture's to torch's own."""
+    key = (id(owner), name)
+    with _LOCK:
+        entry = _PATCHES.setdefault(key, [0, owner.__dict__.get(name)])
+        entry[0] += 1
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        with _LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _PATCHES[key]
+                if entry[1] is None:
+                    delattr(owner, name)  # it was inherited (torch._C.TensorBase's)
+                else:
+                    setattr(owner, name, entry[1])
+
+
+_REQUIRES_GRAD_ = torch._C.TensorBase.requires_grad_
+
+
+def requires_grad_marks_ignored(applies: Callable[[], bool]) -> contextlib.AbstractContextManager:
+    """While active, ``t.requires_grad_()`` on a tensor of this thread's trace (``applies()``: this thread is
+    capturing) returns ``t`` as it is."""
+
+    def requires_grad_(self, requires_grad: bool = True):
+        if applies() and torch._C._functorch.is_functorch_wrapped_tensor(self):
+            return self
+        return _REQUIRES_GRAD_(self, requires_grad)
+
+    return patched(torch.Tensor, "requires_grad_", requires_grad_)

@@ -53,3 +53,15 @@ def test_tensors_in_keyword_arguments_and_containers_are_inputs():
                      "scale": torch.empty(1, device="meta")})
     assert [gi.name for gi in graph.inputs] == ["input 0", "pair[0]", "pair[1]", "scale"]
     assert [gi.shape for gi in graph.inputs] == [(4, 3), (3,), (4, 3), (1,)]
+
+
+def test_an_activation_marked_as_requiring_grad_is_traced_as_it_is():
+    # transformers' gradient checkpointing marks the embeddings' output requires_grad_() (refused inside a
+    # functionalized trace); the traced program differentiates what needs it anyway
+    def marked(x, w):
+        h = x @ w
+        h.requires_grad_()
+        return torch.sin(h)
+
+    check_parity(marked, lambda: (torch.randn(8, 6), torch.randn(6, 4, requires_grad=True)), ((4, 1), None))
+    assert "requires_grad_" not in torch.Tensor.__dict__  # torch's own again after the capture
