@@ -14,8 +14,9 @@ choice, not a different gradient. A Function that writes into its input (``ctx.m
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.fx
@@ -63,9 +64,7 @@ class FunctionCall:
         try:
             out = original_apply(self.function, args, kwargs)
         except Exception as e:
-            from .trace import CaptureError
-
-            raise CaptureError(
+            raise _capture_error(
                 f"shardfn could not run {self!r} on fake tensors of the call's shapes ({type(e).__name__}: {e}). "
                 "A Function whose forward calls a kernel torch cannot run on fake tensors (Triton, a C++ "
                 "extension) needs a fake implementation: wrap the kernel with torch.library.custom_op and give it "
@@ -93,9 +92,7 @@ class FunctionCall:
             out = original_apply(self.function, args, kwargs)
         self.forward_ops = recorder.ops
         if [t._version for t in inputs] != versions:
-            from .trace import CaptureError
-
-            raise CaptureError(
+            raise _capture_error(
                 f"{self!r} writes into its input (ctx.mark_dirty): shardfn runs a Function on the pieces the plan "
                 "gives it, where a write would land on a copy. Return a new tensor instead of writing in place.")
         outs = out if isinstance(out, tuple) else (out,)
@@ -111,6 +108,12 @@ class FunctionCall:
             self.backward_ops = recorder.ops
         except Exception:  # noqa: BLE001 - a backward that fakes cannot run: its ops stay unknown (run whole)
             self.backward_ops = None
+
+
+def _capture_error(message: str) -> Exception:
+    from .trace import CaptureError  # (trace imports this module)
+
+    return CaptureError(message)
 
 
 class _VmappedCall(FunctionCall):
@@ -192,20 +195,17 @@ def _(info, in_dims, tensors: list[torch.Tensor], call: int):
     return outs, [0] * len(outs)
 
 
-class functions_as_calls:
-    """Context of one capture: each Function.apply inside it becomes one opaque call (a list of the calls'
-    FunctionCalls, indexed by the call number the node carries)."""
-
-    def __enter__(self) -> list[FunctionCall]:
-        self._saved = getattr(_STATE, "calls", None), getattr(_STATE, "interned", None)
-        _STATE.calls, _STATE.interned = [], {}
-        self._routing = applies_routed_to(_routed)
-        self._routing.__enter__()
-        return _STATE.calls
-
-    def __exit__(self, *exc) -> None:
-        self._routing.__exit__(*exc)
-        _STATE.calls, _STATE.interned = self._saved
+@contextlib.contextmanager
+def functions_as_calls() -> Iterator[list[FunctionCall]]:
+    """Context of one capture: each Function.apply inside it becomes one opaque call. Yields the list of the
+    calls' FunctionCalls, indexed by the call number each node carries."""
+    saved = getattr(_STATE, "calls", None), getattr(_STATE, "interned", None)
+    _STATE.calls, _STATE.interned = [], {}
+    try:
+        with applies_routed_to(_routed):
+            yield _STATE.calls
+    finally:
+        _STATE.calls, _STATE.interned = saved
 
 
 def functions_as_targets(gm: torch.fx.GraphModule, calls: list[FunctionCall], fake_mode) -> None:
