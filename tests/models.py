@@ -1,7 +1,9 @@
-"""Small models for the tests: a GPT-style block, MindSpore's BasicBlock net, a batch-normed MLP, tied weights."""
+"""Small models for the tests: a GPT-style block (and a checkpointed stack of them), MindSpore's BasicBlock net, a
+batch-normed MLP, tied weights."""
 
 import torch
 import torch.nn as nn
+import torch.utils.checkpoint
 import torch.nn.functional as F
 
 
@@ -43,6 +45,19 @@ class GPTStack(nn.Module):
     def forward(self, x):
         for b in self.blocks:
             x = b(x)
+        return x
+
+
+class CheckpointedStack(nn.Module):
+    """Two GPT blocks, each under torch.utils.checkpoint (activation checkpointing) when ``checkpointed``."""
+
+    def __init__(self, checkpointed: bool, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.blocks, self.checkpointed = nn.ModuleList(GPTBlock(dim, heads) for _ in range(2)), checkpointed
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
         return x
 
 

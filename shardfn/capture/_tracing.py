@@ -8,6 +8,11 @@ Library code may also mark an activation as requiring grad (transformers' gradie
 embeddings' output require grad, so a checkpointed first layer gets gradients under frozen embeddings), which
 functionalization refuses. The captured graph is forward only and its program differentiates what needs it, so
 while fn is captured such a mark leaves the traced tensor as it is.
+
+Activation checkpointing (``torch.utils.checkpoint``, transformers' ``gradient_checkpointing_enable()``) runs a
+region's forward under saved-tensor hooks, which a trace does not keep. While fn is captured, each region's ops
+carry its number instead (``node.meta["custom"]``, :func:`~.graph.checkpoint_region`), for the programs to
+compute them again in backward.
 """
 
 from __future__ import annotations
@@ -18,8 +23,13 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.compiler
+import torch.fx.traceback as fx_traceback
+import torch.utils.checkpoint
 
-__all__ = ["looks_like_tracing", "patched", "requires_grad_marks_ignored"]
+from .graph import CHECKPOINT_REGION
+
+__all__ = ["checkpoint_region", "checkpoint_regions_marked", "looks_like_tracing", "patched",
+           "requires_grad_marks_ignored"]
 
 _FLAGS = ("_is_compiling_flag", "_is_non_strict_tracing_flag")
 
@@ -77,3 +87,36 @@ def requires_grad_marks_ignored(applies: Callable[[], bool]) -> contextlib.Abstr
         return _REQUIRES_GRAD_(self, requires_grad)
 
     return patched(torch.Tensor, "requires_grad_", requires_grad_)
+
+
+_REGIONS = threading.local()  # .count: checkpoint regions met so far by this thread's capture
+
+
+@contextlib.contextmanager
+def checkpoint_region() -> Iterator[None]:
+    """The ops traced inside are marked with the number of a new activation-checkpoint region."""
+    _REGIONS.count = getattr(_REGIONS, "count", 0) + 1
+    with fx_traceback.annotate({CHECKPOINT_REGION: _REGIONS.count}):
+        yield
+
+
+_WITHOUT_REENTRANT = torch.utils.checkpoint._checkpoint_without_reentrant_generator
+
+
+@contextlib.contextmanager
+def checkpoint_regions_marked(applies: Callable[[], bool]) -> Iterator[None]:
+    """While active, the traced nodes keep their annotations, and ``torch.utils.checkpoint(...,
+    use_reentrant=False)`` on this thread's trace (``applies()``) runs its function in a :func:`checkpoint_region`
+    (its saved-tensor hooks, which the trace would not keep, are not installed)."""
+
+    def around_the_forward(*args, **kwargs):  # checkpoint runs its function between this generator's two steps
+        if not applies():
+            yield from _WITHOUT_REENTRANT(*args, **kwargs)
+            return
+        with checkpoint_region():
+            yield
+
+    _REGIONS.count = 0
+    with fx_traceback.preserve_node_meta(), \
+            patched(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", around_the_forward):
+        yield

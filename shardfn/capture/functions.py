@@ -8,8 +8,8 @@ itself, so autograd, and AOTAutograd's trace of a rank's backward, run its own b
 ops its forward and its backward run at the captured shapes (``forward_ops``, ``backward_ops``); from them the
 search tells a Function that is elementwise (it may run on pieces) from one that must run on whole tensors.
 
-torch.utils.checkpoint's reentrant Function is traced through instead: recomputing in backward is a memory
-choice, not a different gradient. A Function that writes into its input (``ctx.mark_dirty``) is refused.
+torch.utils.checkpoint's reentrant Function is traced through instead, its ops marked as a checkpoint region
+(recomputing in backward is a memory choice, not a different gradient). A Function that writes into its input (``ctx.mark_dirty``) is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from ._function_internals import OpRecorder, applies_routed_to, is_reentrant_checkpoint, original_apply
+from ._tracing import checkpoint_region
 
 __all__ = ["FunctionCall", "functions_as_calls", "functions_as_targets"]
 
@@ -155,7 +156,8 @@ def _routed(cls: type, args: tuple, kwargs: dict) -> Any:
         return original_apply(cls, args, kwargs)
     if is_reentrant_checkpoint(cls):
         function, _preserve_rng_state, *inputs = args
-        return function(*inputs)
+        with checkpoint_region():
+            return function(*inputs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     tensor_at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     tensors = [leaves[i] for i in tensor_at]

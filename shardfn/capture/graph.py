@@ -11,7 +11,17 @@ import torch.fx
 
 from .structure import Structure
 
-__all__ = ["CapturedGraph", "GraphInput", "is_in_place", "is_view"]
+__all__ = ["CHECKPOINT_REGION", "CapturedGraph", "GraphInput", "checkpoint_region", "is_in_place", "is_view"]
+
+# the key in node.meta["custom"] naming the activation-checkpoint region a node was computed in
+CHECKPOINT_REGION = "shardfn_checkpoint"
+
+
+def checkpoint_region(node: torch.fx.Node) -> int | None:
+    """The activation-checkpoint region (``torch.utils.checkpoint``) ``node`` was computed in, or None. Backward
+    computes such values again from the region's inputs instead of keeping them from forward. Capture marks the
+    captured graph's nodes; exec's tracing carries the mark on to the nodes of each rank's graphs."""
+    return (node.meta.get("custom") or {}).get(CHECKPOINT_REGION)
 
 
 def is_in_place(target: Any) -> bool:

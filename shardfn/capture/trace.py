@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
-from ._tracing import looks_like_tracing, requires_grad_marks_ignored
+from ._tracing import checkpoint_regions_marked, looks_like_tracing, requires_grad_marks_ignored
 from .functions import functions_as_calls, functions_as_targets
 from .order import canonical_order
 from .graph import CapturedGraph, GraphInput
@@ -187,7 +187,8 @@ def capture(
             gi.requires_grad and (gi.dtype.is_floating_point or gi.dtype.is_complex)) for gi in inputs]
     try:
         with _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing(), \
-                requires_grad_marks_ignored(capturing), functions_as_calls() as function_calls:
+                requires_grad_marks_ignored(capturing), checkpoint_regions_marked(capturing), \
+                functions_as_calls() as function_calls:
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
             gm = make_fx(torch.func.functionalize(flat_fn), decomposition_table=_DECOMPOSITIONS,
                          tracing_mode="real")(*fakes)

@@ -1,16 +1,19 @@
 """The torch internals exec uses to run traced graphs as AOTAutograd runs them (private torch API, kept here
 alone): the "boxed" calling convention, where a graph takes one list of its inputs and empties it as it reads
 them, so each input is freed after its last use inside the graph instead of living until the graph returns;
-releasing a backward's saved tensors into that list; and whether a buffer's memory is held by anything else."""
+releasing a backward's saved tensors into that list; whether a buffer's memory is held by anything else; and
+the node annotations that carry an activation-checkpoint region from the captured graph into AOTAutograd's."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 import torch.fx
+import torch.fx.traceback as fx_traceback
 
-__all__ = ["boxed_graph", "held_elsewhere", "release_saved"]
+__all__ = ["annotated_as", "boxed_graph", "held_elsewhere", "keeping_annotations", "release_saved"]
 
 
 def boxed_graph(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
@@ -47,3 +50,14 @@ def held_elsewhere(buffer: torch.Tensor) -> bool:
     if count is None:
         return True
     return count(buffer.untyped_storage()._cdata) > 2  # buffer's own tensor, and the storage object asked here
+
+
+def keeping_annotations() -> contextlib.AbstractContextManager:
+    """While a function is traced inside it, the nodes traced keep the annotations of :func:`annotated_as`."""
+    return fx_traceback.preserve_node_meta()
+
+
+def annotated_as(node: torch.fx.Node) -> contextlib.AbstractContextManager:
+    """The nodes traced inside carry ``node``'s annotations (``meta["custom"]``: its checkpoint region)."""
+    custom = node.meta.get("custom")
+    return fx_traceback.annotate(custom) if custom else contextlib.nullcontext()

@@ -28,11 +28,11 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement
 
-from ..capture.graph import CapturedGraph, is_in_place, is_view
+from ..capture.graph import CapturedGraph, checkpoint_region, is_in_place, is_view
 from ._dtensor_internals import layout_of, local_as, local_of
-from ._graph_internals import boxed_graph, release_saved
+from ._graph_internals import annotated_as, boxed_graph, keeping_annotations, release_saved
 from ..strategy_search.plan import Plan
-from .passes import regather_in_backward, simplify
+from .passes import recompute_checkpointed, regather_in_backward, simplify
 from .run import LocalsOf, global_stride
 
 __all__ = ["ParallelProgram", "lower"]
@@ -222,6 +222,8 @@ class ParallelProgram:
         self._n_params = sum(e.kind == "param" for e in self.entries)
         self._written_elsewhere = [k for k in captured.writes if self.entries[k].held != self.entries[k].planned]
         self._written = {n.args[0] for n in captured.gm.graph.nodes if is_in_place(n.target)}
+        # activation checkpointing: backward computes these regions again (recompute_checkpointed)
+        self._checkpointed = any(checkpoint_region(n) is not None for n in captured.gm.graph.nodes)
         # one rank holds everything: the captured graph itself runs, with nothing to lay out
         step = self.whole_step if mesh.size() == 1 else self.local_step
         if compiled:  # traced into forward/backward graphs; whether a call can run them directly: after the first
@@ -238,7 +240,10 @@ class ParallelProgram:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         if node.name not in self.plan.nodes:  # getitem on a multi-output node
             return node.target(*args, **kwargs)
-        out = self._compute(node, args, kwargs)
+        with annotated_as(node):  # its checkpoint region, for the partitioner (recompute_checkpointed)
+            return self._settled_result(node, self._compute(node, args, kwargs))
+
+    def _settled_result(self, node: torch.fx.Node, out: Any) -> Any:
         # a view hands its gradient's pending sum on to the value it views, which sums it with its other readers'
         # and resolves it once; a result a later op writes into stays as autograd made it
         if node.target in _VIEWS or is_view(node.target) or node in self._written:
@@ -314,6 +319,8 @@ class ParallelProgram:
         with contextlib.ExitStack() as stack:
             for device in _AUTOCAST_DEVICES:
                 stack.enter_context(torch.autocast(device, enabled=False))
+            if self._checkpointed:  # an interpreter hands each node's annotations (its region) to the trace
+                return list(torch.fx.Interpreter(self.captured.gm).run(*locals_[:len(self.entries)]))
             return list(self.captured.gm(*locals_[:len(self.entries)]))
 
     def _interpreted(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
@@ -371,14 +378,20 @@ class ParallelProgram:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = select_decomp_table()
-        partition = min_cut_rematerialization_partition
-        if self.plan.reshard_after_forward:
-            def partition(joint, joint_inputs, **kwargs):
-                return min_cut_rematerialization_partition(regather_in_backward(joint, self._n_params),
-                                                           joint_inputs, **kwargs)
-        return aot_function(step, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                            inference_compiler=keep("forward"), partition_fn=partition,
-                            decompositions=decompositions)
+        def partition(joint, joint_inputs, **kwargs):
+            if self.plan.reshard_after_forward:
+                joint = regather_in_backward(joint, self._n_params)
+            if self._checkpointed:
+                joint = recompute_checkpointed(joint)
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+        def traced(*args):  # the nodes traced keep their checkpoint regions
+            with keeping_annotations():
+                return step(*args)
+
+        return aot_function(traced if self._checkpointed else step, fw_compiler=keep("forward"),
+                            bw_compiler=keep("backward"), inference_compiler=keep("forward"),
+                            partition_fn=partition, decompositions=decompositions)
 
     def parameter_locals(self, params) -> list[torch.Tensor]:
         """The parameters' local tensors, kept between calls: a parameter updated in place (optimizer steps,

@@ -25,11 +25,11 @@ import operator
 import torch
 import torch.fx
 
-from ..capture.graph import is_in_place
+from ..capture.graph import checkpoint_region, is_in_place
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
 from ._graph_internals import held_elsewhere
 
-__all__ = ["regather_in_backward", "simplify"]
+__all__ = ["recompute_checkpointed", "regather_in_backward", "simplify"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -345,4 +345,29 @@ def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx
                                                                        node.all_input_nodes) and _pure(node):
             from_params.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return joint
+
+
+def recompute_checkpointed(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Tag the joint forward/backward graph so that AOTAutograd's partitioner computes the forward ops of each
+    activation-checkpoint region again in backward instead of saving their results (what torch.utils.checkpoint
+    does in eager): it then keeps only the regions' inputs and outputs. Collectives and random ops are kept
+    (computed once: communicating twice costs more than it saves, and a draw computed again would differ)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    backward = {n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and any(a in backward for a in node.all_input_nodes):
+            backward.add(node)
+    for node in joint.graph.nodes:
+        region = checkpoint_region(node)
+        if region is None or node.op != "call_function" or node in backward:
+            continue
+        if node.target is operator.getitem:  # an item of a multi-output op: as its op is (a tuple is not saved)
+            policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_RECOMPUTE)
+        elif _is_collective(node) or node.target is _c10d.wait_tensor.default or not _pure(node):
+            policy = CheckpointPolicy.MUST_SAVE
+        else:
+            policy = CheckpointPolicy.MUST_RECOMPUTE
+        node.meta["recompute"], node.meta["ac_graph_id"] = policy, region
     return joint

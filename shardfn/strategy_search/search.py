@@ -18,7 +18,7 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from ..capture.graph import CapturedGraph
+from ..capture.graph import CapturedGraph, checkpoint_region
 from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
@@ -274,7 +274,9 @@ def make_plan(
     _offer_accumulation(decisions, needs_grad)
     split_values = _computed_from(captured, [i for i, r in enumerate(request.inputs)
                                              if r.held is not None and _splits(r.held, request.keep_split)])
-    terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, request.keep_split, split_values)
+    recomputed = _recomputed(captured) if request.grad else frozenset()
+    terms = _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, request.keep_split, split_values,
+                   recomputed)
     solution = _solve_level(level, terms, profile, time_limit_s)
     why = _why_gathered(captured, request, decisions, terms, solution, profile, time_limit_s)
 
@@ -328,7 +330,7 @@ def make_plan(
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + regather_s
     bwd_colls += regathers
-    peak = _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable)
+    peak = _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad - recomputed, trainable)
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     notes += why
     if fallbacks:
@@ -420,11 +422,19 @@ def _check_core_rules(fallbacks: set[str]) -> None:
             "releases, or report this torch release as unsupported.")
 
 
-def _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable) -> int:
+def _recomputed(captured: CapturedGraph) -> frozenset[torch.fx.Node]:
+    """The values backward computes again instead of keeping them from forward (activation checkpointing): those
+    made in a checkpoint region and read only inside it. (Results of collectives and random draws in a region are
+    kept in fact: the model leaves them out.)"""
+    return frozenset(n for n in captured.gm.graph.nodes if n.op == "call_function" and (
+        region := checkpoint_region(n)) is not None and all(checkpoint_region(u) == region for u in n.users))
+
+
+def _peak_bytes(captured, decisions, chosen, mesh_shape, kept, trainable) -> int:
     """Per-rank peak bytes of the chosen plan, with liveness.
 
     Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
-    optimizer states) are alive throughout; a value needed by backward stays alive once made; any other value
+    optimizer states) are alive throughout; a value ``kept`` for backward stays alive once made; any other value
     lives until its last reader. The peak is the largest total seen.
     """
     by_node = {d.node: c for d, c in zip(decisions, chosen) if d.node is not None}
@@ -450,7 +460,7 @@ def _peak_bytes(captured, decisions, chosen, mesh_shape, needs_grad, trainable) 
         elif node.op == "call_function":
             nbytes = 0 if cm.is_alias_op(node) else local_bytes(node)
             live += nbytes
-            if node not in needs_grad:
+            if node not in kept:
                 transient[node] = nbytes
         peak = max(peak, live)
         for a in node.all_input_nodes:
@@ -526,8 +536,8 @@ def _gathers(ops, dims) -> bool:
     return any(o.kind in ("all_gather", "all_to_all") and o.mesh_dim in dims for o in ops)
 
 
-def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, keep_split=(), split_values=frozenset()
-           ) -> _Terms:
+def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, keep_split=(), split_values=frozenset(),
+           recomputed=frozenset()) -> _Terms:
     bwd_factor = 3.0  # backward ~ twice the forward's work
     compute, savings, memory = [], [], []
     for d in decisions:
@@ -544,13 +554,14 @@ def _terms(decisions, mesh_shape, needs_grad, trainable, profile, held, keep_spl
             # only to gather it back for its reader)
             flops = cm.node_flops(d.node)
             nbytes = 0 if cm.is_alias_op(d.node) else cm.node_bytes(d.node)
-            factor = bwd_factor if d.node in needs_grad else 1.0
+            # backward's work, and a checkpointed value's forward once more
+            factor = (bwd_factor + (d.node in recomputed)) if d.node in needs_grad else 1.0
             dtype = vals[0].dtype if vals else torch.float32
             whole = factor * cm.compute_seconds(flops, nbytes, 1, profile, dtype)
             per = np.array([factor * cm.compute_seconds(flops, nbytes, _split(c, mesh_shape), profile, dtype)
                             for c in d.candidates])
             compute.append(per), savings.append(whole - per)
-            keep = 1 if d.node in needs_grad and not cm.is_alias_op(d.node) else 0
+            keep = 1 if d.node in needs_grad and d.node not in recomputed and not cm.is_alias_op(d.node) else 0
         memory.append(np.array([
             keep * sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
                        for v, pl in zip(vals, c.outputs) if pl is not None)

@@ -65,3 +65,24 @@ def test_an_activation_marked_as_requiring_grad_is_traced_as_it_is():
 
     check_parity(marked, lambda: (torch.randn(8, 6), torch.randn(6, 4, requires_grad=True)), ((4, 1), None))
     assert "requires_grad_" not in torch.Tensor.__dict__  # torch's own again after the capture
+
+
+def test_activation_checkpoint_regions_are_marked():
+    # each torch.utils.checkpoint region's ops carry its number (non-reentrant and reentrant alike), for the
+    # programs to compute them again in backward; ops outside carry none
+    from torch.utils.checkpoint import checkpoint
+
+    from shardfn.capture.graph import checkpoint_region
+
+    def block(x, w):
+        return torch.tanh(torch.tanh(x @ w) @ w)
+
+    def fn(x, w):
+        y = checkpoint(block, x, w, use_reentrant=False)
+        y = checkpoint(block, y, w, use_reentrant=True)
+        return block(y, w).sum()
+
+    gm = capture(fn, (torch.randn(4, 6, requires_grad=True), torch.randn(6, 6, requires_grad=True)), {}).gm
+    regions = [checkpoint_region(n) for n in gm.graph.nodes if n.target is torch.ops.aten.tanh.default]
+    assert sorted(regions, key=str) == [1, 1, 2, 2, None, None]
+    assert torch.utils.checkpoint._checkpoint_without_reentrant_generator.__module__ == "torch.utils.checkpoint"

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
-from tests.models import GPTBlock, NormedMLP
+from tests.models import CheckpointedStack, GPTBlock, NormedMLP
 
 
 def dense_relu(x, w, b):
@@ -119,6 +119,51 @@ def _compiled_around_body():
 
 def test_torch_compile_around_a_sharded_block(gloo4):
     gloo4.run(_compiled_around_body)
+
+
+def _checkpointed_body(checkpointed):
+    torch.manual_seed(0)
+    reference = CheckpointedStack(checkpointed)
+    n = dist.get_world_size()
+    megatron = {f"blocks.{i}.{name}": s for i in range(2) for name, s in (("fc.weight", (n, 1)), ("fc.bias", (n,)),
+                                                                          ("out.weight", (1, n)))}
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=megatron)
+    x = torch.randn(4, 8, 16)
+    y, ref = model(x), reference(x)
+    y.square().sum().backward()
+    ref.square().sum().backward()
+    torch.testing.assert_close(y, ref)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    (compiled,) = model._shardfn_engine.cache.values()
+    fw, bw = compiled.program.graphs["forward"], compiled.program.graphs["backward"]
+    def an_input(n):  # a graph input (parameters, x), or a view of one: held anyway
+        while n.op == "call_function" and getattr(n.target, "is_view", False):
+            n = n.args[0]
+        return n.op == "placeholder"
+
+    saved = [n for n in next(n for n in fw.graph.nodes if n.op == "output").args[0][1:] if not an_input(n)]
+    collectives = [str(n.target) for n in bw.graph.nodes if getattr(n.target, "namespace", None) == "_c10d_functional"]
+    return sum(n.meta["val"].numel() for n in saved if isinstance(n.meta.get("val"), torch.Tensor)), collectives
+
+
+def test_activation_checkpointing_is_kept(gloo4):
+    # checkpointed blocks: backward computes their activations again (the forward saves a third of the elements
+    # it saved, besides its inputs: the blocks' inputs, attention's and the collectives' results) but runs no
+    # collective twice, and every number is eager's
+    (plain, plain_collectives), (checkpointed, collectives) = (gloo4.run(_checkpointed_body, c)[0]
+                                                               for c in (False, True))
+    assert checkpointed < plain / 2, (checkpointed, plain)
+    assert collectives == plain_collectives
+
+
+def test_activation_checkpointing_is_kept_in_a_world_of_one():
+    # a world of one runs the captured graph whole: its regions are computed again in backward there too
+    from shardfn.runtime import simulated_world
+
+    with simulated_world(1, local_tensors=False):  # a process group of one: the traced graphs run
+        (plain, _), (checkpointed, _) = (_checkpointed_body(c) for c in (False, True))
+    assert checkpointed < plain / 2, (checkpointed, plain)
 
 
 def _shape_mismatch_body(odd_rank, odd_rows):

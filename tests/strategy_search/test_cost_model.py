@@ -103,3 +103,16 @@ def test_a_custom_function_costs_the_flops_of_its_forward():
     (call,) = [n for n in gm.graph.nodes if str(n.target).endswith("MatMul.apply")]
     (mm,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
     assert cm.node_flops(call) == cm.node_flops(mm) == 2 * 8 * 6 * 4
+
+
+def test_checkpointed_activations_are_priced_as_recomputed_not_kept():
+    # activation checkpointing: a region's inner values are not kept for backward (less peak memory) and its
+    # forward runs once more (more compute); the same plan otherwise
+    import shardfn as sf
+    from tests.models import CheckpointedStack
+
+    x = torch.randn(8, 16, 16)
+    plain, checkpointed = (sf.explain(CheckpointedStack(c), x, world_size=4, in_strategy=(None,), level=2)
+                           for c in (False, True))
+    assert checkpointed.cost.peak_bytes < 0.8 * plain.cost.peak_bytes
+    assert checkpointed.cost.compute_s > plain.cost.compute_s
