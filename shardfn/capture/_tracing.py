@@ -92,15 +92,18 @@ def requires_grad_marks_ignored(applies: Callable[[], bool]) -> contextlib.Abstr
 _REGIONS = threading.local()  # .count: checkpoint regions met so far by this thread's capture
 
 
+# torch releases without node annotations, or another checkpoint implementation, leave regions unmarked: their
+# activations are kept, as without checkpointing
+_ANNOTATE = getattr(fx_traceback, "annotate", None)
+_WITHOUT_REENTRANT = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
+
+
 @contextlib.contextmanager
 def checkpoint_region() -> Iterator[None]:
     """The ops traced inside are marked with the number of a new activation-checkpoint region."""
     _REGIONS.count = getattr(_REGIONS, "count", 0) + 1
-    with fx_traceback.annotate({CHECKPOINT_REGION: _REGIONS.count}):
+    with _ANNOTATE({CHECKPOINT_REGION: _REGIONS.count}) if _ANNOTATE else contextlib.nullcontext():
         yield
-
-
-_WITHOUT_REENTRANT = torch.utils.checkpoint._checkpoint_without_reentrant_generator
 
 
 @contextlib.contextmanager
@@ -117,6 +120,9 @@ def checkpoint_regions_marked(applies: Callable[[], bool]) -> Iterator[None]:
             yield
 
     _REGIONS.count = 0
+    if _ANNOTATE is None or _WITHOUT_REENTRANT is None:
+        yield
+        return
     with fx_traceback.preserve_node_meta(), \
             patched(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", around_the_forward):
         yield

@@ -60,4 +60,4 @@ def keeping_annotations() -> contextlib.AbstractContextManager:
 def annotated_as(node: torch.fx.Node) -> contextlib.AbstractContextManager:
     """The nodes traced inside carry ``node``'s annotations (``meta["custom"]``: its checkpoint region)."""
     custom = node.meta.get("custom")
-    return fx_traceback.annotate(custom) if custom else contextlib.nullcontext()
+    return fx_traceback.annotate(custom) if custom and hasattr(fx_traceback, "annotate") else contextlib.nullcontext()
