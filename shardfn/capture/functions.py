@@ -9,7 +9,8 @@ ops its forward and its backward run at the captured shapes (``forward_ops``, ``
 search tells a Function that is elementwise (it may run on pieces) from one that must run on whole tensors.
 
 torch.utils.checkpoint's reentrant Function is traced through instead, its ops marked as a checkpoint region
-(recomputing in backward is a memory choice, not a different gradient). A Function that writes into its input (``ctx.mark_dirty``) is refused.
+(recomputing in backward is a memory choice, not a different gradient). A Function that writes into its input
+(``ctx.mark_dirty``) is refused.
 """
 
 from __future__ import annotations
