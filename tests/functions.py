@@ -110,3 +110,31 @@ class TimesCount(torch.autograd.Function):
     def backward(ctx, grad):
         (count,) = ctx.saved_tensors
         return grad * count * 3, None
+
+
+# misuses: refused at capture with an error that names the fix
+
+
+class AddOneInPlace(torch.autograd.Function):
+    """Writes into its input (ctx.mark_dirty)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        ctx.mark_dirty(a)
+        return a.add_(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class ThroughNumpy(torch.autograd.Function):
+    """A forward fake tensors cannot run (it reads the values through NumPy)."""
+
+    @staticmethod
+    def forward(ctx, a):
+        return torch.from_numpy(a.numpy() + 1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import shardfn as sf
+from tests.functions import AddOneInPlace, ThroughNumpy
 from tests.harness import RankPool
 from tests.models import BasicBlock, TiedLM
 
@@ -53,27 +54,6 @@ def _data_dependent():
         return -x
 
     sf.shard(branchy, in_strategy=((4, 1),))(torch.randn(8, 4))
-
-
-class _AddOneInPlace(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a):
-        ctx.mark_dirty(a)
-        return a.add_(1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
-class _ThroughNumpy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a):
-        return torch.from_numpy(a.numpy() + 1)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
 
 
 def _closure_requiring_grad():
@@ -244,11 +224,11 @@ BAD = {
                                                  ["requires grad but is not one of its inputs",
                                                   "Pass it as an argument"]),
     "an autograd.Function writing into its input": (
-        lambda: sf.shard(lambda x: _AddOneInPlace.apply(x * 2), in_strategy=((4, 1),))(torch.randn(8, 4)),
-        sf.CaptureError, ["_AddOneInPlace.apply writes into its input", "Return a new tensor"]),
+        lambda: sf.shard(lambda x: AddOneInPlace.apply(x * 2), in_strategy=((4, 1),))(torch.randn(8, 4)),
+        sf.CaptureError, ["AddOneInPlace.apply writes into its input", "Return a new tensor"]),
     "an autograd.Function fake tensors cannot run": (
-        lambda: sf.shard(lambda x: _ThroughNumpy.apply(x), in_strategy=((4, 1),))(torch.randn(8, 4)),
-        sf.CaptureError, ["could not run _ThroughNumpy.apply on fake tensors", "torch.library.custom_op",
+        lambda: sf.shard(lambda x: ThroughNumpy.apply(x), in_strategy=((4, 1),))(torch.randn(8, 4)),
+        sf.CaptureError, ["could not run ThroughNumpy.apply on fake tensors", "torch.library.custom_op",
                           "register_fake"]),
     # (a DTensor on other ranks than the call's is no misuse: the call moves it, see tests/test_reshard.py)
     "a layout naming ranks outside the world": (lambda: sf.shard(lambda t: t * 2, in_strategy=(

@@ -133,25 +133,31 @@ def _mask_partial(cand: C.Candidate) -> bool:
     return any(C.is_local_from_replicate(p) for pl in (*cand.inputs, *(o for o in cand.outputs if o)) for p in pl)
 
 
-def failures(op, args: tuple, kwargs: dict | None = None, meshes=MESHES, rules=None) -> list[str]:
-    """Every candidate shardfn offers for ``op(*args, **kwargs)`` on each mesh that does not give the whole op's
-    numbers, as 'mesh inputs -> outputs: what went wrong'. ``rules``: only candidates of these kinds."""
-    kwargs = kwargs or {}
-    node = op_node(op, args, kwargs)
-    expected = op(*args, **kwargs)
-    found = []
+def _candidates_on_meshes(node: torch.fx.Node, meshes):
+    """(mesh shape, mesh, candidate) for every candidate of ``node`` on each mesh, inside a simulated world of
+    that mesh's ranks."""
     for shape in meshes:
         cands = C.node_candidates(node, planning(*shape), set())
         with simulated_world(int(torch.tensor(shape).prod())):
             mesh = DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).reshape(shape))
             for cand in cands:
-                # random fills are drawn whole and sliced by exec; embedding's masked sum is made by DTensor's
-                # dispatch (checked by the parity tests)
-                if cand.rule == "random" or (rules and cand.rule not in rules) or _mask_partial(cand):
-                    continue
-                why = check_candidate(op, args, kwargs, expected, cand, mesh)
-                if why:
-                    found.append(f"{shape} {_fmt(cand.inputs)} -> {_fmt(cand.outputs)}: {why}")
+                yield shape, mesh, cand
+
+
+def failures(op, args: tuple, kwargs: dict | None = None, meshes=MESHES, rules=None) -> list[str]:
+    """Every candidate shardfn offers for ``op(*args, **kwargs)`` on each mesh that does not give the whole op's
+    numbers, as 'mesh inputs -> outputs: what went wrong'. ``rules``: only candidates of these kinds."""
+    kwargs = kwargs or {}
+    expected = op(*args, **kwargs)
+    found = []
+    for shape, mesh, cand in _candidates_on_meshes(op_node(op, args, kwargs), meshes):
+        # random fills are drawn whole and sliced by exec; embedding's masked sum is made by DTensor's dispatch
+        # (checked by the parity tests)
+        if cand.rule == "random" or (rules and cand.rule not in rules) or _mask_partial(cand):
+            continue
+        why = check_candidate(op, args, kwargs, expected, cand, mesh)
+        if why:
+            found.append(f"{shape} {_fmt(cand.inputs)} -> {_fmt(cand.outputs)}: {why}")
     return found
 
 
@@ -179,15 +185,10 @@ def backward_failures(op, args: tuple, meshes=MESHES) -> list[str]:
         return list(torch.autograd.grad([o for o, _ in pairs], [ins[i] for i in wanted], [g for _, g in pairs]))
 
     expected = vjp(*args, *grads)
-    node = op_node(op, args, {})
     found = []
-    for shape in meshes:
-        cands = C.node_candidates(node, planning(*shape), set())
-        with simulated_world(int(torch.tensor(shape).prod())):
-            mesh = DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).reshape(shape))
-            for cand in cands:
-                backward = C.Candidate(tuple(cand.inputs[i] for i in wanted), (*cand.inputs, *cand.outputs), "local")
-                why = check_candidate(vjp, (*args, *grads), {}, expected, backward, mesh)
-                if why:
-                    found.append(f"{shape} {_fmt(cand.inputs)} -> {_fmt(cand.outputs)} backward: {why}")
+    for shape, mesh, cand in _candidates_on_meshes(op_node(op, args, {}), meshes):
+        backward = C.Candidate(tuple(cand.inputs[i] for i in wanted), (*cand.inputs, *cand.outputs), "local")
+        why = check_candidate(vjp, (*args, *grads), {}, expected, backward, mesh)
+        if why:
+            found.append(f"{shape} {_fmt(cand.inputs)} -> {_fmt(cand.outputs)} backward: {why}")
     return found
