@@ -92,10 +92,13 @@ def requires_grad_marks_ignored(applies: Callable[[], bool]) -> contextlib.Abstr
 _REGIONS = threading.local()  # .count: checkpoint regions met so far by this thread's capture
 
 
-# torch releases without node annotations, or another checkpoint implementation, leave regions unmarked: their
-# activations are kept, as without checkpointing
+# The generator torch.utils.checkpoint runs a non-reentrant region's function inside (torch 2.14 calls the
+# second name; the first is kept for other callers). A torch release with neither, or without node annotations,
+# leaves regions unmarked: their activations are kept, as without checkpointing.
 _ANNOTATE = getattr(fx_traceback, "annotate", None)
-_WITHOUT_REENTRANT = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
+_GENERATORS = {name: getattr(torch.utils.checkpoint, name) for name in (
+    "_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
+    if hasattr(torch.utils.checkpoint, name)}
 
 
 @contextlib.contextmanager
@@ -112,17 +115,20 @@ def checkpoint_regions_marked(applies: Callable[[], bool]) -> Iterator[None]:
     use_reentrant=False)`` on this thread's trace (``applies()``) runs its function in a :func:`checkpoint_region`
     (its saved-tensor hooks, which the trace would not keep, are not installed)."""
 
-    def around_the_forward(*args, **kwargs):  # checkpoint runs its function between this generator's two steps
-        if not applies():
-            yield from _WITHOUT_REENTRANT(*args, **kwargs)
-            return
-        with checkpoint_region():
-            yield
+    def around_the_forward(torchs):
+        def generator(*args, **kwargs):  # checkpoint runs its function between this generator's two steps
+            if not applies():
+                yield from torchs(*args, **kwargs)
+                return
+            with checkpoint_region():
+                yield
+
+        return generator
 
     _REGIONS.count = 0
-    if _ANNOTATE is None or _WITHOUT_REENTRANT is None:
-        yield
-        return
-    with fx_traceback.preserve_node_meta(), \
-            patched(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", around_the_forward):
+    with contextlib.ExitStack() as stack:
+        if _ANNOTATE is not None and _GENERATORS:
+            stack.enter_context(fx_traceback.preserve_node_meta())
+            for name, torchs in _GENERATORS.items():
+                stack.enter_context(patched(torch.utils.checkpoint, name, around_the_forward(torchs)))
         yield
