@@ -361,8 +361,8 @@ def recompute_checkpointed(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
             backward.add(node)
     for node in joint.graph.nodes:
         region = checkpoint_region(node)
-        if region is None or node.op != "call_function" or node in backward:
-            continue
+        if region is None or node.op != "call_function" or node in backward or "recompute" in node.meta:
+            continue  # (an op on parameters alone is gathered again already: regather_in_backward)
         if node.target is operator.getitem:  # an item of a multi-output op: as its op is (a tuple is not saved)
             policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_RECOMPUTE)
         elif _is_collective(node) or node.target is _c10d.wait_tensor.default or not _pure(node):
