@@ -12,6 +12,7 @@ Nothing here runs an op on data; nothing outside this module imports torch.distr
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any
 
@@ -38,6 +39,13 @@ Placements = tuple[Placement, ...]
 Strategy = tuple[Any, tuple[Placements, ...]]
 
 _MAX_COMBOS = 4096
+
+# What changed between the torch releases shardfn supports (>=2.11): torch 2.11's replication-row helper takes no
+# output metadata (later ones mark masked-off outputs None with it), and its full-mesh expansion has no
+# allow_uneven_sharding (2.11 expands uneven shards as it does even ones).
+_REPLICATION_TAKES_OUT_META = "output_tensor_meta" in inspect.signature(
+    _insert_single_dim_replication_strategy).parameters
+_EXPANSION_TAKES_UNEVEN = "allow_uneven_sharding" in inspect.signature(expand_to_full_mesh_op_strategy).parameters
 
 
 def _propagator():
@@ -125,15 +133,17 @@ def _single_dim(op, schema: OpSchema, out_meta, mesh, options) -> OpStrategy:
         n_out = len(rules[0]) - n_in
     else:
         n_out = 0 if out_meta is None else (1 if isinstance(out_meta, TensorMeta) else len(out_meta))
-    rules = _insert_single_dim_replication_strategy(list(rules), n_out, n_in, out_meta)
+    rules = (_insert_single_dim_replication_strategy(list(rules), n_out, n_in, out_meta)
+             if _REPLICATION_TAKES_OUT_META else _insert_single_dim_replication_strategy(list(rules), n_out, n_in))
     shard_kinds = {Shard(0)} | {p for opts in options for combo in opts for p in combo if isinstance(p, Shard)}
     rules = _fill_single_dim_strategy_placeholders(shard_kinds, rules)
     inplace = op._schema.name.endswith("_")
+    uneven = {"allow_uneven_sharding": info.allow_uneven_sharding} if _EXPANSION_TAKES_UNEVEN else {}
 
     def expand(s: OpSchema) -> OpStrategy:
         return expand_to_full_mesh_op_strategy(
             mesh, s, rules, output_tensor_meta=out_meta, input_index=n_out, inplace_op=inplace,
-            allow_unbacked_sharding=info.allow_unbacked_sharding, allow_uneven_sharding=info.allow_uneven_sharding,
+            allow_unbacked_sharding=info.allow_unbacked_sharding, **uneven,
         )
 
     if not inplace:
@@ -166,20 +176,33 @@ def _per_combination(fn, schema: OpSchema) -> OpStrategy:
     return OpStrategy(specs)
 
 
+def _decomposition_tracer(op, device_type: str):
+    """(schema, one placement per input) -> the output placement(s) DTensor's decomposition tracing finds, on a
+    mesh of one (every rank computes the same rules)."""
+    sp = _propagator()
+    ds = getattr(sp, "decomp_strategy", None)
+    if ds is not None:  # torch >= 2.12: one DecompShardingStrategy per propagator
+        ds.ensure_schema_info(op)
+        fake_mesh = ds._get_fake_mesh(device_type)
+        return lambda schema, combo: ds._propagate_through_decomp(schema, combo, fake_mesh)
+    # torch 2.11: static methods taking the propagator
+    DecompShardingStrategy.ensure_schema_info(op, sp)
+    fake_mesh = DeviceMesh(device_type, [0], _init_backend=False, _rank=0)
+    return lambda schema, combo: DecompShardingStrategy._propagate_through_decomp(schema, combo, fake_mesh, sp)
+
+
 def _decomposition(op, schema: OpSchema, spec_schema: OpSchema, out_meta, mesh) -> OpStrategy | None:
     # DecompShardingStrategy only tries placements already on the inputs: try each single-dim combination.
-    ds = _propagator().decomp_strategy
-    ds.ensure_schema_info(op)
+    trace = _decomposition_tracer(op, mesh.device_type)
     flat, _ = pytree.tree_flatten(list(spec_schema.args_schema) + list(spec_schema.kwargs_schema.values()))
     per_leaf = [
         [Replicate()] + [Shard(d) for d in range(leaf.ndim)] if isinstance(leaf, DTensorSpec) else [None]
         for leaf in flat
     ]
-    fake_mesh = ds._get_fake_mesh(mesh.device_type)
     rules = []
     for combo in itertools.product(*per_leaf):
         try:
-            out = ds._propagate_through_decomp(spec_schema, combo, fake_mesh)
+            out = trace(spec_schema, combo)
         except NotImplementedError:
             return None  # an op inside the decomposition has no rule
         except Exception:  # noqa: BLE001 - this combination needs redistribution: not a strategy
@@ -230,10 +253,14 @@ def dtensor_strategies(op: torch._ops.OpOverload, args: tuple, kwargs: dict, mes
         if strategy is None:
             return None
     children = strategy.children if isinstance(strategy, TupleStrategy) else [strategy]
+    # torch 2.11's norm rules give one spec for all of an op's outputs (mean and rstd laid out as the output)
+    shared = isinstance(out_meta, (list, tuple)) and not isinstance(out_meta, TensorMeta)
     found: dict = {}
     for child in children:
         for s in child.strategies:
             out = _placements(s.output_specs)
+            if shared and isinstance(s.output_specs, DTensorSpec):
+                out = tuple(None if m is None else out for m in out_meta)
             ins = (tuple(tuple(x.placements) for x in s.input_specs) if s.input_specs is not None
                    else (out,) * len(options))
             found.setdefault((out, ins), None)
