@@ -107,6 +107,11 @@ class Pipeline:
             raise ValueError(f"sf.pipeline: microbatches must be a positive int, got {microbatches!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"sf.pipeline: schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+        if schedule == "zero_bubble" and not _split_backward_passes_custom_nodes():
+            raise ValueError(f"sf.pipeline: schedule 'zero_bubble' needs torch >= 2.12: torch {torch.__version__}'s "
+                             "split backward cannot pass the autograd node a sharded stage's parameters go through "
+                             "(it reads node metadata this torch hides for custom Functions); use "
+                             "'interleaved_1f1b', or a newer torch")
         if loss_fn is None or not callable(loss_fn):
             raise TypeError("sf.pipeline: loss_fn(output, target) is required: the pipeline trains")
         configs = [s.__dict__["_shardfn_engine"].config for s in stages]
@@ -266,6 +271,22 @@ class Pipeline:
         notes = ["memory: each stage's plan for one micro-batch, its activations held for every micro-batch in "
                  "flight (the schedule's warm-up depth)"]
         return PipelinePlan(self.schedule, m, stages, _bubble(self.schedule, m, p, v), notes)
+
+
+def _split_backward_passes_custom_nodes() -> bool:
+    """Whether a custom autograd Function's node shows its input metadata, which the zero-bubble schedules'
+    weight-gradient pass reads of every node between the loss and the parameters (torch 2.11 refuses it)."""
+
+    class _Same(torch.autograd.Function):
+        forward = staticmethod(lambda ctx, x: x.view_as(x))
+        backward = staticmethod(lambda ctx, g: g)
+
+    node = _Same.apply(torch.zeros(1, requires_grad=True)).grad_fn
+    try:
+        node._input_metadata
+    except RuntimeError:
+        return False
+    return True
 
 
 class _Unviewed(nn.Module):

@@ -1,8 +1,9 @@
 """The torch internals exec uses to run traced graphs as AOTAutograd runs them (private torch API, kept here
 alone): the "boxed" calling convention, where a graph takes one list of its inputs and empties it as it reads
 them, so each input is freed after its last use inside the graph instead of living until the graph returns;
-releasing a backward's saved tensors into that list; whether a buffer's memory is held by anything else; and
-the node annotations that carry an activation-checkpoint region from the captured graph into AOTAutograd's."""
+releasing a backward's saved tensors into that list; whether a buffer's memory is held by anything else; the
+node annotations that carry an activation-checkpoint region from the captured graph into AOTAutograd's; and
+the effect mark that keeps linear algebra's error checks in traced graphs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,19 @@ import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 
-__all__ = ["annotated_as", "boxed_graph", "held_elsewhere", "keeping_annotations", "release_saved"]
+__all__ = ["annotated_as", "boxed_graph", "held_elsewhere", "keep_linalg_error_checks", "keeping_annotations",
+           "release_saved"]
+
+
+def keep_linalg_error_checks() -> None:
+    """Mark ``aten._linalg_check_errors`` effectful where this torch does not (2.11), as later releases do: it has
+    no output, so AOTAutograd's dead-code pass dropped it and a singular matrix was solved into infs instead of
+    raising as eager does (torch.compile on 2.11 drops it too)."""
+    from torch._higher_order_ops.effects import _EffectType, _get_effect, _register_effectful_op
+
+    op = torch.ops.aten._linalg_check_errors.default
+    if _get_effect(op) is None:
+        _register_effectful_op(op, _EffectType.ORDERED)
 
 
 def boxed_graph(gm: torch.fx.GraphModule) -> Callable[[list], Any]:

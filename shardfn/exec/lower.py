@@ -30,7 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..capture.graph import CapturedGraph, checkpoint_region, is_in_place, is_view
 from ._dtensor_internals import layout_of, local_as, local_of
-from ._graph_internals import annotated_as, boxed_graph, keeping_annotations, release_saved
+from ._graph_internals import annotated_as, boxed_graph, keep_linalg_error_checks, keeping_annotations, release_saved
 from ..strategy_search.plan import Plan
 from .passes import recompute_checkpointed, regather_in_backward, simplify
 from .run import LocalsOf, global_stride
@@ -528,4 +528,5 @@ def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool 
     """The program that runs ``plan`` on this rank. ``compiled``: traced into local forward/backward graphs on the
     first call (real process groups); else interpreted over DTensors on every call (simulated worlds). ``name``:
     the sharded callable's, for error messages."""
+    keep_linalg_error_checks()
     return ParallelProgram(captured, plan, mesh, compiled, name)
