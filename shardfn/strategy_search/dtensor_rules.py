@@ -1,6 +1,9 @@
 """Sharding rules in DTensor's own form (``torch.distributed.tensor.experimental.register_sharding``) for ops DTensor
 has no rule for, so that its dispatch finds them: chiefly the backward ops autograd records for a forward op
-DTensor does shard (avg_pool2d runs split by batch; its avg_pool2d_backward had no rule, and the backward raised).
+DTensor does shard (avg_pool2d runs split by batch; its avg_pool2d_backward had no rule, and the backward raised),
+and what torch 2.11's DTensor lacks that later releases have (pooling by batch, flip: without them a ResNet's batch
+was gathered for every pooling, and cumsum's backward, which flips, raised). Not convolution: 2.11 dispatches it to
+a handler of its own that takes only its eager propagation rule, so there it runs whole (the fallback warning).
 
 Registered only where DTensor has no rule of its own (never overriding one), each proven by ground truth in
 tests/strategy_search/test_rule_truth.py. Each rule lists, per mesh dim, (output placements, input placements),
@@ -86,6 +89,38 @@ def _elementwise(args):
           aten.softshrink_backward.default, aten.hardshrink_backward.default, aten.log_sigmoid_backward.default)
 def _elementwise_backward(*args):
     return _elementwise(args)
+
+
+@_lacking(aten.max_pool2d_with_indices.default, aten.adaptive_max_pool2d.default)
+def _max_pool2d(*args):
+    return _per_batch(2, args, 2)  # the pooled values and their indices
+
+
+@_lacking(aten.max_pool3d_with_indices.default, aten.adaptive_max_pool3d.default)
+def _max_pool3d(*args):
+    return _per_batch(2, args, 3)
+
+
+@_lacking(aten.avg_pool2d.default, aten._adaptive_avg_pool2d.default)
+def _avg_pool2d(*args):
+    return _per_batch(1, args, 2)
+
+
+@_lacking(aten.avg_pool3d.default, aten._adaptive_avg_pool3d.default)
+def _avg_pool3d(*args):
+    return _per_batch(1, args, 3)
+
+
+@_lacking(aten._adaptive_avg_pool2d_backward.default)
+def _adaptive_avg_pool2d_backward(grad_output, self):
+    return _per_batch(1, (grad_output, self), 2)
+
+
+@_lacking(aten.flip.default)
+def _flip(self, dims):
+    # a flip reverses only its own dims: any other dim may be split
+    flipped = {d % max(_ndim(self), 1) for d in dims}
+    return [([R], [R, None])] + [([Shard(d)], [Shard(d), None]) for d in range(_ndim(self)) if d not in flipped]
 
 
 @_lacking(aten._adaptive_avg_pool3d_backward.default)

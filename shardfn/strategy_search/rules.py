@@ -153,6 +153,35 @@ def _view_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     return numels(x.shape, cand.inputs[0]) == numels(out.shape, cand.outputs[0])
 
 
+_POOLS = [getattr(aten, name).default for name in (
+    "avg_pool2d", "avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "max_pool2d_with_indices",
+    "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool2d_backward",
+    "avg_pool3d_backward", "_adaptive_avg_pool2d_backward", "_adaptive_avg_pool3d_backward",
+    "max_pool2d_with_indices_backward", "max_pool3d_with_indices_backward", "adaptive_max_pool2d_backward",
+    "adaptive_max_pool3d_backward")]
+
+
+@register_check(*_POOLS)
+def _pool_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
+    # Pooling kernels refuse an empty non-batch dim (an empty batch they take), and DTensor splits channels
+    # unevenly (6 channels on 4 ranks: 2, 2, 2, 0): keep the candidates that leave every rank some of each
+    # non-batch dim of every tensor input.
+    spatial = 3 if "3d" in node.target.__name__ else 2
+    for arg, pl in zip(tensor_inputs(node), cand.inputs):
+        shape = arg.meta["val"].shape
+        batch = 1 if len(shape) == spatial + 2 else 0  # (N, C, ...) or unbatched (C, ...)
+        if any(0 in piece[batch:] for piece in local_shapes(shape, pl, mesh)):
+            return False
+    return True
+
+
+@register_check(aten.convolution.default)
+def _convolution_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
+    # DTensor's convolution runs its input split on one mesh dim at a time: a dim split over two mesh dims (the
+    # batch over both dims of a 2-D mesh) is offered by its rule and refused by its dispatch
+    return all(sum(isinstance(p, Shard) for p in pl) <= 1 for pl in cand.inputs)
+
+
 # --- statistics ---------------------------------------------------------------------------------------------
 
 @register_rule(aten.var_mean.correction)
@@ -168,6 +197,18 @@ def _var_mean(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
         if d not in reduced:
             out = d if keepdim else d - sum(r < d for r in reduced)
             choices.append(((Shard(out), Shard(out)), (Shard(d),)))
+    valid = set(valid_placements(x.shape, mesh))
+    return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
+
+
+@register_rule(aten.constant_pad_nd.default)
+def _constant_pad(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    # Padding touches only the padded dims (the last len(pad) // 2): any other dim may be split, each rank padding
+    # its piece (a causal LM's loss pads its labels: data parallel keeps them split). DTensor's rule in torch 2.11
+    # only replicates.
+    x, pad = node.args[0].meta["val"], node.args[1]
+    padded = {x.dim() - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
+    choices = [((R,), (R,))] + [((Shard(d),), (Shard(d),)) for d in range(x.dim()) if d not in padded]
     valid = set(valid_placements(x.shape, mesh))
     return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
 

@@ -79,6 +79,16 @@ def test_var_mean_rule(case):
     assert failures(aten.var_mean.correction, args, kwargs) == []
 
 
+@pytest.mark.parametrize("case", [
+    (r(6, 5).long(), [0, 1], -100),  # a causal LM's shifted labels
+    (r(5, 3, 4), [1, 2, 0, 1], 0.0),  # the last two dims padded
+    (r(7, 6, 2), [0, 0, 2, 1], 1.5),  # a zero pair: the last dim not padded
+    (r(3, 5, 6), [-1, -2], 0.0),  # negative: cropped
+], ids=str)
+def test_constant_pad_rule(case):
+    assert failures(aten.constant_pad_nd.default, case, {}) == []
+
+
 def _function_calls():
     # (Function call as fn makes it, its arguments); the target of its captured node is what the rule sees
     from tests.functions import BloomGelu, GradientReversal, MaskedScale, RowSoftmax, StraightThroughRound, TimesCount
@@ -128,7 +138,8 @@ def test_every_own_rule_has_ground_truth():
     from shardfn.strategy_search.candidates import RANDOM_FILLS
 
     # random fills are drawn whole and sliced by exec: their truth is test_dropout_same_numbers_whatever_the_layout
-    assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction, FunctionCall}
+    assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction, aten.constant_pad_nd.default,
+                                               FunctionCall}
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims
@@ -232,6 +243,14 @@ def _pool_backward_cases():
     yield aten.log_sigmoid_backward.default, (r(5, 6), x, aten.log_sigmoid_forward.default(x)[1])
     yield aten._adaptive_avg_pool3d_backward.default, (r(2, 4, 2, 2, 2), x3)
     yield aten._adaptive_avg_pool3d_backward.default, (r(4, 2, 2, 2), x3[0])  # no batch
+    yield aten.max_pool2d_with_indices.default, (x2, [2, 2], [2, 2])
+    yield aten.adaptive_max_pool2d.default, (x2, [2, 3])
+    yield aten.avg_pool2d.default, (x2, [2, 2])
+    yield aten._adaptive_avg_pool2d.default, (x2, [2, 3])
+    yield aten._adaptive_avg_pool2d_backward.default, (r(4, 6, 2, 3), x2)
+    yield aten.max_pool3d_with_indices.default, (x3, [2, 2, 2], [1, 1, 1])
+    yield aten.avg_pool3d.default, (x3, [2, 2, 2])
+    yield aten.flip.default, (r(5, 3, 4), [0, -1])
     yield aten.tril_.default, (r(3, 5, 4), 1)
     yield aten.triu_.default, (r(2, 4, 4), -1)
 
