@@ -179,7 +179,11 @@ def _pool_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
 def _convolution_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     # DTensor's convolution runs its input split on one mesh dim at a time: a dim split over two mesh dims (the
     # batch over both dims of a 2-D mesh) is offered by its rule and refused by its dispatch
-    return all(sum(isinstance(p, Shard) for p in pl) <= 1 for pl in cand.inputs)
+    for pl in cand.inputs:
+        dims = [p.dim for p in pl if isinstance(p, Shard)]
+        if len(dims) != len(set(dims)):
+            return False
+    return True
 
 
 # --- statistics ---------------------------------------------------------------------------------------------
