@@ -98,6 +98,32 @@ class CustomMLP(nn.Module):
         return self.down(BloomGelu.apply(self.up(x)))
 
 
+class Scale(torch.autograd.Function):
+    """``x * s``, ``s`` a 0-dim tensor; elementwise both ways (autograd sums ``s``'s gradient to its shape)."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.save_for_backward(x, s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, s = ctx.saved_tensors
+        return grad * s, grad * x
+
+
+class LearnedTemperature(nn.Module):
+    """Dense, then a learnable scalar applied by a Function (a temperature): a whole parameter read by an op run
+    on batch pieces, whose gradient is the sum of every rank's part."""
+
+    def __init__(self, dim: int = 4):
+        super().__init__()
+        self.dense, self.temperature = nn.Linear(dim, dim), nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return Scale.apply(self.dense(x), self.temperature)
+
+
 class TimesCount(torch.autograd.Function):
     """``x * count`` for a 0-dim integer tensor ``count``; the gradient tripled."""
 

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
 from ..capture.graph import CapturedGraph, checkpoint_region, is_in_place, is_view
 from ._dtensor_internals import layout_of, local_as, local_of
@@ -184,6 +184,20 @@ def _as_dtensor(grad: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
     return distribute_tensor(grad, mesh, placements, src_data_rank=None)
 
 
+def _local_piece(outputs) -> Callable[[DTensor], torch.Tensor]:
+    """An input's piece for an op run on the pieces. Along a mesh dim where the op's results are split, each rank
+    computes its own part of them from a whole (replicated) input, so that input's gradient on each rank is its
+    part of the sum: it goes back as a pending sum there (a convolution's weight under a batch split), never as
+    if every rank had the whole gradient."""
+    split = {i for pl in outputs if pl for i, p in enumerate(pl) if isinstance(p, Shard)}
+
+    def piece(t: DTensor) -> torch.Tensor:
+        grad = tuple(Partial() if i in split and p.is_replicate() else p for i, p in enumerate(t.placements))
+        return t.to_local(grad_placements=grad)
+
+    return piece
+
+
 def _from_local(t: torch.Tensor, mesh: DeviceMesh, placements, like: torch.Tensor) -> DTensor:
     """``t`` (this rank's piece) as a DTensor of ``like``'s global shape, with strides in ``t``'s own order: a
     kernel may lay its result out otherwise than the captured one did, and DTensor reads the strides it is told."""
@@ -271,7 +285,7 @@ class ParallelProgram:
             whole = torch.empty(shape_of.shape, dtype=shape_of.dtype, device=self.mesh.device_type)
             return _to(node.target(whole, *args[1:], **kwargs), np_.outputs[0], self.mesh)
         if np_.rule == "local":
-            local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda t: t.to_local(), (args, kwargs))
+            local_args, local_kwargs = pytree.tree_map_only(DTensor, _local_piece(np_.outputs), (args, kwargs))
             out = node.target(*local_args, **local_kwargs)
             if isinstance(out, torch.Tensor):
                 return _from_local(out, self.mesh, np_.outputs[0], val)

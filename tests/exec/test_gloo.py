@@ -453,3 +453,22 @@ def test_an_error_inside_a_graph_names_the_callable_and_its_call(gloo4):
         if sys.version_info >= (3, 11):
             assert notes == [f"shardfn: rank {rank}: raised in the forward graph of solve_rows, its call 2 here"], \
                 notes
+
+
+def _learned_temperature_body():
+    from tests.functions import LearnedTemperature
+
+    torch.manual_seed(0)
+    reference = LearnedTemperature()
+    model = sf.shard(copy.deepcopy(reference), in_strategy=((4, 1),))
+    x = torch.randn(8, 4)
+    for _ in range(2):  # the first call traces; the second runs the cached graphs
+        model(x).square().sum().backward()
+        reference(x).square().sum().backward()
+    return [torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5)
+            for p, q in zip(model.parameters(), reference.parameters())]
+
+
+def test_a_whole_parameter_read_on_batch_pieces_gets_every_ranks_gradient_on_real_ranks(gloo4):
+    # the traced graphs: the temperature's gradient was each rank's part of the sum (differing per rank)
+    assert gloo4.run(_learned_temperature_body) == [[True, True, True]] * 4

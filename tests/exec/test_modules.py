@@ -71,6 +71,16 @@ def test_gpt_block_trains_like_single_process(name):
             assert model.out.weight.placements[-1] == Shard(1)
 
 
+def test_a_whole_parameter_read_on_batch_pieces_gets_every_ranks_gradient():
+    # an op run on each rank's batch piece (a Function, shardfn's own rules) reading a whole parameter: each rank's
+    # gradient is only its piece's part (the temperature's gradient differed per rank, a quarter of eager's)
+    from tests.functions import LearnedTemperature
+
+    with simulated_world(WORLD):
+        model, reference = _pair(LearnedTemperature, dict(in_strategy=((4, 1),)))
+        _assert_same_training(model, reference, torch.randn(8, 4), steps=3)
+
+
 def test_module_keeps_paths_keys_and_class_behaviour():
     with simulated_world(WORLD):
         torch.manual_seed(0)
