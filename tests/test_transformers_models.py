@@ -82,13 +82,6 @@ def test_a_world_of_one_runs_the_model_whole():
     assert plan.collectives == []
 
 
-def _dtensor_lacks(op) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    sp = DTensor._op_dispatcher.sharding_propagator
-    return op not in sp.op_strategy_funcs and op not in sp.op_single_dim_strategy_funcs
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_data_parallel_keeps_the_batch_split(name):
     # asked for data parallelism, a plan gathered the batch and ran replicated (BERT, ViT, Llama, ResNet)
@@ -100,13 +93,7 @@ def test_data_parallel_keeps_the_batch_split(name):
     args, kwargs = batch(spec, seed=0, n=2)
     plan = sf.explain(spec.make(), *args, kwargs=kwargs, in_strategy=(None,), dataset_strategy="data_parallel",
                       world_size=WORLD)
-    gathered = [n for n in plan.notes if "gathered" in n]
-    if _dtensor_lacks(torch.ops.aten.convolution.default):
-        # torch 2.11: DTensor shards convolution only by an eager rule its planning API cannot be asked, so a
-        # vision model's convolutions run whole (said in the plan); everything else keeps the batch split
-        assert all(n.endswith("-> convolution") for n in gathered), plan.notes
-        return
-    assert not gathered, plan.notes
+    assert not [n for n in plan.notes if "gathered" in n], plan.notes
     forward = {(c.kind, c.where) for c in plan.collectives if c.phase == "forward"}
     assert all(kind == "all_reduce" for kind, _ in forward), forward  # only the loss's (and statistics') sums
     assert all(i.planned == i.held for i in plan.inputs if i.kind == "input")

@@ -31,7 +31,7 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-__all__ = ["dtensor_strategies", "is_local_from_replicate", "local_shapes",
+__all__ = ["dtensor_strategies", "has_dtensor_rule", "is_local_from_replicate", "local_shapes",
            "valid_placements"]
 
 Placements = tuple[Placement, ...]
@@ -50,6 +50,12 @@ _EXPANSION_TAKES_UNEVEN = "allow_uneven_sharding" in inspect.signature(expand_to
 
 def _propagator():
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_dtensor_rule(op) -> bool:
+    """Whether DTensor has a sharding strategy of its own for ``op`` (an eager-only propagation rule is none)."""
+    sp = _propagator()
+    return op in sp.op_strategy_funcs or op in sp.op_single_dim_strategy_funcs
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:

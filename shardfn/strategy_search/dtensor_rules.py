@@ -3,7 +3,7 @@ has no rule for, so that its dispatch finds them: chiefly the backward ops autog
 DTensor does shard (avg_pool2d runs split by batch; its avg_pool2d_backward had no rule, and the backward raised),
 and what torch 2.11's DTensor lacks that later releases have (pooling by batch, flip: without them a ResNet's batch
 was gathered for every pooling, and cumsum's backward, which flips, raised). Not convolution: 2.11 dispatches it to
-a handler of its own that takes only its eager propagation rule, so there it runs whole (the fallback warning).
+a handler of its own that takes only its eager propagation rule (shardfn's own rule runs it on the pieces there).
 
 Registered only where DTensor has no rule of its own (never overriding one), each proven by ground truth in
 tests/strategy_search/test_rule_truth.py. Each rule lists, per mesh dim, (output placements, input placements),
@@ -13,9 +13,10 @@ None for non-tensor arguments.
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from ._dtensor_adapter import has_dtensor_rule
 
 aten = torch.ops.aten
 R = Replicate()
@@ -27,8 +28,7 @@ REGISTERED: list = []
 
 def _lacking(*ops):
     """Register the decorated rule for those of ``ops`` DTensor has no rule for."""
-    sp = DTensor._op_dispatcher.sharding_propagator
-    missing = [op for op in ops if op not in sp.op_strategy_funcs and op not in sp.op_single_dim_strategy_funcs]
+    missing = [op for op in ops if not has_dtensor_rule(op)]
 
     def deco(fn):
         if missing:

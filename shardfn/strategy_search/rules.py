@@ -16,7 +16,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ..capture.functions import FunctionCall
 from . import dtensor_rules  # noqa: F401 - rules in DTensor's form, for ops DTensor lacks
-from ._dtensor_adapter import local_shapes, valid_placements
+from ._dtensor_adapter import has_dtensor_rule, local_shapes, valid_placements
 from .candidates import RANDOM_FILLS, Candidate, _per_mesh_dim, register_check, register_rule, tensor_inputs
 
 aten = torch.ops.aten
@@ -184,6 +184,23 @@ def _convolution_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -
         if len(dims) != len(set(dims)):
             return False
     return True
+
+
+def _convolution_by_batch(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    # Each sample is convolved alone: a batched input and the output split by batch, the weight and bias whole, run
+    # on the pieces. Only where DTensor has no strategy for convolution (torch 2.11, whose eager rule only its own
+    # convolution handler reads, and that handler refuses strides and dilations ResNets use).
+    x, w = node.args[0].meta["val"], node.args[1].meta["val"]
+    n_in = len(tensor_inputs(node))
+    choices = [((R,), (R,) * n_in)]
+    if x.dim() == w.dim():
+        choices.append(((Shard(0),), (Shard(0),) + (R,) * (n_in - 1)))
+    valid = set(valid_placements(x.shape, mesh))
+    return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
+
+
+if not has_dtensor_rule(aten.convolution.default):
+    register_rule(aten.convolution.default)(_convolution_by_batch)
 
 
 # --- statistics ---------------------------------------------------------------------------------------------
