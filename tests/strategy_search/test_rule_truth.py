@@ -227,7 +227,7 @@ def test_dtensor_cuda_attention_rules_kept_only_where_right():
     assert {c.inputs[0] for c in cands} == {(Replicate(),)}
 
 
-def _pool_backward_cases():
+def _dtensor_form_cases():
     x2, x3 = r(4, 6, 5, 7), r(2, 4, 3, 5, 4)
     g = r(4, 6, 2, 3)
     yield aten.avg_pool2d_backward.default, (g, x2, [2, 2], [2, 2], [0, 0], False, True, None)
@@ -263,7 +263,7 @@ def _pool_backward_cases():
     yield aten.triu_.default, (r(2, 4, 4), -1)
 
 
-@pytest.mark.parametrize("case", list(_pool_backward_cases()), ids=lambda c: str(c[0]))
+@pytest.mark.parametrize("case", list(_dtensor_form_cases()), ids=lambda c: str(c[0]))
 def test_rules_registered_in_dtensor_form(case):
     from shardfn.strategy_search.dtensor_rules import REGISTERED
 
