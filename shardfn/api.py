@@ -199,7 +199,7 @@ class _Engine:
             captured = self._capture(args, kwargs, call, device)
             inputs = self._input_requests(captured, call, param_specs, mesh_spec)
             batch_axes = call.held[0].dims[0] if call.held and call.held[0].dims else ()
-            request = PlanRequest(inputs, self._output_requests(captured, world, mesh_spec, batch_axes),
+            request = PlanRequest(tuple(inputs), tuple(self._output_requests(captured, world, mesh_spec, batch_axes)),
                                   grad=torch.is_grad_enabled(), level=self.config.level, profile=profile_for(device),
                                   keep_split=self._data_parallel_dims(call, mesh_spec))
             plan = make_plan(captured, mesh_of(mesh_spec), mesh_spec, request)

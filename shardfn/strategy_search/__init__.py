@@ -1,13 +1,14 @@
-"""Stage 2: CapturedGraph + constraints -> Plan."""
+"""Stage 2: CapturedGraph + PlanRequest -> Plan."""
 
 from .cost_model import CPU, H100, DeviceProfile, profile_for
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
-from .search import InputRequest, OutputRequest, PlanRequest, make_plan
+from .request import InputRequest, OutputRequest, PlanRequest
+from .search import make_plan
 
 __all__ = [
     "CPU",
     "H100",
     "DeviceProfile",
     "profile_for",
-    "Collective", "Cost", "InputPlan", "InputRequest", "NodePlan", "OutputRequest", "Plan", "PlanRequest",
+    "Collective", "Cost", "InputPlan", "NodePlan", "OutputRequest", "Plan", "PlanRequest", "InputRequest",
     "make_plan"]

@@ -14,7 +14,6 @@ the op on each rank's local shards (own rules and the fallback), ``"random"`` dr
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import operator
 import warnings
@@ -39,7 +38,6 @@ __all__ = [
     "register_rule",
     "tensor_inputs",
     "warn_fallbacks",
-    "with_accumulation",
 ]
 
 aten = torch.ops.aten
@@ -228,18 +226,6 @@ def input_candidates(shape: tuple[int, ...], mesh: DeviceMesh) -> list[Candidate
     if key not in _CACHE:
         _CACHE[key] = [Candidate((p,), (), "input") for p in valid_placements(shape, mesh)]
     return _CACHE[key]
-
-
-_WITH_ACCUMULATION: dict[int, tuple[list[Candidate], list[Candidate]]] = {}
-
-
-def with_accumulation(cands: list[Candidate]) -> list[Candidate]:
-    """``cands`` followed by each in its gradient-accumulating variant (one shared list per list)."""
-    hit = _WITH_ACCUMULATION.get(id(cands))
-    if hit is None or hit[0] is not cands:
-        hit = (cands, cands + [dataclasses.replace(c, accumulate=True) for c in cands])
-        _WITH_ACCUMULATION[id(cands)] = hit
-    return hit[1]
 
 
 def warn_fallbacks(fallbacks: set[str]) -> None:

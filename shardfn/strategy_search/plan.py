@@ -97,6 +97,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     # parameters gathered in forward are gathered again in backward, not kept whole in between (level 1)
     reshard_after_forward: bool = False
+    gap: float = 0.0  # relative distance of the objective to the search's best bound (0: proven optimal)
+    search: dict = field(default_factory=dict)  # the search's sizes and seconds (decisions, ILP residue, ...)
 
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
         return sum((kind is None or c.kind == kind) and (phase is None or c.phase == phase) for c in self.collectives)
@@ -107,7 +109,7 @@ class Plan:
             f"shardfn plan  mesh [{mesh}]  level {self.level}  "
             f"compute {self.cost.compute_s * 1e3:.3f} ms  comm {self.cost.comm_s * 1e3:.3f} ms  "
             f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank"
-            + ("" if self.optimal else "  (time limit: best found)")
+            + ("" if self.optimal else f"  (best found, within {self.gap:.2%} of the best bound)")
             + ("  parameters gathered again in backward" if self.reshard_after_forward else ""),
             f"{'node':<28} {'op':<36} {'inputs':<40} outputs",
         ]
@@ -154,6 +156,8 @@ class Plan:
                 "collectives": [asdict(c) for c in self.collectives],
                 "cost": asdict(self.cost),
                 "optimal": self.optimal,
+                "gap": self.gap,
+                "search": self.search,
                 "notes": self.notes,
                 "reshard_after_forward": self.reshard_after_forward,
             },

@@ -1,4 +1,4 @@
-"""Exact strategy choice: variable elimination, then an integer program solved by HiGHS.
+"""Strategy choice: exact variable elimination, then an integer program (HiGHS) on what elimination leaves.
 
 Problem: decisions ``v = 0..V-1``, each picking one of ``k_v`` candidates with cost ``c_v[k]``; edges ``(u, v)``
 with a cost matrix ``C_e[i, j]`` paid when ``u`` picks ``i`` and ``v`` picks ``j``. Minimise the total,
@@ -9,14 +9,16 @@ Shrinking the problem, each step exact (``_Reducer``):
 * an edge with a fixed endpoint (one candidate) becomes a cost on the other endpoint; parallel edges are summed;
 * a decision with one neighbour ``u`` is eliminated: ``c_u[i] += min_j C[i, j] + c_v[j]``;
 * a decision with two neighbours ``u, w`` (a link in a chain: elementwise ops, views, norms, the followers Alpa
-  merges into their producer) is eliminated into one edge ``C'[i, k] = min_j C_uv[i, j] + c_v[j] + C_vw[j, k]``.
+  merges into their producer) is eliminated into one edge ``C'[i, k] = min_j C_uv[i, j] + c_v[j] + C_vw[j, k]``
+  (computed a row of ``u`` at a time, so no cap on the candidates' product is needed).
 
 This is dynamic programming on the graph: chains and trees vanish, a transformer layer's residual stream and
-attention fan-out collapse, and repeated layers cost one small matrix product each. Eliminated decisions are
-recovered from their argmin tables after the rest is solved, so the result is optimal for the whole problem.
-With a budget, elimination would lose the budget's terms, so the full program is solved instead.
+attention fan-out collapse, and repeated layers cost one small matrix product each, so the work grows linearly
+with depth. Eliminated decisions are recovered from their argmin tables after the rest is solved, so the result
+is optimal for the whole problem.
 
-Integer program on what remains (each constraint names the code that adds it):
+What elimination leaves (a *residue*: decisions tied together in a pattern no chain or tree covers) goes to an
+integer program (each constraint names the code that adds it):
 
 * ``x[v, k] in {0, 1}``, one per candidate ............................................ ``_Builder.decision``
 * ``sum_k x[v, k] = 1``: every decision picks one candidate ............................ ``_Builder.decision``
@@ -27,23 +29,39 @@ Integer program on what remains (each constraint names the code that adds it):
   With integral ``x`` the marginals force ``y`` to the product of the two indicators, so the objective is
   exact; unlike the ``z >= x + x - 1`` linearisation its relaxation is tight (the local polytope), which is
   what lets HiGHS close the gap quickly.
-* ``sum_{v,k} w_v[k] x[v, k] <= B``: the budget, when given ......................... ``_Builder.budget``
+* ``sum_{v,k} w_v[k] x[v, k] <= B``: the budget, when the program is asked to keep it ..... ``_Builder.budget``
 
-A time limit returns the best solution HiGHS found and says so (:attr:`Solution.optimal` is False).
+HiGHS starts from an incumbent (``_incumbent``: the residue's busiest decision fixed to its locally best
+candidate, then elimination again, until nothing is left), so it always holds a plan, and it stops at the time
+limit with the best plan found and its gap to the best bound (:attr:`Solution.gap`); it never ends without one.
+
+A budget (``_with_budget``) is kept by Lagrangian relaxation: ``min f(x) + mu (w(x) - B)`` is an unconstrained
+problem, solved exactly as above for each ``mu`` of a bisection; the best plan within the budget is returned
+with its gap to the best Lagrangian bound. Only where that gap is not closed does the integer program run on
+the whole problem (with the budget row, from that plan), within the time limit.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import logging
+import os
+import sys
+import time
 from dataclasses import dataclass, field
 
+import highspy
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 __all__ = ["Infeasible", "Problem", "Solution", "objective", "solve"]
 
-# Eliminating a two-neighbour decision builds a k_u x k_v x k_w array; above this size it stays in the ILP.
-_MAX_ELIMINATION_CELLS = 4_000_000
+log = logging.getLogger("shardfn")
+
+# Relative gap under which a plan counts as optimal (HiGHS's own tolerance, and the budget's bisection)
+_GAP = 1e-9
+# A budgeted plan within this relative gap of the Lagrangian bound is taken without the integer program
+_BUDGET_GAP = 1e-2
 
 
 @dataclass
@@ -60,6 +78,8 @@ class Solution:
     optimal: bool
     message: str
     stats: dict = field(default_factory=dict)
+    gap: float = 0.0  # relative distance to the best lower bound known (0: proven optimal)
+    timed_out: bool = False  # the time limit ended the search: the best plan found, not a proven one
 
 
 def _groups(matrix: np.ndarray, axis: int) -> list[np.ndarray]:
@@ -67,33 +87,100 @@ def _groups(matrix: np.ndarray, axis: int) -> list[np.ndarray]:
     rows = matrix if axis == 0 else matrix.T
     _, inverse = np.unique(rows, axis=0, return_inverse=True)
     inverse = inverse.reshape(-1)
-    return [np.flatnonzero(inverse == g) for g in range(inverse.max() + 1)]
+    order = np.argsort(inverse, kind="stable")
+    bounds = np.flatnonzero(np.diff(inverse[order])) + 1
+    return np.split(order, bounds)
+
+
+def _link(c_uv: np.ndarray, c_v: np.ndarray, c_vw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``min_j C_uv[i, j] + c_v[j] + C_vw[j, k]`` and its argmin, a few rows of ``u`` at a time (bounded memory)."""
+    ku, kv, kw = c_uv.shape[0], c_v.shape[0], c_vw.shape[1]
+    left = c_uv + c_v[None, :]
+    rows = max(1, 2_000_000 // max(kv * kw, 1))
+    best = np.empty((ku, kw))
+    table = np.empty((ku, kw), dtype=np.int64)
+    for start in range(0, ku, rows):
+        total = left[start:start + rows, :, None] + c_vw[None, :, :]
+        table[start:start + rows] = total.argmin(axis=1)
+        best[start:start + rows] = np.take_along_axis(total, table[start:start + rows][:, None, :], 1)[:, 0, :]
+    return best, table
+
+
+def _leaf(c_uv: np.ndarray, c_v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    total = c_uv + c_v[None, :]
+    return total.min(axis=1), total.argmin(axis=1)
+
+
+class _Shared:
+    """The reducer's arithmetic, memoised by the identity of its operands. Arrays of equal content are one object
+    (:meth:`intern`), so identical layers, whose costs and edges are equal, go through their elimination on the
+    same objects: each step is computed for the first of them and its result shared by the rest."""
+
+    def __init__(self):
+        self._interned: dict = {}
+        self._memo: dict = {}
+
+    def intern(self, a: np.ndarray) -> np.ndarray:
+        a = np.asarray(a, dtype=float)
+        key = (a.shape, hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest())
+        return self._interned.setdefault(key, a)
+
+    def __call__(self, fn, *operands):
+        key = (fn, *(id(o) if isinstance(o, np.ndarray) else o for o in operands))
+        hit = self._memo.get(key)
+        if hit is None:  # the operands are kept with the result: their ids stay theirs
+            hit = self._memo[key] = (fn(*operands), operands)
+        return hit[0]
+
+
+def _plus(a, b):
+    return a + b
+
+
+def _plus_row(c, m):
+    return c + m[0]
+
+
+def _plus_column(c, m, k=0):
+    return c + m[:, k]
+
+
+def _plus_diagonal(c, m):
+    return c + np.diag(m)
+
+
+def _transposed(m):
+    return m.T
 
 
 class _Reducer:
-    """The problem as an adjacency structure, shrunk by exact eliminations."""
+    """The problem as an adjacency structure, shrunk by exact eliminations. ``keep`` decisions are never
+    eliminated (those a budget weighs: eliminating them would lose their weights)."""
 
-    def __init__(self, problem: Problem, eliminate: bool):
-        self.costs = [np.asarray(c, dtype=float).copy() for c in problem.costs]
+    def __init__(self, costs: list[np.ndarray], edges, keep: frozenset[int] = frozenset()):
+        self.op = _Shared()
+        self.costs = [self.op.intern(c) for c in costs]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in self.costs]  # adj[u][v]: matrix oriented u x v
-        for u, v, m in problem.edges:
-            self._add(u, v, np.asarray(m, dtype=float))
+        for u, v, m in edges:
+            self._add(u, v, self.op.intern(m))
         self.trail: list[tuple] = []  # eliminations, to undo in reverse
         self.alive = set(range(len(self.costs)))
-        if eliminate:
-            self._eliminate()
+        self.keep = keep
+        self._eliminate(self.alive)
 
     def _add(self, u: int, v: int, m: np.ndarray) -> None:
-        if len(self.costs[u]) == 1:
-            self.costs[v] += m[0]
+        op = self.op
+        if u == v:
+            self.costs[u] = op(_plus_diagonal, self.costs[u], m)
+        elif len(self.costs[u]) == 1:
+            self.costs[v] = op(_plus_row, self.costs[v], m)
         elif len(self.costs[v]) == 1:
-            self.costs[u] += m[:, 0]
-        elif v in self.adj[u]:
-            self.adj[u][v] = self.adj[u][v] + m
-            self.adj[v][u] = self.adj[u][v].T
+            self.costs[u] = op(_plus_column, self.costs[u], m)
         else:
+            if v in self.adj[u]:
+                m = op(_plus, self.adj[u][v], m)
             self.adj[u][v] = m
-            self.adj[v][u] = m.T
+            self.adj[v][u] = op(_transposed, m)
 
     def _drop(self, v: int) -> None:
         for u in self.adj[v]:
@@ -101,12 +188,13 @@ class _Reducer:
         self.adj[v] = {}
         self.alive.discard(v)
 
-    def _eliminate(self) -> None:
-        queue = sorted(self.alive, key=lambda v: len(self.adj[v]))
+    def _eliminate(self, start) -> None:
+        op = self.op
+        queue = sorted(start, key=lambda v: len(self.adj[v]))
         while queue:
             nxt = []
             for v in queue:
-                if v not in self.alive:
+                if v not in self.alive or v in self.keep:
                     continue
                 nbrs = list(self.adj[v])
                 cv = self.costs[v]
@@ -115,33 +203,67 @@ class _Reducer:
                     self.alive.discard(v)
                 elif len(nbrs) == 1:
                     (u,) = nbrs
-                    total = self.adj[u][v] + cv[None, :]
-                    self.costs[u] += total.min(axis=1)
-                    self.trail.append(("leaf", v, u, total.argmin(axis=1)))
+                    best, table = op(_leaf, self.adj[u][v], cv)
+                    self.costs[u] = op(_plus, self.costs[u], best)
+                    self.trail.append(("leaf", v, u, table))
                     self._drop(v)
                     nxt.append(u)
                 elif len(nbrs) == 2:
                     u, w = nbrs
-                    if len(self.costs[u]) * len(cv) * len(self.costs[w]) > _MAX_ELIMINATION_CELLS:
-                        continue
-                    total = self.adj[u][v][:, :, None] + cv[None, :, None] + self.adj[v][w][None, :, :]
-                    table = total.argmin(axis=1)
+                    best, table = op(_link, self.adj[u][v], cv, self.adj[v][w])
                     self.trail.append(("link", v, u, w, table))
                     self._drop(v)
-                    self._add(u, w, total.min(axis=1))
+                    self._add(u, w, best)
                     nxt += [u, w]
             queue = sorted(set(nxt) & self.alive, key=lambda v: len(self.adj[v]))
+
+    def fix(self, v: int, k: int) -> None:
+        """Decide ``v`` (its candidate ``k``): its edges become costs of its neighbours, which may then go."""
+        nbrs = list(self.adj[v])
+        for u in nbrs:
+            self.costs[u] = self.op(_plus_column, self.costs[u], self.adj[u][v], k)
+        self.trail.append(("fixed", v, k))
+        self._drop(v)
+        self._eliminate(nbrs)
+
+    def copy(self) -> "_Reducer":
+        other = object.__new__(_Reducer)
+        other.op = self.op
+        other.costs = list(self.costs)  # arrays are replaced, never written in place
+        other.adj = [dict(a) for a in self.adj]
+        other.trail = list(self.trail)
+        other.alive = set(self.alive)
+        other.keep = self.keep
+        return other
 
     def recover(self, choice: dict[int, int]) -> None:
         for step in reversed(self.trail):
             if step[0] == "free":
                 choice[step[1]] = int(np.argmin(self.costs[step[1]]))
+            elif step[0] == "fixed":
+                choice[step[1]] = step[2]
             elif step[0] == "leaf":
                 _, v, u, table = step
                 choice[v] = int(table[choice[u]])
             else:
                 _, v, u, w, table = step
                 choice[v] = int(table[choice[u], choice[w]])
+
+
+def _incumbent(red: _Reducer) -> dict[int, int]:
+    """A good plan for what elimination left, fast: fix the decision with the most neighbours to the candidate
+    best for it and its neighbours' best replies, eliminate exactly again, repeat until none is left."""
+    red = red.copy()
+    red.keep = frozenset()
+    while red.alive:
+        v = max(red.alive, key=lambda x: (len(red.adj[x]), -len(red.costs[x]), -x))
+        score = red.costs[v].copy()
+        for u, m in red.adj[v].items():  # m: v x u
+            score += (m + red.costs[u][None, :]).min(axis=1)
+        red.fix(v, int(np.argmin(score)))
+    choice: dict[int, int] = {}
+    red.recover(choice)
+    return choice
 
 
 class _Builder:
@@ -154,92 +276,247 @@ class _Builder:
         self.lo: list[float] = []
         self.hi: list[float] = []
         self.offsets: dict[int, int] = {}
+        self.edge_vars: list[tuple[int, int, list, list, dict]] = []  # (u, v, row groups, col groups, y)
 
     def _var(self, cost: float, integer: bool) -> int:
         self.obj.append(cost)
         self.integrality.append(1 if integer else 0)
         return len(self.obj) - 1
 
-    def _row(self, coeffs: dict[int, float], lo: float, hi: float) -> None:
+    def _row(self, cols: list[int], vals: list[float], lo: float, hi: float) -> None:
         r = len(self.lo)
-        for c, v in coeffs.items():
-            self.rows.append(r)
-            self.cols.append(c)
-            self.vals.append(v)
+        self.rows.extend([r] * len(cols))
+        self.cols.extend(cols)
+        self.vals.extend(vals)
         self.lo.append(lo)
         self.hi.append(hi)
 
     def decision(self, v: int, costs: np.ndarray) -> None:
         first = len(self.obj)
-        for c in costs:
-            self._var(float(c), True)
+        self.obj.extend(float(c) for c in costs)
+        self.integrality.extend([1] * len(costs))
         self.offsets[v] = first
-        self._row({first + k: 1.0 for k in range(len(costs))}, 1.0, 1.0)
+        self._row(list(range(first, first + len(costs))), [1.0] * len(costs), 1.0, 1.0)
 
     def edge(self, u: int, v: int, matrix: np.ndarray) -> None:
         row_groups, col_groups = _groups(matrix, 0), _groups(matrix, 1)
-        y = {}
+        first = len(self.obj)
+        reps_r = [g[0] for g in row_groups]
+        reps_c = [g[0] for g in col_groups]
+        block = matrix[np.ix_(reps_r, reps_c)]
+        self.obj.extend(block.ravel().tolist())
+        self.integrality.extend([0] * block.size)
+        nb = len(col_groups)
         for a, rows in enumerate(row_groups):
-            for b, cols in enumerate(col_groups):
-                y[a, b] = self._var(float(matrix[rows[0], cols[0]]), False)
-        for a, rows in enumerate(row_groups):
-            coeffs = {y[a, b]: 1.0 for b in range(len(col_groups))}
-            coeffs.update({self.offsets[u] + int(i): -1.0 for i in rows})
-            self._row(coeffs, 0.0, 0.0)
+            ys = list(range(first + a * nb, first + (a + 1) * nb))
+            xs = [self.offsets[u] + int(i) for i in rows]
+            self._row(ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0)
         for b, cols in enumerate(col_groups):
-            coeffs = {y[a, b]: 1.0 for a in range(len(row_groups))}
-            coeffs.update({self.offsets[v] + int(j): -1.0 for j in cols})
-            self._row(coeffs, 0.0, 0.0)
+            ys = list(range(first + b, first + len(row_groups) * nb, nb))
+            xs = [self.offsets[v] + int(j) for j in cols]
+            self._row(ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0)
+        self.edge_vars.append((u, v, row_groups, col_groups, first))
 
     def budget(self, weights: list[np.ndarray], limit: float, sizes: list[int]) -> None:
-        coeffs = {}
+        cols, vals = [], []
         for v, off in self.offsets.items():
             for k in range(sizes[v]):
                 if weights[v][k]:
-                    coeffs[off + k] = float(weights[v][k])
-        self._row(coeffs, -np.inf, limit)
+                    cols.append(off + k)
+                    vals.append(float(weights[v][k]))
+        self._row(cols, vals, -np.inf, limit)
+
+    def values(self, choice: dict[int, int]) -> np.ndarray:
+        """The variables' values for a choice of every decision in the program."""
+        x = np.zeros(len(self.obj))
+        for v, off in self.offsets.items():
+            x[off + choice[v]] = 1.0
+        for u, v, row_groups, col_groups, first in self.edge_vars:
+            a = next(i for i, g in enumerate(row_groups) if choice[u] in g)
+            b = next(j for j, g in enumerate(col_groups) if choice[v] in g)
+            x[first + a * len(col_groups) + b] = 1.0
+        return x
+
+
+_BANNER_SHOWN = [False]
+
+
+def _highs() -> highspy.Highs:
+    """A silent HiGHS. Its first construction in a process prints a banner on the C stdout, which a library must
+    not: that one is made with the stdout file descriptor pointed at /dev/null."""
+    quiet = contextlib.nullcontext() if _BANNER_SHOWN[0] else _c_stdout_silenced()
+    with quiet:
+        h = highspy.Highs()
+    _BANNER_SHOWN[0] = True
+    h.silent()
+    return h
+
+
+@contextlib.contextmanager
+def _c_stdout_silenced():
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_s: float,
+             budget: tuple[list[np.ndarray], float] | None = None) -> tuple[dict[int, int], bool, float, str]:
+    """HiGHS on the decisions ``alive`` (their costs and edges in ``red``), from the plan ``start``. Returns the
+    choice of each, whether it is proven optimal, the relative gap, and HiGHS's word for how it ended (only a
+    time limit keeps a feasible problem from being solved: "time limit")."""
+    b = _Builder()
+    for v in alive:
+        b.decision(v, red.costs[v])
+    for u in alive:
+        for v, m in red.adj[u].items():
+            if u < v:
+                b.edge(u, v, m)
+    if budget is not None:
+        weights, limit = budget
+        b.budget(weights, limit, [len(c) for c in red.costs])
+    n = len(b.obj)
+    order = np.lexsort((np.array(b.rows), np.array(b.cols)))  # column-wise
+    cols = np.array(b.cols)[order]
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = n, len(b.lo)
+    lp.col_cost_ = np.array(b.obj)
+    lp.col_lower_ = np.zeros(n)
+    lp.col_upper_ = np.where(np.array(b.integrality) == 1, 1.0, highspy.kHighsInf)
+    lp.row_lower_ = np.where(np.isfinite(b.lo), b.lo, -highspy.kHighsInf)
+    lp.row_upper_ = np.where(np.isfinite(b.hi), b.hi, highspy.kHighsInf)
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.searchsorted(cols, np.arange(n + 1)).astype(np.int32)
+    lp.a_matrix_.index_ = np.array(b.rows, dtype=np.int32)[order]
+    lp.a_matrix_.value_ = np.array(b.vals)[order]
+    lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                       for i in b.integrality]
+    h = _highs()
+    h.setOptionValue("time_limit", float(max(time_limit_s, 0.1)))
+    h.setOptionValue("mip_rel_gap", _GAP)
+    h.setOptionValue("threads", 1)
+    h.passModel(lp)
+    x0 = b.values(start)
+    h.setSolution(n, np.arange(n, dtype=np.int32), x0)
+    h.run()
+    status = h.getModelStatus()
+    info = h.getInfo()
+    x = np.asarray(h.getSolution().col_value) if info.primal_solution_status == 2 else None
+    if x is None or len(x) != n:
+        if status == highspy.HighsModelStatus.kInfeasible:
+            raise Infeasible("no assignment satisfies the budget")
+        return dict(start), False, float("inf"), "time limit"
+    choice = {v: int(np.argmax(x[b.offsets[v]: b.offsets[v] + len(red.costs[v])])) for v in alive}
+    optimal = status == highspy.HighsModelStatus.kOptimal
+    gap = 0.0 if optimal else float(info.mip_gap)
+    return choice, optimal, gap, "optimal" if optimal else "time limit"
+
+
+def _unconstrained(costs, edges, time_limit_s: float) -> Solution:
+    start = time.perf_counter()
+    red = _Reducer(costs, edges)
+    alive = sorted(red.alive)
+    choice: dict[int, int] = {}
+    optimal, gap, message = True, 0.0, "optimal"
+    if alive:
+        start_choice = _incumbent(red)
+        log.info("search: %d decisions of %d left after exact elimination; integer program (limit %.0f s)",
+                 len(alive), len(costs), time_limit_s)
+        choice, optimal, gap, message = _program(red, alive, start_choice, time_limit_s)
+    red.recover(choice)
+    ordered = [choice[v] for v in range(len(costs))]
+    stats = {"decisions": len(costs), "ilp_decisions": len(alive), "eliminated": len(red.trail),
+             "seconds": time.perf_counter() - start}
+    return Solution(ordered, objective(Problem(costs, edges), ordered), optimal, message, stats, gap,
+                    timed_out=message == "time limit")
+
+
+def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
+    """The budget by Lagrangian relaxation (bisection on its multiplier), then, where a gap is left, the integer
+    program with the budget row, from the best plan found."""
+    weights, limit = problem.budget
+    weights = [np.asarray(w, dtype=float) for w in weights]
+    if sum(float(w.min()) for w in weights) > limit * (1 + 1e-12):
+        raise Infeasible("no assignment satisfies the budget")
+    deadline = time.perf_counter() + time_limit_s
+
+    def at(mu: float) -> Solution:
+        return _unconstrained([c + mu * w for c, w in zip(problem.costs, weights)], problem.edges,
+                              max(deadline - time.perf_counter(), 0.1))
+
+    def weight(sol: Solution) -> float:
+        return float(sum(w[k] for w, k in zip(weights, sol.choice)))
+
+    first = at(0.0)
+    if weight(first) <= limit:
+        return first
+    best, bound = None, first.objective if first.optimal else -np.inf
+
+    def take(mu: float, sol: Solution) -> bool:
+        nonlocal best, bound
+        w = weight(sol)
+        if sol.optimal:  # a Lagrangian bound holds only for an exact inner solve
+            bound = max(bound, sol.objective - mu * limit)
+        if w <= limit:
+            f = objective(problem, sol.choice)
+            if best is None or f < best.objective:
+                best = Solution(sol.choice, f, False, "", sol.stats, timed_out=sol.timed_out)
+        return w <= limit
+
+    # the multiplier's scale: a millionth of the plan's cost per unit of the budget, then up by 8x until a plan
+    # keeps it, then bisected (geometrically) until the bracket or the gap closes
+    lo, hi = 0.0, 1e-6 * max(abs(first.objective), 1e-30) / max(limit, 1e-30)
+    rounds = 0
+    while not take(hi, at(hi)):
+        lo, hi = hi, hi * 8
+        rounds += 1
+    while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-3) and \
+            best.objective - bound > _GAP * max(abs(best.objective), 1e-30):
+        mid = (lo * hi) ** 0.5 if lo > 0 else hi / 8
+        if take(mid, at(mid)):
+            hi = mid
+        else:
+            lo = mid
+        rounds += 1
+    gap = max(best.objective - bound, 0.0) / max(abs(best.objective), 1e-30)
+    best.stats = {**best.stats, "lagrangian_rounds": rounds}
+    if gap <= _GAP:
+        best.optimal, best.gap, best.message = True, 0.0, "optimal"
+        return best
+    if gap <= _BUDGET_GAP or time.perf_counter() > deadline:
+        best.gap, best.message = gap, f"memory limit binding: within {gap:.2%} of the best bound"
+        best.timed_out = best.timed_out or time.perf_counter() > deadline
+        return best
+    # the integer program on the whole problem: decisions the budget does not weigh are still eliminated
+    keep = frozenset(v for v, w in enumerate(weights) if np.ptp(w) > 0)
+    offset = sum(float(w.min()) for v, w in enumerate(weights) if v not in keep)
+    red = _Reducer(problem.costs, problem.edges, keep=keep)
+    alive = sorted(red.alive)
+    start = dict(enumerate(best.choice))
+    choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.1),
+                                                 ([w if v in keep else np.zeros_like(w) for v, w in
+                                                   enumerate(weights)], limit - offset))
+    red.recover(choice)
+    ordered = [choice[v] for v in range(len(problem.costs))]
+    f = objective(problem, ordered)
+    if f > best.objective:  # HiGHS found nothing better than the start
+        ordered, f = best.choice, best.objective
+    gap = 0.0 if optimal else min(gap, ilp_gap)
+    return Solution(ordered, f, optimal, message, {**best.stats, "ilp_decisions": len(alive)}, gap,
+                    timed_out=not optimal)
 
 
 def solve(problem: Problem, time_limit_s: float = 60.0) -> Solution:
-    sizes = [len(c) for c in problem.costs]
-    red = _Reducer(problem, eliminate=problem.budget is None)
-    alive = sorted(red.alive)
-    choice: dict[int, int] = {}
-    optimal, message = True, "optimal"
-    if alive:
-        b = _Builder()
-        for v in alive:
-            b.decision(v, red.costs[v])
-        for u in alive:
-            for v, m in red.adj[u].items():
-                if u < v:
-                    b.edge(u, v, m)
-        if problem.budget is not None:
-            weights, limit = problem.budget
-            b.budget(weights, limit, sizes)
-        n = len(b.obj)
-        a = coo_matrix((b.vals, (b.rows, b.cols)), shape=(len(b.lo), n)).tocsr()
-        upper = np.where(np.array(b.integrality) == 1, 1.0, np.inf)
-        res = milp(
-            c=np.array(b.obj),
-            constraints=LinearConstraint(a, np.array(b.lo), np.array(b.hi)),
-            integrality=np.array(b.integrality),
-            bounds=Bounds(np.zeros(n), upper),
-            options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": 1e-9},
-        )
-        if res.x is None:
-            if res.status == 2:
-                raise Infeasible(res.message)
-            raise RuntimeError(f"shardfn: the strategy search found no solution ({res.message})")
-        for v in alive:
-            off = b.offsets[v]
-            choice[v] = int(np.argmax(res.x[off : off + sizes[v]]))
-        optimal = res.status == 0
-        message = "optimal" if optimal else res.message
-    red.recover(choice)
-    ordered = [choice[v] for v in range(len(sizes))]
-    stats = {"decisions": len(sizes), "ilp_decisions": len(alive), "eliminated": len(red.trail)}
-    return Solution(ordered, objective(problem, ordered), optimal, message, stats)
+    """The cheapest choice (within the budget, if given). Past ``time_limit_s`` the best plan found is returned,
+    with ``optimal`` False and its gap; :class:`Infeasible` only where no choice keeps the budget."""
+    if problem.budget is not None:
+        return _with_budget(problem, time_limit_s)
+    return _unconstrained(problem.costs, problem.edges, time_limit_s)
 
 
 class Infeasible(RuntimeError):

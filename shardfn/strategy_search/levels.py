@@ -1,0 +1,63 @@
+"""The three objectives (``level``), each solved exactly by the solver where it finishes.
+
+0: maximise the ratio of compute saved by sharding to communication time (Dinkelbach's method: each round an
+   exact solve of max savings - lambda * comm, lambda the best ratio so far), then least time on ties;
+1: minimise per-rank memory, then time;
+2: minimise step time (compute + communication) within the device's memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import cost_model as cm
+from .pricing import Terms
+from .solver import Infeasible, Problem, Solution, solve
+
+__all__ = ["solve_level"]
+
+
+def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: float) -> Solution:
+    """Choose candidates for the level's objective (see the README's *Search* section)."""
+    unary_time = [c + r for c, r in zip(t.compute, t.reductions)]
+    upper_time = sum(float(c.max()) for c in unary_time) + sum(float(m.max()) for _, _, m in t.edges) + 1e-12
+
+    def kept_split(edges, scale):
+        # one gather of a value that must stay split, or one pair of choices no program runs, outweighs
+        # everything the objective can gain elsewhere
+        return edges + [(u, v, (10 * scale + 1) * m) for u, v, m in t.violations + t.impossible]
+
+    time_problem = Problem(unary_time, kept_split(t.edges, upper_time))
+    if level == 2:
+        sol = solve(time_problem, time_limit_s)
+        if t.memory_of(sol.choice) <= profile.memory_bytes:
+            return sol
+        try:
+            sol = solve(Problem(time_problem.costs, time_problem.edges, (t.memory, profile.memory_bytes)),
+                        time_limit_s)
+        except Infeasible:
+            raise ValueError(
+                f"level=2: no plan fits the per-rank memory of the {profile.name} profile "
+                f"({profile.memory_bytes / 2**30:.1f} GiB); use level=1 (least memory) or more ranks"
+            ) from None
+        sol.message = "memory limit binding" if sol.message in ("optimal", "", "time limit") else sol.message
+        return sol
+    if level == 1:
+        eps = 1e-3 / upper_time  # all time together is worth less than a thousandth of a byte
+        costs = [mem + eps * c for mem, c in zip(t.memory, unary_time)]
+        scale = sum(float(m.max()) for m in t.memory) + 1.0
+        return solve(Problem(costs, kept_split([(u, v, eps * m) for u, v, m in t.edges], scale)), time_limit_s)
+    eps = 1e-6 * max(sum(float(s.max()) for s in t.savings), 1e-12) / upper_time
+    lam, best = 0.0, None
+    for _ in range(50):
+        costs = [-s + lam * r + eps * c for s, r, c in zip(t.savings, t.reductions, unary_time)]
+        scale = sum(float(np.abs(s).max()) for s in t.savings) + (lam + 1) * upper_time
+        sol = solve(Problem(costs, kept_split([(u, v, (lam + eps) * m) for u, v, m in t.edges], scale)),
+                    time_limit_s)
+        saved, comm = t.savings_of(sol.choice), t.comm_of(sol.choice)
+        best = sol
+        if comm <= 0 or saved - lam * comm <= 1e-9 * max(saved, 1e-12):
+            break
+        lam = saved / comm
+    best.message = best.message if best.message != "optimal" else ""
+    return best

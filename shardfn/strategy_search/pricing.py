@@ -1,0 +1,327 @@
+"""The cost model's terms for one strategy problem: per-decision compute, memory and savings, edge communication.
+
+Edges are priced per pair of candidate lists, not per edge: identical layers share candidate lists, so a model's
+repeated layers are priced once (``Pricing``, one per search; nothing it holds outlives the search). A pair of
+lists is priced over its distinct (placement, pending-sum) keys only, then spread to the full matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor.placement_types import Placement, Shard
+
+from . import cost_model as cm
+from .buckets import bucket_bytes
+from .candidates import Candidate
+from .problem import Decision, StrategyProblem
+
+__all__ = ["Pricing", "Terms", "gathered_at", "gradient_handed_back", "node_collectives", "passes_on", "pending",
+           "violations"]
+
+Placements = tuple[Placement, ...]
+
+# backward ~ twice the forward's work
+_BACKWARD_FACTOR = 3.0
+
+
+@dataclass
+class Terms:
+    """The cost model's terms for one problem: per-decision compute, memory and savings, edge communication."""
+
+    decisions: list[Decision]
+    compute: list[np.ndarray]  # per-rank compute seconds (forward, plus backward where needed)
+    savings: list[np.ndarray]  # compute seconds saved against running the node whole on one rank
+    memory: list[np.ndarray]  # per-rank bytes held at the peak of a training step (the level-1/2 model)
+    edges: list[tuple[int, int, np.ndarray]]  # communication seconds, forward and backward
+    # per decision: seconds of collectives that belong to one node: an accumulated gradient's one reduction, and
+    # a graph input's move from the layout it arrives in to its planned one (and its gradient's way back)
+    reductions: list[np.ndarray]
+    comm_ops: Any  # (value, src, dst, pending, grad, accumulate) -> (forward CommOps, backward CommOps)
+    # edges where a choice gathers a value that must stay split (keep_split): 1 per such pair of choices
+    violations: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    # edges where a pair of choices prices what no program runs (:func:`_left_to_view`): 1 per such pair
+    impossible: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+
+    def violations_of(self, choice) -> int:
+        return int(sum(m[choice[u], choice[v]] for u, v, m in self.violations))
+
+    def compute_of(self, choice) -> float:
+        return float(sum(self.compute[v][k] for v, k in enumerate(choice)))
+
+    def comm_of(self, choice) -> float:
+        edges = sum(m[choice[u], choice[v]] for u, v, m in self.edges)
+        return float(edges + sum(self.reductions[v][k] for v, k in enumerate(choice)))
+
+    def memory_of(self, choice) -> float:
+        return float(sum(self.memory[v][k] for v, k in enumerate(choice)))
+
+    def savings_of(self, choice) -> float:
+        return float(sum(self.savings[v][k] for v, k in enumerate(choice)))
+
+
+class Pricing:
+    """Prices one search's problem; its memos live as long as the search."""
+
+    def __init__(self, problem: StrategyProblem, profile: cm.DeviceProfile, held: dict[int, Placements]):
+        self.problem, self.profile, self.held = problem, profile, held
+        self.mesh_shape = problem.mesh_shape
+        self._edges: dict = {}
+        self._violations: dict = {}
+        self._comm: dict = {}
+        self.share = _BucketShare(bucket_bytes(), sum(d.node is not None and d.node.op == "placeholder"
+                                                      and d.node in problem.needs_grad for d in problem.decisions))
+
+    # -- collectives ---------------------------------------------------------------------------------------------
+
+    def seconds(self, fwd, bwd, handed_back: bool) -> float:
+        """Forward and backward collectives' seconds; a gradient ``handed_back`` has its reduction fused."""
+        mesh_shape, profile, share = self.mesh_shape, self.profile, self.share
+        return sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd) + sum(
+            cm.collective_seconds(op, mesh_shape, profile, share(op) if handed_back else 1.0) for op in bwd)
+
+    def comm(self, val, src, dst, pending, grad, accumulate, handed_back=False):
+        """(forward CommOps, backward CommOps, seconds) of moving ``val`` from ``src`` to ``dst``."""
+        key = (tuple(val.shape), val.dtype, src, dst, pending, grad, accumulate, handed_back)
+        hit = self._comm.get(key)
+        if hit is None:
+            item, mesh_shape = val.element_size(), self.mesh_shape
+            fwd = cm.redistribute_collectives(val.shape, item, src, dst, mesh_shape)
+            bwd = cm.backward_collectives(val.shape, item, src, dst, pending, mesh_shape, accumulate) if grad else []
+            hit = self._comm[key] = (fwd, bwd, self.seconds(fwd, bwd, handed_back))
+        return hit
+
+    def comm_ops(self, val, src, dst, pending, grad, accumulate):
+        return self.comm(val, src, dst, pending, grad, accumulate)[:2]
+
+    # -- the terms -----------------------------------------------------------------------------------------------
+
+    def terms(self, keep_split: tuple[int, ...] = ()) -> Terms:
+        p = self.problem
+        compute, savings, memory = self._unary()
+        edges, impossible = self._edge_terms()
+        reductions = []
+        for i, d in enumerate(p.decisions):
+            secs = np.zeros(len(d.candidates))
+            grad = d.node in p.needs_grad if d.node is not None else False
+            for k, c in enumerate(d.candidates):
+                fwd, bwd = node_collectives(d, c, self.held.get(i), grad, self.mesh_shape)
+                # a graph input's own reductions (its readers' gradients summed) hand its gradient back
+                secs[k] = self.seconds(fwd, bwd, d.node is not None and d.node.op == "placeholder")
+            reductions.append(secs)
+        terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible)
+        terms.violations = self.violations(keep_split, p.split_values)
+        return terms
+
+    def _unary(self):
+        p, profile, mesh_shape = self.problem, self.profile, self.mesh_shape
+        compute, savings, memory = [], [], []
+        for d in p.decisions:
+            n = len(d.candidates)
+            if d.node is None:
+                compute.append(np.zeros(n)), savings.append(np.zeros(n)), memory.append(np.zeros(n))
+                continue
+            vals = [v for v in pytree.tree_leaves(d.node.meta.get("val")) if isinstance(v, torch.Tensor)]
+            if d.node.op == "placeholder":
+                compute.append(np.zeros(n)), savings.append(np.zeros(n))
+                keep = 4 if d.node in p.trainable else 1  # value, gradient, two optimizer states
+            else:
+                # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose
+                # only to gather it back for its reader)
+                flops = cm.node_flops(d.node)
+                nbytes = 0 if cm.is_alias_op(d.node) else cm.node_bytes(d.node)
+                # backward's work, and a checkpointed value's forward once more
+                factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if d.node in p.needs_grad else 1.0
+                dtype = vals[0].dtype if vals else torch.float32
+                whole = factor * cm.compute_seconds(flops, nbytes, 1, profile, dtype)
+                per = np.array([factor * cm.compute_seconds(flops, nbytes, _split(c, mesh_shape), profile, dtype)
+                                for c in d.candidates])
+                compute.append(per), savings.append(whole - per)
+                keep = 1 if d.node in p.needs_grad and d.node not in p.recomputed and not cm.is_alias_op(d.node) \
+                    else 0
+            memory.append(np.array([
+                keep * sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
+                           for v, pl in zip(vals, c.outputs) if pl is not None)
+                for c in d.candidates], dtype=float) if keep else np.zeros(n))
+        return compute, savings, memory
+
+    def _edge_terms(self):
+        p = self.problem
+        edges, impossible = [], []
+        for v, d in enumerate(p.decisions):
+            for slot, (u, out_idx, value_node) in enumerate(d.sources):
+                val = value_node.meta["val"]
+                grad = value_node in p.needs_grad
+                handed_back = grad and gradient_handed_back(value_node) is not None
+                src_cands = p.decisions[u].candidates
+                from_view = grad and cm.is_alias_op(p.decisions[u].node)
+                key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, grad,
+                       cm.is_alias_op(d.node), handed_back, from_view)
+
+                def build(d=d, slot=slot, src_cands=src_cands, out_idx=out_idx, val=val, grad=grad,
+                          handed_back=handed_back, from_view=from_view):
+                    pend = [pending(c, slot, passes_on(d, c)) for c in d.candidates]
+                    src_keys, src_idx = _distinct([(sc.outputs[out_idx], sc.accumulate) for sc in src_cands])
+                    dst_keys, dst_idx = _distinct([(c.inputs[slot], pd) for c, pd in zip(d.candidates, pend)])
+                    small = np.array([[self.comm(val, s, t, pd, grad, acc, handed_back)[2] for t, pd in dst_keys]
+                                      for s, acc in src_keys])
+                    return (small[np.ix_(src_idx, dst_idx)],
+                            _left_to_view(src_cands, pend, self.mesh_shape) if from_view else None)
+
+                matrix, forbidden = _per_candidate_lists(self._edges, key, src_cands, d.candidates, build)
+                edges.append((u, v, matrix))
+                if forbidden is not None:
+                    impossible.append((u, v, forbidden))
+        return edges, impossible
+
+    def violations(self, keep_split, values) -> list[tuple[int, int, np.ndarray]]:
+        """Edges where a pair of choices gathers, in forward, a value of ``values`` that must stay split over the
+        mesh dims ``keep_split``."""
+        found = []
+        if not keep_split:
+            return found
+        p = self.problem
+        for v, d in enumerate(p.decisions):
+            for slot, (u, out_idx, value_node) in enumerate(d.sources):
+                if value_node not in values:
+                    continue
+                val = value_node.meta["val"]
+                src_cands = p.decisions[u].candidates
+                key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, keep_split)
+
+                def build(d=d, slot=slot, src_cands=src_cands, out_idx=out_idx, val=val):
+                    src_keys, src_idx = _distinct([sc.outputs[out_idx] for sc in src_cands])
+                    dst_keys, dst_idx = _distinct([c.inputs[slot] for c in d.candidates])
+                    bad = np.array([[float(_gathers(self.comm(val, a, b, (), False, False)[0], keep_split))
+                                     for b in dst_keys] for a in src_keys])
+                    return bad[np.ix_(src_idx, dst_idx)] if bad.any() else None
+
+                bad = _per_candidate_lists(self._violations, key, src_cands, d.candidates, build)
+                if bad is not None:
+                    found.append((u, v, bad))
+        return found
+
+
+def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: list, build: Callable[[], Any]):
+    """``build()`` once per pair of candidate lists (``key`` holds their ids). The entry keeps the lists, so their
+    ids are not reused while it stands."""
+    hit = memo.get(key)
+    if hit is None or hit[0] is not src_cands or hit[1] is not dst_cands:
+        hit = memo[key] = (src_cands, dst_cands, build())
+    return hit[2]
+
+
+def _split(c: Candidate, mesh_shape: Sequence[int]) -> int:
+    """How many ways a candidate splits its work: the mesh dims where some operand is sharded. (A pending-sum
+    operand alone splits nothing: every rank still runs the whole op on its piece.)"""
+    dims = set()
+    for pl in list(c.inputs) + [o for o in c.outputs if o is not None]:
+        dims.update(d for d, p in enumerate(pl) if isinstance(p, Shard))
+    return int(np.prod([mesh_shape[d] for d in dims])) if dims else 1
+
+
+def pending(c: Candidate, slot: int, passes_on: bool = False) -> tuple[bool, ...]:
+    """Mesh dims where this candidate leaves the gradient of input ``slot`` as a pending sum. The outputs' sink
+    leaves none: each output's gradient comes back as the caller computed it, a replicated output's whole on
+    every rank. A view that ``passes_on`` its readers' pending sums (problem's accumulation offer) leaves them
+    pending on its input wherever its result accumulates them."""
+    pl = c.inputs[slot]
+    if c.rule == "output":
+        return (False,) * len(pl)
+    if passes_on:
+        return tuple(a.is_partial() and not isinstance(p, Shard)
+                     for a, p in zip(cm.accumulator_placement(c.outputs[0]), pl))
+    working = set()
+    for other in list(c.inputs) + [o for o in c.outputs if o is not None]:
+        working.update(d for d, p in enumerate(other) if not p.is_replicate())
+    return tuple(p.is_replicate() and d in working for d, p in enumerate(pl))
+
+
+def passes_on(d: Decision, c: Candidate) -> bool:
+    """Does ``d``, a view, hand its readers' pending gradient sums on to its input (the accumulating variant of a
+    view), where the value it views sums and resolves them? Exec does so at every view; a view's other variant
+    is for readers that leave it no pending sum (:func:`_left_to_view`)."""
+    return c.accumulate and d.node is not None and cm.is_alias_op(d.node)
+
+
+def _left_to_view(view_cands: list[Candidate], pend: list[tuple[bool, ...]], mesh_shape) -> np.ndarray | None:
+    """1 where a reader leaves a pending gradient sum (over more than one rank) to a view that does not pass it
+    on: exec never resolves a sum at a view (it hands it to the value viewed), so such a pair of choices prices
+    a reduction no program runs; the view's passing variant prices the one that does. None if there is none."""
+    keeps = np.array([not c.accumulate for c in view_cands], dtype=float)
+    leaves = np.array([any(p and n > 1 for p, n in zip(pd, mesh_shape)) for pd in pend], dtype=float)
+    if not (keeps.any() and leaves.any()) or not any(c.accumulate for c in view_cands):
+        return None  # a view without the passing variant (several outputs): priced where it is read, as before
+    return np.outer(keeps, leaves)
+
+
+def _distinct(keys: list) -> tuple[list, np.ndarray]:
+    """The distinct keys in first-seen order, and each key's position among them."""
+    pos: dict = {}
+    idx = np.array([pos.setdefault(k, len(pos)) for k in keys], dtype=np.int64)
+    return list(pos), idx
+
+
+def _gathers(ops, dims) -> bool:
+    return any(o.kind in ("all_gather", "all_to_all") and o.mesh_dim in dims for o in ops)
+
+
+def gathered_at(decisions, choice, found) -> list[str]:
+    """Where the chosen plan gathers a value that was to stay split: "value -> reader"."""
+    return [f"{decisions[u].name if decisions[u].node.op == 'placeholder' else decisions[u].node.name} -> "
+            f"{decisions[v].name}" for u, v, m in found if m[choice[u], choice[v]]]
+
+
+# ops whose gradient is their input's, reshaped: a gradient reduced after them is the input's own
+_RESHAPES = (torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+             torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
+
+
+@dataclass(frozen=True)
+class _BucketShare:
+    """The part of its collective's fixed costs a gradient's reduction bears once exec fuses it into a bucket of
+    ``limit`` bytes (buckets.bucket_bytes): its bytes' share of a full bucket, and no less than an equal share
+    among the ``grads`` gradients of graph inputs (a small model's all fit in one bucket, whose latency they
+    then share)."""
+
+    limit: int
+    grads: int
+
+    def __call__(self, op: cm.CommOp) -> float:
+        if op.kind != "all_reduce" or self.limit <= 0:
+            return 1.0
+        return min(1.0, max(op.nbytes / self.limit, 1 / max(self.grads, 1)))
+
+
+def gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The graph input whose gradient, as it leaves the program (no other reader adds to it), is what is
+    reduced where ``node`` is read; else None. Exec fuses those reductions into buckets."""
+    while node.op == "call_function" and node.target in _RESHAPES and len(node.users) == 1:
+        node = node.args[0]
+    return node if node.op == "placeholder" and len(node.users) == 1 else None
+
+
+def node_collectives(d: Decision, c: Candidate, held, grad: bool, mesh_shape) -> tuple[list, list]:
+    """(forward, backward) collectives that belong to one node rather than an edge."""
+    if d.node is None:
+        return [], []
+    fwd, bwd = [], []
+    if c.accumulate and not passes_on(d, c):  # a view's sum is resolved where its input's is
+        val = _first_output(d.node)
+        bwd += cm.accumulated_collectives(val.shape, val.element_size(), c.outputs[0], mesh_shape)
+    if held is not None and held != c.outputs[0]:
+        val = d.node.meta["val"]
+        fwd += cm.redistribute_collectives(val.shape, val.element_size(), held, c.outputs[0], mesh_shape)
+        if grad:  # the gradient goes back to the caller in the layout the input came in
+            bwd += cm.redistribute_collectives(val.shape, val.element_size(),
+                                               cm.gradient_placement(c.outputs[0]), held, mesh_shape)
+    return fwd, bwd
+
+
+def _first_output(node: torch.fx.Node) -> torch.Tensor:
+    return next(v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))

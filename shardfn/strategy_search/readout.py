@@ -1,0 +1,213 @@
+"""The plan read off a solution: each node's placements, the collectives they imply, costs, notes."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.distributed.tensor.placement_types import Shard
+
+from ..layout import MeshSpec
+from . import cost_model as cm
+from .buckets import assign_buckets, bucket_bytes
+from .candidates import is_alias, tensor_inputs
+from .plan import Collective, Cost, InputPlan, NodePlan, Plan
+from .pricing import Pricing, Terms, gathered_at, gradient_handed_back, node_collectives, passes_on, pending
+from .problem import StrategyProblem, computed_from, splits
+from .request import PlanRequest
+from .solver import Solution
+
+__all__ = ["read_plan"]
+
+aten = torch.ops.aten
+
+
+def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, terms: Terms,
+              solution: Solution) -> Plan:
+    captured, decisions, mesh_shape = problem.captured, problem.decisions, problem.mesh_shape
+    needs_grad, held, level = problem.needs_grad, request.held(), request.level
+    chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
+    nodes = {}
+    for d, c in zip(decisions, chosen):
+        if d.node is not None:
+            op = "input" if d.node.op == "placeholder" else str(d.node.target)
+            nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs)
+    fwd_colls, bwd_colls, regathers, regather_s = [], [], [], 0.0
+    # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy from
+    # forward to backward (FSDP's reshard_after_forward): one more all-gather per gathered parameter
+    reshard = level == 1 and request.grad
+    from_params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
+    for node in captured.gm.graph.nodes:  # what backward computes again from the shards: ops on parameters alone
+        if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= from_params:
+            from_params.add(node)
+    # reductions of a gradient handed straight back: (position in bwd_colls, (mesh dim, dtype), input number)
+    gradients = []
+    position = {n: i for i, n in enumerate(captured.placeholders)}
+    for d, c in zip(decisions, chosen):
+        for slot, (u, out_idx, value_node) in enumerate(d.sources):
+            val = value_node.meta["val"]
+            src = chosen[u].outputs[out_idx]
+            fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], pending(c, slot, passes_on(d, c)),
+                                      value_node in needs_grad, chosen[u].accumulate)
+            where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
+            fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
+            if reshard and value_node in from_params and _read_in_backward(d.node, slot, needs_grad):
+                again = [o for o in fwd if o.kind == "all_gather"]
+                regathers += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where + " (again)")
+                              for o in again]
+                regather_s += sum(cm.collective_seconds(o, mesh_shape, request.profile) for o in again)
+            handed_back = gradient_handed_back(value_node)
+            if handed_back is not None:
+                gradients += [(len(bwd_colls) + k, (o.mesh_dim, val.dtype), position[handed_back])
+                              for k, o in enumerate(bwd) if o.kind == "all_reduce"]
+            bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where) for o in bwd]
+    for i, (d, c) in enumerate(zip(decisions, chosen)):
+        fwd, bwd = node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None else False,
+                                    mesh_shape)
+        entry = held.get(i) is not None and held[i] != c.outputs[0]  # else its readers' gradients summed
+        what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
+        if d.node is not None and d.node.op == "placeholder":  # a graph input's gradient, handed back
+            gradients += [(len(bwd_colls) + k, (o.mesh_dim, d.node.meta["val"].dtype), position[d.node])
+                          for k, o in enumerate(bwd) if o.kind == "all_reduce"]
+        fwd_colls = [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, what) for o in fwd] + fwd_colls
+        bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, what) for o in bwd]
+    bwd_colls = _with_buckets(bwd_colls, gradients)
+    compute_s = terms.compute_of(solution.choice)
+    comm_s = terms.comm_of(solution.choice) + regather_s
+    bwd_colls += regathers
+    peak = _peak_bytes(problem, chosen, needs_grad - problem.recomputed)
+    notes = [solution.message] if solution.message not in ("optimal", "") else []
+    if solution.timed_out:
+        notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
+                     f"{solution.gap:.2%} of the best bound")
+    notes += _why_gathered(problem, request, pricing, terms, solution)
+    if problem.fallbacks:
+        notes.append("replicated fallback for: " + ", ".join(sorted(problem.fallbacks)))
+    inputs = tuple(InputPlan(gi.kind, gi.name, gi.shape, held.get(i, chosen[i].outputs[0]), chosen[i].outputs[0])
+                   for i, gi in enumerate(captured.inputs))
+    return Plan(
+        mesh=mesh_spec,
+        level=level,
+        nodes=nodes,
+        inputs=list(inputs),
+        outputs=[r.placements for r in request.outputs],
+        returns_dtensor=[r.as_dtensor for r in request.outputs],
+        collectives=fwd_colls + list(reversed(bwd_colls)),
+        cost=Cost(compute_s, comm_s, peak, terms.savings_of(solution.choice)),
+        optimal=solution.optimal,
+        notes=notes,
+        reshard_after_forward=bool(regathers),
+        gap=solution.gap,
+        search=dict(solution.stats),
+    )
+
+
+# inputs an op's backward does not read: terms it only adds (a bias, either side of a sum)
+_ADDED = {aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.addmm.default: (0,), aten.baddbmm.default: (0,),
+          aten.addbmm.default: (0,)}
+
+
+def _read_in_backward(node: torch.fx.Node | None, slot: int, needs_grad: set) -> bool:
+    """Does the backward of ``node``'s op read its tensor input ``slot``? Where another input needs a gradient (a
+    weight is read for its input's gradient), unless the op only adds that input. A view's backward reads
+    nothing itself, but what its readers' backward reads of the view is its input, seen through it."""
+    if node is None or node.op != "call_function":
+        return False
+    if cm.is_alias_op(node) or is_alias(node):
+        return any(_read_in_backward(user, k, needs_grad) for user in node.users
+                   for k, a in enumerate([node] if is_alias(user) else tensor_inputs(user)) if a is node)
+    if slot in _ADDED.get(node.target, ()):
+        return False
+    return any(a in needs_grad for k, a in enumerate(tensor_inputs(node)) if k != slot)
+
+
+def _why_gathered(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,
+                  solution: Solution) -> list[str]:
+    """Notes for explain() where the plan gathers a batch that was given split: unavoidably (data_parallel), or,
+    for an in_strategy split, where the reader has no rule for the pieces or where the objective preferred it.
+    Read off the solution: nothing is solved again."""
+    decisions, choice = problem.decisions, solution.choice
+    if request.keep_split:
+        at = gathered_at(decisions, choice, terms.violations)
+        return [f"data_parallel: no rule runs these on batch slices, so the batch is gathered for them: "
+                f"{', '.join(at)}"] if at else []
+    dims = tuple(sorted({d for r in request.inputs if r.fixed is not None for d, p in enumerate(r.fixed)
+                         if isinstance(p, Shard)}))
+    captured = problem.captured
+    given = [i for i, r in enumerate(request.inputs) if r.fixed is not None and splits(r.fixed, dims)
+             and captured.inputs[i].kind == "input"]
+    if not given:
+        return []
+    found = [(u, v, m) for u, v, m in pricing.violations(dims, computed_from(captured, given))
+             if decisions[v].node is not None]  # returned whole, as out_strategy asks: not the plan's choice
+    forced = [(u, v, m) for u, v, m in found if m[choice[u]].all()]  # every way to run the reader gathers
+    chose = [(u, v, m) for u, v, m in found if not m[choice[u]].all()]
+    names = ", ".join(captured.inputs[i].name for i in given)
+    notes = []
+    at = gathered_at(decisions, choice, forced)
+    if at:
+        notes.append(f"{names} split as given, then gathered where no rule runs on the pieces: {', '.join(at)}")
+    at = gathered_at(decisions, choice, chose)
+    if at:
+        c, m = terms.compute_of(choice), terms.comm_of(choice)
+        notes.append(f"{names} split as given, but the level-{request.level} objective gathers it at {', '.join(at)} "
+                     f"(this plan: compute {c * 1e3:.3f} ms, comm {m * 1e3:.3f} ms). "
+                     "For data parallelism give dataset_strategy='data_parallel'.")
+    return notes
+
+
+def _with_buckets(bwd_colls: list[Collective], gradients: list[tuple[int, tuple, int]]) -> list[Collective]:
+    """The backward collectives with the buckets of the gradients' reductions, where a bucket fuses two or
+    more; gradients taken by input number, last first (DDP's reverse parameter order, exec's too)."""
+    ready = sorted(gradients, key=lambda g: -g[2])
+    numbers = assign_buckets([(kind, bwd_colls[i].nbytes) for i, kind, _ in ready], bucket_bytes())
+    sizes = collections.Counter(numbers)
+    renumber = {n: k for k, n in enumerate(n for n in dict.fromkeys(numbers) if sizes[n] > 1)}
+    out = list(bwd_colls)
+    for (i, _, _), n in zip(ready, numbers):
+        if n in renumber:
+            out[i] = dataclasses.replace(out[i], bucket=renumber[n])
+    return out
+
+
+def _peak_bytes(problem: StrategyProblem, chosen, kept) -> int:
+    """Per-rank peak bytes of the chosen plan, with liveness.
+
+    Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
+    optimizer states) are alive throughout; a value ``kept`` for backward stays alive once made; any other value
+    lives until its last reader. The peak is the largest total seen.
+    """
+    by_node = {d.node: c for d, c in zip(problem.decisions, chosen) if d.node is not None}
+    mesh_shape, trainable = problem.mesh_shape, problem.trainable
+    last_use: dict[torch.fx.Node, int] = {}
+    order = list(problem.captured.gm.graph.nodes)
+    for i, node in enumerate(order):
+        for a in node.all_input_nodes:
+            last_use[a] = i
+
+    def local_bytes(node) -> int:
+        c = by_node.get(node)
+        if c is None:  # getitem: its producer holds the value
+            return 0
+        vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        return sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
+                   for v, pl in zip(vals, c.outputs) if pl is not None)
+
+    live, peak = 0, 0
+    transient: dict[torch.fx.Node, int] = {}
+    for i, node in enumerate(order):
+        if node.op == "placeholder":
+            live += local_bytes(node) * (4 if node in trainable else 1)
+        elif node.op == "call_function":
+            nbytes = 0 if cm.is_alias_op(node) else local_bytes(node)
+            live += nbytes
+            if node not in kept:
+                transient[node] = nbytes
+        peak = max(peak, live)
+        for a in node.all_input_nodes:
+            if last_use.get(a) == i and a in transient:
+                live -= transient.pop(a)
+    return int(peak)
