@@ -343,7 +343,3 @@ def from_placements(
             raise ValueError(f"{where}: placement {p} is not supported; use Shard, Replicate or Partial")
     return TensorSpec(tuple(tuple(d) for d in dims), tuple(partial))
 
-
-def local_shape(shape: Sequence[int], spec: TensorSpec) -> tuple[int, ...]:
-    """The per-rank shape of a tensor of global ``shape`` laid out as ``spec`` (splits divide evenly)."""
-    return tuple(n // math.prod(a.size for a in axes) for n, axes in zip(shape, spec.dims))

@@ -28,6 +28,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ..capture.functions import FunctionCall
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
+from .lru import LRU
 
 __all__ = [
     "RANDOM_FILLS",
@@ -138,7 +139,9 @@ def _rule(target) -> Callable | None:
 
 # --- assembling ---------------------------------------------------------------------------------------------
 
-_CACHE: dict[Any, list[Candidate] | None] = {}
+# DTensor's (and the own rules') answers per op, argument shapes and mesh, kept between plans: one shared list
+# per key, so identical layers share candidate lists (and what is priced per list)
+_CACHE = LRU(8192)
 
 
 def _key(node: torch.fx.Node, mesh: DeviceMesh):
@@ -192,28 +195,27 @@ def _replicated(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     return [Candidate(outs, (rep,) * len(tensor_inputs(node)), "local")]
 
 
+def _rules_say(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
+    """The candidates the rules give ``node`` (None: no rule)."""
+    rule = _rule(node.target)
+    if rule is not None:
+        return rule(node, mesh)
+    if _seeded(node.target) and node.target not in RANDOM_FILLS:
+        return _replicated(node, mesh)
+    if not tensor_inputs(node):
+        # factory ops (zeros, arange, ...): made whole on every rank and sliced to any layout
+        val = node.meta["val"]
+        outs = valid_placements(val.shape, mesh) if isinstance(val, torch.Tensor) else [None]
+        return [Candidate((o,), (), "factory") for o in outs]
+    try:
+        return _from_dtensor(node, mesh) if isinstance(node.target, torch._ops.OpOverload) else None
+    except Exception:  # noqa: BLE001 - a rule that fails on these shapes: treat as no rule
+        return None
+
+
 def node_candidates(node: torch.fx.Node, mesh: DeviceMesh, fallbacks: set[str]) -> list[Candidate]:
     """Candidates of a call_function node. Ops that fall back to replication are added to ``fallbacks``."""
-    key = _key(node, mesh)
-    if key in _CACHE:
-        cands = _CACHE[key]
-    else:
-        rule = _rule(node.target)
-        if rule is not None:
-            cands = rule(node, mesh)
-        elif _seeded(node.target) and node.target not in RANDOM_FILLS:
-            cands = _replicated(node, mesh)
-        elif not tensor_inputs(node):
-            # factory ops (zeros, arange, ...): made whole on every rank and sliced to any layout
-            val = node.meta["val"]
-            outs = valid_placements(val.shape, mesh) if isinstance(val, torch.Tensor) else [None]
-            cands = [Candidate((o,), (), "factory") for o in outs]
-        else:
-            try:
-                cands = _from_dtensor(node, mesh) if isinstance(node.target, torch._ops.OpOverload) else None
-            except Exception:  # noqa: BLE001 - a rule that fails on these shapes: treat as no rule
-                cands = None
-        _CACHE[key] = cands
+    cands = _CACHE.get(_key(node, mesh), lambda: _rules_say(node, mesh))
     if cands is None:
         fallbacks.add(str(node.target))
         return _replicated(node, mesh)
@@ -222,10 +224,8 @@ def node_candidates(node: torch.fx.Node, mesh: DeviceMesh, fallbacks: set[str]) 
 
 def input_candidates(shape: tuple[int, ...], mesh: DeviceMesh) -> list[Candidate]:
     """A graph input the user left open: any Replicate/Shard layout of its shape (one shared list per shape)."""
-    key = ("input", tuple(shape), tuple(mesh.shape))
-    if key not in _CACHE:
-        _CACHE[key] = [Candidate((p,), (), "input") for p in valid_placements(shape, mesh)]
-    return _CACHE[key]
+    return _CACHE.get(("input", tuple(shape), tuple(mesh.shape)),
+                      lambda: [Candidate((p,), (), "input") for p in valid_placements(shape, mesh)])
 
 
 def warn_fallbacks(fallbacks: set[str]) -> None:

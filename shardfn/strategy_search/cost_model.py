@@ -36,6 +36,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..capture.functions import FunctionCall
 from ..capture.graph import is_view
+from .lru import LRU
 
 __all__ = [
     "CPU",
@@ -246,11 +247,7 @@ def accumulated_collectives(shape: Sequence[int], itemsize: int, src: Sequence[P
                                     mesh_shape)
 
 
-def dtype_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-_FLOPS: dict = {}
+_FLOPS = LRU(16384)  # per op and shapes: identical layers count each op once
 
 
 def node_flops(node) -> int:
@@ -268,16 +265,17 @@ def node_flops(node) -> int:
 def _op_flops(op, args, kwargs, out) -> int:
     key = (op, repr(pytree.tree_map(lambda x: (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x),
                                     (args, kwargs))))
-    if key not in _FLOPS:
+
+    def count() -> int:
         packet = op.overloadpacket
         if packet not in flop_registry:
-            _FLOPS[key] = 0
-        else:
-            try:
-                _FLOPS[key] = int(flop_registry[packet](*args, **kwargs, out_val=out))
-            except TypeError:
-                _FLOPS[key] = int(flop_registry[packet](*args, **kwargs))
-    return _FLOPS[key]
+            return 0
+        try:
+            return int(flop_registry[packet](*args, **kwargs, out_val=out))
+        except TypeError:
+            return int(flop_registry[packet](*args, **kwargs))
+
+    return _FLOPS.get(key, count)
 
 
 def node_bytes(node) -> int:

@@ -21,8 +21,7 @@ from .buckets import bucket_bytes
 from .candidates import Candidate
 from .problem import Decision, StrategyProblem
 
-__all__ = ["Pricing", "Terms", "gathered_at", "gradient_handed_back", "node_collectives", "passes_on", "pending",
-           "violations"]
+__all__ = ["Pricing", "Terms", "gathered_at", "gradient_handed_back", "node_collectives", "passes_on", "pending"]
 
 Placements = tuple[Placement, ...]
 
@@ -72,6 +71,7 @@ class Pricing:
         self.problem, self.profile, self.held = problem, profile, held
         self.mesh_shape = problem.mesh_shape
         self._edges: dict = {}
+        self._unaries: dict = {}
         self._violations: dict = {}
         self._comm: dict = {}
         self.share = _BucketShare(bucket_bytes(), sum(d.node is not None and d.node.op == "placeholder"
@@ -103,52 +103,60 @@ class Pricing:
 
     def terms(self, keep_split: tuple[int, ...] = ()) -> Terms:
         p = self.problem
-        compute, savings, memory = self._unary()
-        edges, impossible = self._edge_terms()
-        reductions = []
+        compute, savings, memory, reductions = [], [], [], []
         for i, d in enumerate(p.decisions):
-            secs = np.zeros(len(d.candidates))
-            grad = d.node in p.needs_grad if d.node is not None else False
-            for k, c in enumerate(d.candidates):
-                fwd, bwd = node_collectives(d, c, self.held.get(i), grad, self.mesh_shape)
-                # a graph input's own reductions (its readers' gradients summed) hand its gradient back
-                secs[k] = self.seconds(fwd, bwd, d.node is not None and d.node.op == "placeholder")
-            reductions.append(secs)
+            c, s, m, r = self._unary(d, self.held.get(i))
+            compute.append(c), savings.append(s), memory.append(m), reductions.append(r)
+        edges, impossible = self._edge_terms()
         terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible)
         terms.violations = self.violations(keep_split, p.split_values)
         return terms
 
-    def _unary(self):
+    def _unary(self, d: Decision, held):
+        """(compute, savings, memory, node reductions) of each candidate of ``d``; once per candidate list and
+        node description (identical layers price their nodes once)."""
         p, profile, mesh_shape = self.problem, self.profile, self.mesh_shape
-        compute, savings, memory = [], [], []
-        for d in p.decisions:
-            n = len(d.candidates)
-            if d.node is None:
-                compute.append(np.zeros(n)), savings.append(np.zeros(n)), memory.append(np.zeros(n))
-                continue
-            vals = [v for v in pytree.tree_leaves(d.node.meta.get("val")) if isinstance(v, torch.Tensor)]
-            if d.node.op == "placeholder":
-                compute.append(np.zeros(n)), savings.append(np.zeros(n))
-                keep = 4 if d.node in p.trainable else 1  # value, gradient, two optimizer states
-            else:
-                # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose
-                # only to gather it back for its reader)
-                flops = cm.node_flops(d.node)
-                nbytes = 0 if cm.is_alias_op(d.node) else cm.node_bytes(d.node)
-                # backward's work, and a checkpointed value's forward once more
-                factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if d.node in p.needs_grad else 1.0
-                dtype = vals[0].dtype if vals else torch.float32
-                whole = factor * cm.compute_seconds(flops, nbytes, 1, profile, dtype)
-                per = np.array([factor * cm.compute_seconds(flops, nbytes, _split(c, mesh_shape), profile, dtype)
+        n = len(d.candidates)
+        if d.node is None:
+            return np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+        vals = [v for v in pytree.tree_leaves(d.node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        grad = d.node in p.needs_grad
+        placeholder = d.node.op == "placeholder"
+        if placeholder:
+            flops = nbytes = factor = 0
+            keep = 4 if d.node in p.trainable else 1  # value, gradient, two optimizer states
+        else:
+            # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose
+            # only to gather it back for its reader)
+            flops = cm.node_flops(d.node)
+            nbytes = 0 if cm.is_alias_op(d.node) else cm.node_bytes(d.node)
+            # backward's work, and a checkpointed value's forward once more
+            factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
+            keep = 1 if grad and d.node not in p.recomputed and not cm.is_alias_op(d.node) else 0
+        dtype = vals[0].dtype if vals else torch.float32
+        key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad,
+               cm.is_alias_op(d.node), tuple((tuple(v.shape), v.dtype) for v in vals))
+        hit = self._unaries.get(key)
+        if hit is not None and hit[0] is d.candidates:
+            return hit[1]
+        if placeholder:
+            compute = savings = np.zeros(n)
+        else:
+            whole = factor * cm.compute_seconds(flops, nbytes, 1, profile, dtype)
+            compute = np.array([factor * cm.compute_seconds(flops, nbytes, _split(c, mesh_shape), profile, dtype)
                                 for c in d.candidates])
-                compute.append(per), savings.append(whole - per)
-                keep = 1 if d.node in p.needs_grad and d.node not in p.recomputed and not cm.is_alias_op(d.node) \
-                    else 0
-            memory.append(np.array([
-                keep * sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
-                           for v, pl in zip(vals, c.outputs) if pl is not None)
-                for c in d.candidates], dtype=float) if keep else np.zeros(n))
-        return compute, savings, memory
+            savings = whole - compute
+        memory = np.array([
+            keep * sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
+                       for v, pl in zip(vals, c.outputs) if pl is not None)
+            for c in d.candidates], dtype=float) if keep else np.zeros(n)
+        reductions = np.zeros(n)
+        for k, c in enumerate(d.candidates):
+            fwd, bwd = node_collectives(d, c, held, grad, mesh_shape)
+            # a graph input's own reductions (its readers' gradients summed) hand its gradient back
+            reductions[k] = self.seconds(fwd, bwd, placeholder) if fwd or bwd else 0.0
+        self._unaries[key] = (d.candidates, (compute, savings, memory, reductions))
+        return compute, savings, memory, reductions
 
     def _edge_terms(self):
         p = self.problem

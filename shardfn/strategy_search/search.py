@@ -11,7 +11,6 @@ so a user waiting on a large plan sees it move. Nothing a search builds outlives
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 
