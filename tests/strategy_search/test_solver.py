@@ -79,3 +79,78 @@ def test_chains_are_eliminated_exactly():
             acc = (acc[:, None] + edges[i][2]).min(axis=0) + costs[i + 1]
         best = min(best, (acc + edges[-1][2][k0]).min())
     assert sol.objective == pytest.approx(best, rel=1e-12)
+
+
+def _layered(layers, k=6, seed=3):
+    """A chain of identical layers, each a diamond (entry -> two branches -> exit) that elimination must fold."""
+    rng = np.random.default_rng(seed)
+    unary = [rng.uniform(0, 1, size=k) for _ in range(3)]
+    inside = [rng.uniform(0, 1, size=(k, k)) for _ in range(4)]
+    between = rng.uniform(0, 1, size=(k, k))
+    costs, edges = [rng.uniform(0, 1, size=k)], []
+    for layer in range(layers):
+        entry = len(costs) - 1
+        a, b, out = entry + 1, entry + 2, entry + 3
+        costs += [unary[0].copy(), unary[1].copy(), unary[2].copy()]  # equal, not the same objects
+        edges += [(entry, a, inside[0].copy()), (entry, b, inside[1].copy()), (a, out, inside[2].copy()),
+                  (b, out, inside[3] + 0.0)]
+        if layer:
+            edges.append((entry - 3, entry, between.copy()))  # a second tie to the layer before
+    return Problem(costs, edges)
+
+
+def test_identical_layers_are_eliminated_once_and_exactly(monkeypatch):
+    import shardfn.strategy_search.solver as solver
+
+    counted = {"link": 0}
+    real_link = solver._link
+
+    def counting(*a):
+        counted["link"] += 1
+        return real_link(*a)
+
+    monkeypatch.setattr(solver, "_link", counting)
+    links = {}
+    for layers in (4, 32):
+        counted["link"] = 0
+        sol = solve(_layered(layers))
+        assert sol.optimal and sol.stats["ilp_decisions"] == 0
+        links[layers] = counted["link"]
+    assert links[32] < 2 * links[4] + 2 * (32 - 4), links  # the layers' own folds are shared; only the chain grows
+    # shared, and the same answer as computing every layer's eliminations anew
+    problem = _layered(12)
+    shared = solve(problem)
+    monkeypatch.setattr(solver._Shared, "intern", lambda self, a: np.array(a, dtype=float))
+    monkeypatch.setattr(solver._Shared, "__call__", lambda self, fn, *ops: fn(*ops))
+    alone = solve(problem)
+    assert shared.choice == alone.choice and shared.objective == pytest.approx(alone.objective, rel=1e-12)
+
+
+def test_a_time_limit_returns_the_best_plan_found_with_its_gap():
+    rng = np.random.default_rng(11)
+    n, k = 40, 6  # dense: nothing eliminates, and HiGHS cannot prove the optimum in a few milliseconds
+    costs = [rng.uniform(0, 1, size=k) for _ in range(n)]
+    edges = [(u, v, rng.uniform(0, 1, size=(k, k))) for u in range(n) for v in range(u + 1, n) if rng.random() < 0.5]
+    sol = solve(Problem(costs, edges), time_limit_s=0.01)
+    assert len(sol.choice) == n and all(0 <= c < k for c in sol.choice)
+    assert sol.objective == pytest.approx(objective(Problem(costs, edges), sol.choice))
+    assert sol.optimal or (sol.timed_out and sol.gap > 0)
+    # never worse than the plan HiGHS starts from
+    from shardfn.strategy_search.solver import _incumbent, _Reducer
+
+    start = _incumbent(_Reducer(costs, edges))
+    assert sol.objective <= objective(Problem(costs, edges), [start[v] for v in range(n)]) + 1e-9
+
+
+def test_a_budget_on_a_deep_chain_is_kept_by_lagrangian_rounds_of_exact_elimination():
+    rng = np.random.default_rng(5)
+    n, k = 400, 8
+    costs = [rng.uniform(0, 1, size=k) for _ in range(n)]
+    weights = [rng.uniform(0, 1, size=k) for _ in range(n)]
+    edges = [(i, i + 1, rng.uniform(0, 1, size=(k, k))) for i in range(n - 1)]
+    free = solve(Problem(costs, edges))
+    limit = 0.9 * sum(w[c] for w, c in zip(weights, free.choice))  # binding
+    sol = solve(Problem(costs, edges, (weights, limit)))
+    assert sum(w[c] for w, c in zip(weights, sol.choice)) <= limit
+    assert sol.stats["lagrangian_rounds"] > 0 and sol.stats["ilp_decisions"] == 0
+    assert sol.gap < 0.01 and not sol.timed_out
