@@ -8,10 +8,11 @@ from .api import ShardedFunction, ShardedModule, explain, shard
 from .capture import CaptureError
 from .checkpoint import load, save
 from .layout import Layout
+from .meta_init import materialize
 from .pipeline import Pipeline, pipeline
 from .reshard import reshard
 from .runtime import init
 from .strategy_search import Plan
 
 __all__ = ["CaptureError", "Layout", "Pipeline", "Plan", "ShardedFunction", "ShardedModule", "explain", "init", "load",
-           "pipeline", "reshard", "save", "shard"]
+           "materialize", "pipeline", "reshard", "save", "shard"]

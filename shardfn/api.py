@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from . import runtime
+from . import parameters, runtime
 from .agreement import Agreement, check_mode, digest, inputs_compared, tensor_digest
 from .arguments import BoundCall, bind, call_key
 from .capture import capture, capturing, check_not_transformed, split_arguments
@@ -150,6 +150,7 @@ class _Engine:
                               ranks=self._ranks())
         compiled, error = None, None
         try:  # local work only: a rank that fails here still takes part in the agreement below
+            self._check_materialized()
             compiled = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
                                  arrived)
             compiled.agreement = agreement
@@ -163,12 +164,25 @@ class _Engine:
         agreement.check_program(compiled.captured.code_across_ranks(), str(compiled.plan))
         mesh = runtime.device_mesh(compiled.mesh_spec, device, self._ranks())
         if self.module is not None:
-            self._relay_parameters(compiled, mesh)
+            self._relay_parameters(compiled.plan, mesh, device)
             self.params_laid_out = True
         compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled=not runtime.is_simulated(),
                                  name=self.name)
         self.cache[key] = compiled
         return compiled
+
+    def _check_materialized(self) -> None:
+        """A module built on meta runs once its pieces exist: a clear error naming what is still meta."""
+        if self.module is None:
+            return
+        missing = parameters.unmaterialized(self.module)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ValueError(
+                f"{self.name} was called while {shown} {'is' if len(missing) == 1 else 'are'} still on the meta "
+                "device (no values yet). Give each rank its pieces first: sf.materialize(module) (to_empty and "
+                "the model's own initialisation, per rank), or sf.materialize(module, init=None) then "
+                "sf.load(module, checkpoint)")
 
     def _outside_call(self, key: tuple, args, kwargs, tensors, objects, arrived: tuple = ()):
         """On a rank outside the call's ranks: no program, no communication. The outputs are placeholders with
@@ -206,8 +220,8 @@ class _Engine:
             _record_arrivals(plan, arrived, self.name)
         params, buffers = self._state()
         return _Compiled(captured, plan, mesh_spec, Agreement(self.name, 0),
-                         param_slots=[_slot(self.module, n) for n in params],
-                         buffer_slots=[_slot(self.module, n) for n in buffers])
+                         param_slots=[parameters.slot(self.module, n) for n in params],
+                         buffer_slots=[parameters.slot(self.module, n) for n in buffers])
 
     def _capture(self, args, kwargs, call: BoundCall, device: str) -> CapturedGraph:
         shapes = iter(call.shapes)
@@ -296,19 +310,11 @@ class _Engine:
             for name, s in self.config.parameter_plan.items() if s is not None
         }
 
-    def _relay_parameters(self, compiled: _Compiled, mesh) -> None:
+    def _relay_parameters(self, plan: Plan, mesh, device: str) -> None:
         """Lay parameters out as planned, in place (same Parameter objects: optimizers keep working)."""
-        params = dict(self.module.named_parameters())
-        for entry in compiled.plan.inputs:
-            if entry.kind != "param":
-                continue
-            p = params[entry.name]
-            if isinstance(p, DTensor) and p.device_mesh == mesh and tuple(p.placements) == entry.planned:
-                continue
-            whole = p.full_tensor() if isinstance(p, DTensor) else p
-            new = nn.Parameter(distribute_tensor(whole.detach(), mesh, entry.planned, src_data_rank=None),
-                               requires_grad=p.requires_grad)
-            _replace_parameter(self.module, entry.name, new)
+        for entry in plan.inputs:
+            if entry.kind == "param":
+                parameters.lay_out(self.module, entry.name, mesh, entry.planned, device)
 
     def _state_tensors(self, compiled: _Compiled) -> list[torch.Tensor]:
         return [owner._parameters[leaf] for owner, leaf in compiled.param_slots] + \
@@ -454,26 +460,6 @@ def _short(a: Any) -> str:
     return repr(a) if isinstance(a, (int, float, str, bool, type(None), torch.dtype)) else type(a).__name__
 
 
-def _slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
-    owner_name, _, leaf = name.rpartition(".")
-    return (module.get_submodule(owner_name) if owner_name else module), leaf
-
-
-def _replace_parameter(module: nn.Module, name: str, new: nn.Parameter) -> None:
-    """Put ``new`` where parameter ``name`` is. A DTensor parameter is swapped in place (the same Parameter object,
-    so optimizers built on it keep working); a plain one is replaced, as FSDP2's fully_shard does, in every slot
-    that holds it (tied weights stay tied)."""
-    owner, leaf = _slot(module, name)
-    old = owner._parameters[leaf]
-    if isinstance(old, DTensor) and isinstance(old, nn.Parameter):
-        torch.utils.swap_tensors(old, new)
-        return
-    for slot_name, p in list(module.named_parameters(remove_duplicate=False)):
-        if p is old:
-            slot_owner, slot_leaf = _slot(module, slot_name)
-            slot_owner._parameters[slot_leaf] = new
-
-
 def _alias_names(strategies) -> dict:
     """Mesh-dim names from the user's Layout aliases (used when a user axis is exactly one mesh dim)."""
     names = {}
@@ -524,36 +510,45 @@ class ShardedModule:
 _SHARDED_CLASSES: dict[type, type] = {}
 
 
-def _shard_module(module: nn.Module, engine: _Engine) -> nn.Module:
+def _shard_module(module: nn.Module, engine: _Engine, example_inputs=None) -> nn.Module:
     cls = type(module)
     if cls not in _SHARDED_CLASSES:
-        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {})
+        # in the module of the original class: libraries that ask where a model class comes from (transformers
+        # treats classes from outside it as custom code, initialised otherwise) see the model as it is
+        _SHARDED_CLASSES[cls] = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
     device = runtime.resolve_device(engine.config.device)
     world = engine._world(device)
-    # Lay parameters out now: parameter_plan's layouts, the rest whole until the first call plans them.
+    # Lay parameters out now: parameter_plan's layouts, the rest whole until a plan places them: the first
+    # call's, or, given example inputs, the plan for them, made now (parameters on meta stay meta pieces)
     specs = engine._param_specs(world)
     given = [normalize_strategy(s, None, world, "in_strategy") for s in engine.config.strategies()]
     mesh_spec = common_mesh([*specs.values(), *given], world, _alias_names(engine.config.strategies()))
     mesh = runtime.device_mesh(mesh_spec, device, engine._ranks())
     for name, p in list(module.named_parameters()):
         spec = specs.get(name, TensorSpec.replicated(p.dim()))
-        whole = p.full_tensor() if isinstance(p, DTensor) else p
-        new = nn.Parameter(distribute_tensor(whole.detach().to(device), mesh, to_placements(spec, mesh_spec),
-                                             src_data_rank=None), requires_grad=p.requires_grad)
-        _replace_parameter(module, name, new)
+        parameters.lay_out(module, name, mesh, to_placements(spec, mesh_spec), device)
     module.__class__ = _SHARDED_CLASSES[cls]
     module.__dict__["_shardfn_engine"] = engine
-    module._register_load_state_dict_pre_hook(_lay_out_loaded_tensors, with_module=True)
+    module._register_load_state_dict_pre_hook(parameters.lay_out_loaded_tensors, with_module=True)
+    if example_inputs is not None:
+        args, kwargs = _example_call(example_inputs)
+        compiled = engine.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device)
+        engine._relay_parameters(compiled.plan, runtime.device_mesh(compiled.mesh_spec, device, engine._ranks()),
+                                 device)
+        engine.params_laid_out = True
     return module
 
 
-def _lay_out_loaded_tensors(module, state_dict, prefix, *_):
-    """A state_dict of whole tensors (from the unsharded module) loads: each is laid out like its parameter."""
-    for name, p in module.named_parameters(remove_duplicate=False):
-        value = state_dict.get(prefix + name)
-        if isinstance(p, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            state_dict[prefix + name] = distribute_tensor(value.to(p.device), p.device_mesh, p.placements,
-                                                          src_data_rank=None)
+def _example_call(example_inputs) -> tuple[list, dict]:
+    """``example_inputs`` as (args, kwargs): a tuple of positional arguments, or a dict of keyword arguments."""
+    if isinstance(example_inputs, dict):
+        return [], dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return list(example_inputs), {}
+    if isinstance(example_inputs, torch.Tensor):
+        return [example_inputs], {}
+    raise TypeError(f"example_inputs must be a tuple of fn's positional arguments or a dict of its keyword "
+                    f"arguments (tensors may be meta tensors), got {type(example_inputs).__name__}")
 
 
 def _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy) -> _Engine:
@@ -569,14 +564,17 @@ def _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, da
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, device=None,
-          dataset_strategy="full_batch"):
+          dataset_strategy="full_batch", example_inputs=None):
     """Shard ``fn`` (a function of tensors, or an nn.Module, sharded in place) over all ranks.
 
     See the README for the full semantics: ``in_strategy`` has one entry per positional input (a tuple of split
     counts, an ``sf.Layout(...)(...)``, or None to let shardfn decide), or is a dict by argument name (keyword
     arguments included); ``out_strategy`` None returns whole tensors (or this rank's batch slice with
     ``dataset_strategy="data_parallel"``), a tuple returns DTensors in those layouts; ``parameter_plan`` fixes
-    module parameters' layouts; ``level`` picks the search objective.
+    module parameters' layouts; ``level`` picks the search objective. ``example_inputs`` (modules only: a tuple
+    of positional arguments or a dict of keyword arguments, tensors may be meta) plans the call now and lays the
+    parameters out as planned, before any call: a module built on meta then stays meta pieces until
+    :func:`shardfn.materialize` gives each rank its own.
     """
     engine = _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy)
     if engine.config.ranks is not None:  # a call on a sub-mesh: its process groups are made now, by every rank
@@ -585,7 +583,10 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
         runtime.check_ranks(engine.config.ranks, engine.name)
         runtime.prepare_ranks(engine.config.ranks, device)
     if engine.module is not None:
-        return _shard_module(engine.module, engine)
+        return _shard_module(engine.module, engine, example_inputs)
+    if example_inputs is not None:
+        raise TypeError("shard: example_inputs lays a module's parameters out before its first call; a function "
+                        "has none: leave example_inputs out (its first call plans it)")
     return ShardedFunction(engine)
 
 
