@@ -7,8 +7,11 @@ every moment of a save, ``path`` names a complete checkpoint: the previous one u
 after it. A save that failed or was killed leaves its folder behind; the next save removes it, and the folder of
 the checkpoint it replaces once it is switched in.
 
-``load(state_dict, path)`` reads the checkpoint ``path`` names into ``state_dict`` in place, resharding to the
-layouts ``state_dict`` holds (another world size, one process), as DCP does.
+``load(target, path)`` reads the checkpoint ``path`` names into ``target`` (a state_dict, or a module: its
+state_dict) in place, each rank reading only the pieces it holds, in the layouts ``target`` holds (another world
+size, one process): a DCP checkpoint (``save``'s, or any DCP folder, written sharded or whole), or the format
+transformers' ``save_pretrained`` writes and ``from_pretrained`` reads (one ``.safetensors`` file, or a folder
+with ``model.safetensors`` or a ``model.safetensors.index.json`` naming several), read slice by slice.
 
 Both are collectives over the world, as DCP's save and load are: every rank calls them with the same ``path``,
 which all ranks must see (a shared filesystem). Outside a process group they run in this process alone.
@@ -17,14 +20,18 @@ which all ranks must see (a shared filesystem). Outside a process group they run
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import warnings
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .runtime import control_group
 
@@ -140,12 +147,120 @@ def save(state_dict: dict[str, Any], path: str | os.PathLike) -> None:
         dist.barrier(group=group)  # no rank goes on (and loads, or saves again) before the switch
 
 
-def load(state_dict: dict[str, Any], path: str | os.PathLike) -> None:
-    """Load the checkpoint ``path`` (from :func:`save`, or any DCP checkpoint folder) into ``state_dict`` in
-    place, in the layouts ``state_dict`` holds."""
+def load(target: dict[str, Any] | nn.Module, path: str | os.PathLike) -> None:
+    """Load the checkpoint ``path`` into ``target`` (a state_dict, or a module) in place, in the layouts it holds,
+    each rank reading its own pieces: a DCP checkpoint (:func:`save`'s, or any DCP folder), or safetensors files
+    as ``save_pretrained`` writes them. Every name and shape is checked before anything is written."""
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"shardfn.load: no checkpoint at {path!r}")
-    group, _, _ = _world()
-    with _quiet():
-        dcp.load(state_dict, checkpoint_id=os.path.realpath(path), process_group=group, no_dist=group is None)
+    module = target if isinstance(target, nn.Module) else None
+    state_dict = module.state_dict() if module is not None else target
+    files = safetensors_files(path)
+    if files is not None:
+        _load_safetensors(state_dict, files, path, _tied_names(module) if module is not None else {})
+    else:
+        group, _, _ = _world()
+        with _quiet():
+            dcp.load(state_dict, checkpoint_id=os.path.realpath(path), process_group=group, no_dist=group is None)
+    if module is not None:
+        check_loaded_buffers(module)
+
+
+def safetensors_files(path: str) -> dict[str, str] | None:
+    """{tensor name: file} of a safetensors checkpoint (a file, or a folder with ``model.safetensors`` or an
+    index), or None where ``path`` is none (a DCP folder)."""
+    if os.path.isfile(path):
+        return _names_in([path]) if path.endswith(".safetensors") else None
+    indexes = sorted(f for f in os.listdir(path) if f.endswith(".safetensors.index.json"))
+    if indexes:
+        index = os.path.join(path, indexes[0])
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"shardfn.load: {index!r} is not a safetensors index (a JSON object with a "
+                             f"'weight_map' of tensor name -> file): {e}") from e
+        missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(path, f))})
+        if missing:
+            raise FileNotFoundError(f"shardfn.load: the index {index!r} names files that are not in {path!r}: "
+                                    f"{', '.join(missing)}; copy the whole checkpoint folder")
+        return {name: os.path.join(path, f) for name, f in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    return _names_in([single]) if os.path.isfile(single) else None
+
+
+def _names_in(files: list[str]) -> dict[str, str]:
+    from safetensors import safe_open
+
+    names = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update(dict.fromkeys(f.keys(), file))
+    return names
+
+
+def _tied_names(module: nn.Module) -> dict[str, list[str]]:
+    """Each parameter's other names (tied weights): a checkpoint holds a tied weight once."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return {name: [n for n in names if n != name] for names in by_id.values() for name in names}
+
+
+def _load_safetensors(state_dict: dict[str, Any], files: dict[str, str], path: str,
+                      tied: dict[str, list[str]]) -> None:
+    from safetensors import safe_open
+
+    # what each entry reads (its own name, or a tied twin's), checked whole before anything is written
+    source, problems = {}, []
+    with contextlib.ExitStack() as stack:
+        opened = {f: stack.enter_context(safe_open(f, framework="pt")) for f in sorted(set(files.values()))}
+        for name, value in state_dict.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            stored = next((n for n in [name, *tied.get(name, [])] if n in files), None)
+            if stored is None:
+                problems.append(f"{name} is not in the checkpoint")
+                continue
+            shape = tuple(opened[files[stored]].get_slice(stored).get_shape())
+            if shape != tuple(value.shape):
+                problems.append(f"{name} has shape {tuple(value.shape)} in the model but {shape} in the checkpoint")
+                continue
+            source[name] = stored
+        if problems:
+            raise ValueError(f"shardfn.load: {path!r} does not fit the model, nothing was loaded: "
+                             + "; ".join(problems[:8]) + (f" and {len(problems) - 8} more" if len(problems) > 8
+                                                            else ""))
+        with torch.no_grad():
+            for name, stored in source.items():
+                value = state_dict[name]
+                entry = opened[files[stored]].get_slice(stored)
+                if isinstance(value, DTensor):
+                    local = value.to_local()
+                    (chunk,) = value.__create_chunk_list__()  # this rank's piece: offsets and sizes
+                    if all(type(x) is int for x in (*chunk.offsets, *chunk.sizes)):
+                        piece = entry[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))]
+                    else:  # a simulated world (each rank's piece in one process): read whole, cut as DTensor does
+                        piece = distribute_tensor(opened[files[stored]].get_tensor(stored), value.device_mesh,
+                                                  value.placements, src_data_rank=None).to_local()
+                    local.copy_(piece.reshape(local.shape))
+                else:
+                    value.copy_(opened[files[stored]].get_tensor(stored))
+
+
+def check_loaded_buffers(module: nn.Module) -> None:
+    """Buffers a checkpoint does not hold (non-persistent ones) that :func:`shardfn.materialize` left unwritten
+    (``init=None``) hold no values: a clear error instead of a model that computes with garbage."""
+    unwritten = module.__dict__.get(UNWRITTEN_BUFFERS, {})
+    still = [name for name, b in module.named_buffers() if name in unwritten and unwritten[name][0] is b
+             and b._version == unwritten[name][1]]
+    if still:
+        raise ValueError(f"shardfn.load: buffer(s) {', '.join(still[:5])} are not in the checkpoint (non-persistent) "
+                         "and hold no values: sf.materialize(module, init=None) left them as allocated. Call "
+                         "sf.materialize(module) (the model's own initialisation computes them) before sf.load.")
+    module.__dict__.pop(UNWRITTEN_BUFFERS, None)
+
+
+# the module attribute where materialize(init=None) notes the buffers it allocated and did not compute
+UNWRITTEN_BUFFERS = "_shardfn_unwritten_buffers"

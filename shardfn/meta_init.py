@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from . import parameters, runtime
+from .checkpoint import UNWRITTEN_BUFFERS
 
 __all__ = ["materialize"]
 
@@ -39,9 +40,10 @@ def materialize(module: nn.Module, device: str | torch.device | None = None,
     was_meta = {name for name, b in module.named_buffers() if parameters.on_meta(b)}
     # to_empty for what is on meta (a DTensor parameter: its pieces alone); what has values moves as it is
     module._apply(lambda t: torch.empty_like(t, device=device) if parameters.on_meta(t) else t.to(device))
-    if init is None:
-        return module
     before = {name: (b, b._version) for name, b in module.named_buffers() if name in was_meta}
+    if init is None:  # sf.load checks that the checkpoint wrote them
+        module.__dict__[UNWRITTEN_BUFFERS] = before
+        return module
     stand_ins = _StandIns(module)
     with torch.no_grad(), _WholeDraws():
         if init == "auto" and _is_transformers_model(module):

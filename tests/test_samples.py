@@ -45,3 +45,11 @@ def test_pipeline_hybrid(launcher, n):
     assert ranks_reporting(out, rf"rank (\d+)/{n}: pipeline_hybrid stage \d trains like single process") \
         == set(range(n)), out
     assert "bubble fraction 0.200" in out  # rank 0's explain(): 2 stages, 4 micro-batches, 1F1B
+
+
+def test_meta_init_check_torchrun_4():
+    # the small decoder built on meta, sharded at level 1, given its pieces: first losses and gradients as the
+    # unsharded model built the ordinary way (the full size, under a memory budget, is the sample's default run)
+    out = succeeds(run_torchrun, "samples/meta_init.py", 4, "--check")
+    assert ranks_reporting(out, r"rank (\d+)/4: meta_init trains like the unsharded model built the ordinary way") \
+        == set(range(4)), out
