@@ -10,7 +10,11 @@ all local, on every rank; (4) agrees with every other rank that they make the sa
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import os
+import warnings
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -35,6 +39,46 @@ from .strategy_search.plan import Collective
 
 __all__ = ["ShardedFunction", "ShardedModule", "explain", "shard"]
 
+_log = logging.getLogger("shardfn")
+
+
+def cache_limit() -> int:
+    """How many programs (call signatures) one sharded callable keeps: ``SHARDFN_CACHE_SIZE``, default 16."""
+    value = os.environ.get("SHARDFN_CACHE_SIZE", "16")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"SHARDFN_CACHE_SIZE={value!r}: give a positive number of programs")
+    return int(value)
+
+
+class _Programs(OrderedDict):
+    """The programs of one sharded callable by call signature, the least recently used dropped past
+    :func:`cache_limit` (as torch.compile's cache size limit): every new signature costs a capture, a plan and a
+    trace, so a run whose shapes change on every call is said aloud, once."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name, self.warned = name, False
+
+    def get(self, key, default=None):
+        found = super().get(key, default)
+        if found is not default:
+            self.move_to_end(key)
+        return found
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        limit = cache_limit()
+        while len(self) > limit:
+            self.popitem(last=False)
+            if not self.warned:
+                self.warned = True
+                message = (f"shardfn: {self.name} has been called with more than {limit} signatures (shapes, "
+                           "dtypes, layouts); the least recently used programs are dropped and made again when "
+                           "called again (a capture, a plan and a trace each). Keep shapes fixed (pad to a few "
+                           "lengths), or raise SHARDFN_CACHE_SIZE.")
+                _log.warning(message)
+                warnings.warn(message, stacklevel=4)
+
 
 @dataclass
 class _Compiled:
@@ -55,13 +99,13 @@ class _Engine:
 
     def __init__(self, fn: Callable, config: ShardConfig, module: nn.Module | None = None):
         self.fn, self.config, self.module = fn, config, module
-        self.cache: dict[tuple, _Compiled] = {}
+        target = module if module is not None else fn
+        self.name = getattr(target, "__qualname__", type(target).__name__)  # before a module's class is swapped
+        self.cache = _Programs(self.name)
         self.outside: dict[tuple, _Compiled] = {}  # plans of calls this rank is outside of (placeholders only)
         self.group = None  # the process group the cached programs were made for
         self.params_laid_out = False  # set by the first call's plan; later plans keep the layouts
         self.capturing_self = False
-        target = module if module is not None else fn
-        self.name = getattr(target, "__qualname__", type(target).__name__)  # before a module's class is swapped
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
@@ -272,10 +316,7 @@ class _Engine:
         if not batch_axes:
             return normalize_strategy((world,) + (1,) * (v.dim() - 1), tuple(v.shape), world,
                                       f"output {j} (data_parallel)")
-        splits = math.prod(a.size for a in batch_axes)
-        if v.shape[0] % splits:
-            raise ValueError(f"output {j} (data_parallel) has {v.shape[0]} rows on dim 0, which cannot be split "
-                             f"in {splits} batch slices; a data-parallel output keeps the batch on dim 0")
+        # rows that do not divide among the slices are cut as torch.chunk cuts them (DTensor's uneven pieces)
         return TensorSpec((batch_axes,) + ((),) * (v.dim() - 1))
 
     def _output_requests(self, captured, world: int, mesh_spec, batch_axes: tuple = ()) -> list[OutputRequest]:

@@ -216,12 +216,7 @@ def normalize_strategy(
             f"{world_size}; choose split counts whose product divides {world_size}"
         )
     dims = []
-    for d, (size, split) in enumerate(zip(shape, strategy)):
-        if size % split:
-            raise ValueError(
-                f"{where} = {tuple(strategy)!r}: dim {d} has size {size}, which cannot be split in {split}; "
-                f"use a split count that divides {size}"
-            )
+    for d, split in enumerate(strategy):  # a split that does not divide its dim makes torch.chunk's pieces
         stride = math.prod(strategy[d + 1 :])
         dims.append((Axis(split, stride),) if split > 1 else ())
     return TensorSpec(tuple(dims))
@@ -242,12 +237,6 @@ def _layout_spec(layout: TensorLayout, shape: tuple[int, ...], world_size: int, 
     dims = []
     for d, names in enumerate(layout.tensor_map):
         axes = tuple(layout.axis(n) for n in names if layout.axis(n).size > 1)
-        split = math.prod(a.size for a in axes)
-        if shape[d] % split:
-            raise ValueError(
-                f"{where} = {layout!r}: dim {d} has size {shape[d]}, which cannot be split in {split} "
-                f"({' x '.join(names)}); use axes whose sizes divide {shape[d]}"
-            )
         if any(a.stride < b.stride for a, b in zip(axes, axes[1:])):
             ordered = tuple(sorted(names, key=layout.alias_name.index))
             raise ValueError(

@@ -162,7 +162,6 @@ def test_dtensor_input_spec():
     "strategy, shape, world, exc, match",
     [
         ((2, 2, 1), (4, 4), 8, ValueError, r"in_strategy\[0\].*3 entries.*2 dims"),
-        ((3, 1), (4, 4), 12, ValueError, r"dim 0 has size 4, which cannot be split in 3"),
         ((4, 4), (8, 8), 8, ValueError, r"16 devices.*does not divide the world size 8"),
         ((2.0, 1), (4, 4), 8, TypeError, r"must be an int split count"),
         ((0, 1), (4, 4), 8, ValueError, r">= 1"),
@@ -172,6 +171,16 @@ def test_dtensor_input_spec():
 def test_bad_tuple_strategies(strategy, shape, world, exc, match):
     with pytest.raises(exc, match=match):
         normalize_strategy(strategy, shape, world, "in_strategy[0]", "input 0")
+
+
+def test_splits_that_do_not_divide_a_dim_are_chunked_as_dtensor_does():
+    # a split count that divides the world but not the dim: torch.chunk's pieces (the last smaller or empty)
+    assert normalize_strategy((3, 1), (4, 4), 12, "in_strategy[0]") == TensorSpec(((Axis(3, 1),), ()))
+    layout = sf.Layout((2, 4), ("dp", "mp"))
+    assert normalize_strategy(layout("mp", "None"), (6, 4), 8, "in_strategy[0]") == TensorSpec(((Axis(4, 1),), ()))
+    # what stays an error: more devices than the world, or a count that does not divide it
+    with pytest.raises(ValueError, match="does not divide the world size 8"):
+        normalize_strategy((3, 1), (4, 4), 8, "in_strategy[0]")
 
 
 def test_bad_layouts():
@@ -188,8 +197,6 @@ def test_bad_layouts():
         sf.Layout((2, "4"), ("dp", "mp"))
     with pytest.raises(ValueError, match="maps 1 dims but the tensor has 2"):
         normalize_strategy(layout("dp"), (4, 4), 8, "in_strategy[0]")
-    with pytest.raises(ValueError, match="cannot be split in 4"):
-        normalize_strategy(layout("mp", "None"), (6, 4), 8, "in_strategy[0]")
     with pytest.raises(ValueError, match="device-matrix order"):
         normalize_strategy(layout(("mp", "dp"), "None"), (8, 4), 8, "in_strategy[0]")
     with pytest.raises(ValueError, match="does not divide the world size 4"):
