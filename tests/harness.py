@@ -98,6 +98,9 @@ class RankPool:
             # A rank killed by a signal (an intermittent SIGSEGV / heap corruption inside torch's C++ ops, seen in
             # about one CI run in four, never reproduced on demand): said loudly, and the body runs once more on
             # fresh ranks, where it must pass in full. A second crash, a wrong result or an error fails the test.
+            from tests.launch import RERUNS
+
+            RERUNS.append(f"{fn.__name__}: {str(crash).splitlines()[0]}")
             warnings.warn(f"{crash}; running {fn.__name__} again on fresh ranks", RuntimeWarning, stacklevel=2)
             print(f"harness: {crash}; running {fn.__name__} again on fresh ranks", file=sys.stderr, flush=True)
             return self._run(fn, *args)
