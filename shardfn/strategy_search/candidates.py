@@ -32,6 +32,7 @@ from .lru import LRU
 
 __all__ = [
     "RANDOM_FILLS",
+    "ReplicatedFallbackWarning",
     "Candidate",
     "input_candidates",
     "node_candidates",
@@ -228,12 +229,17 @@ def input_candidates(shape: tuple[int, ...], mesh: DeviceMesh) -> list[Candidate
                       lambda: [Candidate((p,), (), "input") for p in valid_placements(shape, mesh)])
 
 
+class ReplicatedFallbackWarning(UserWarning):
+    """Ops with no sharding rule run whole on every rank: correct, never parallel."""
+
+
 def warn_fallbacks(fallbacks: set[str]) -> None:
     if fallbacks:
         warnings.warn(
             "shardfn: no sharding rule for " + ", ".join(sorted(fallbacks)) + "; these ops run replicated on "
             "every rank (correct, not parallel). Register a rule with "
             "shardfn.strategy_search.candidates.register_rule to shard them.",
+            ReplicatedFallbackWarning,
             stacklevel=3,
         )
 
