@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard
 
 from . import parameters, runtime
 from .agreement import Agreement, check_mode, digest, inputs_compared, tensor_digest
@@ -34,7 +34,7 @@ from .exec.lower import ParallelProgram, lower
 from .layout import Axis, Layout, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, \
     spec_of_dtensor, to_placements
 from .reshard import outside_placeholder, reshard
-from .strategy_search import InputRequest, OutputRequest, Plan, PlanRequest, make_plan, profile_for
+from .strategy_search import Plan, build_request, make_plan, profile_for
 from .strategy_search.plan import Collective
 
 __all__ = ["ShardedFunction", "ShardedModule", "explain", "shard"]
@@ -255,11 +255,8 @@ class _Engine:
             mesh_spec = common_mesh([*call.held, *(f for f in call.fixed if f is not None), *param_specs.values(),
                                      *out_given], world, _alias_names(self.config.strategies()))
             captured = self._capture(args, kwargs, call, device)
-            inputs = self._input_requests(captured, call, param_specs, mesh_spec)
-            batch_axes = call.held[0].dims[0] if call.held and call.held[0].dims else ()
-            request = PlanRequest(tuple(inputs), tuple(self._output_requests(captured, world, mesh_spec, batch_axes)),
-                                  grad=torch.is_grad_enabled(), level=self.config.level, profile=profile_for(device),
-                                  keep_split=self._data_parallel_dims(call, mesh_spec))
+            request = build_request(self.config, self.name, call, captured, param_specs, mesh_spec, world,
+                                    profile_for(device))
             plan = make_plan(captured, mesh_of(mesh_spec), mesh_spec, request)
             _record_arrivals(plan, arrived, self.name)
         params, buffers = self._state()
@@ -284,58 +281,6 @@ class _Engine:
         trace_device = device if device != "cuda" or torch.cuda.is_available() else "cpu"
         return capture(self.fn, ex_args, ex_kwargs, {n: meta[n] for n in params}, {n: meta[n] for n in buffers},
                        call=self._call_module if self.module is not None else None, device=trace_device)
-
-    def _input_requests(self, captured, call: BoundCall, param_specs, mesh_spec) -> list[InputRequest]:
-        requests = []
-        whole = (Replicate(),) * len(mesh_spec.axes)
-        tensor_inputs = iter(range(len(call.tensors)))
-        for gi in captured.inputs:
-            if gi.kind == "param":
-                spec = param_specs.get(gi.name)
-                if spec is None and self.config.dataset_strategy == "data_parallel" and self.config.level != 1:
-                    spec = TensorSpec.replicated(len(gi.shape))  # data parallelism: every rank holds it whole
-                requests.append(InputRequest(None, None if spec is None else to_placements(spec, mesh_spec)))
-            elif gi.kind == "buffer":
-                requests.append(InputRequest(whole, whole))  # buffers stay whole
-            else:
-                j = next(tensor_inputs)
-                fixed = call.fixed[j]
-                requests.append(InputRequest(to_placements(call.held[j], mesh_spec),
-                                             None if fixed is None else to_placements(fixed, mesh_spec)))
-        return requests
-
-    def _data_parallel_dims(self, call: BoundCall, mesh_spec) -> tuple[int, ...]:
-        """Under data parallelism, the mesh dims the batch is split over: it stays split over them."""
-        if self.config.dataset_strategy != "data_parallel" or not call.held:
-            return ()
-        placements = to_placements(call.held[0], mesh_spec)
-        return tuple(d for d, p in enumerate(placements) if not p.is_replicate())
-
-    def _batch_split(self, v: torch.Tensor, batch_axes: tuple, world: int, j: int) -> TensorSpec:
-        """A data-parallel output: split on dim 0 as the inputs' batch is (by default over every rank)."""
-        if not batch_axes:
-            return normalize_strategy((world,) + (1,) * (v.dim() - 1), tuple(v.shape), world,
-                                      f"output {j} (data_parallel)")
-        # rows that do not divide among the slices are cut as torch.chunk cuts them (DTensor's uneven pieces)
-        return TensorSpec((batch_axes,) + ((),) * (v.dim() - 1))
-
-    def _output_requests(self, captured, world: int, mesh_spec, batch_axes: tuple = ()) -> list[OutputRequest]:
-        vals = [n.meta["val"] for n in captured.output_nodes]  # fn's outputs, then argument objects' new tensors
-        out_strategy = self.config.out_strategy
-        if out_strategy is not None and len(out_strategy) != captured.n_outputs:
-            raise ValueError(f"out_strategy has {len(out_strategy)} entries but {self.name} returns "
-                             f"{captured.n_outputs} tensors; give one entry per output tensor")
-        requests = []
-        for j, v in enumerate(vals):
-            s = out_strategy[j] if out_strategy is not None and j < captured.n_outputs else None
-            if s is not None:
-                spec = normalize_strategy(s, tuple(v.shape), world, f"out_strategy[{j}]", f"output {j}")
-            elif self.config.dataset_strategy == "data_parallel" and v.dim() > 0:
-                spec = self._batch_split(v, batch_axes, world, j)
-            else:
-                spec = TensorSpec.replicated(v.dim())
-            requests.append(OutputRequest(to_placements(spec, mesh_spec), as_dtensor=s is not None))
-        return requests
 
     def _param_specs(self, world: int) -> dict[str, TensorSpec]:
         """Fixed parameter layouts: parameter_plan's, and once a call has laid the parameters out, all of them

@@ -2,7 +2,7 @@
 
 from .cost_model import CPU, H100, DeviceProfile, profile_for
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
-from .request import InputRequest, OutputRequest, PlanRequest
+from .request import InputRequest, OutputRequest, PlanRequest, build_request
 from .search import make_plan
 
 __all__ = [
@@ -11,4 +11,4 @@ __all__ = [
     "DeviceProfile",
     "profile_for",
     "Collective", "Cost", "InputPlan", "NodePlan", "OutputRequest", "Plan", "PlanRequest", "InputRequest",
-    "make_plan"]
+    "build_request", "make_plan"]
