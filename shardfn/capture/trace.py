@@ -224,6 +224,7 @@ def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:
     becomes its out-of-place twin (``squeeze``), and later readers of the tensor read the twin's result, which is
     what the in-place op had made of the tensor."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    changed = False
     for node in list(gm.graph.nodes):
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
@@ -239,12 +240,15 @@ def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:
         for later in [u for u in src.users if order[u] > order[node]]:
             later.replace_input_with(src, node)
         node.target = twin
-    gm.recompile()
+        changed = True
+    if changed:  # a big model's graph takes a while to compile into code
+        gm.recompile()
 
 
 def _drop_skipped_cat_operands(gm: torch.fx.GraphModule) -> None:
     """cat skips a 1-D empty operand beside higher-rank ones (a cache starts from one): dropped from the graph,
     it cannot force the others into its layout (a whole batch gathered for nothing)."""
+    changed = False
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is not torch.ops.aten.cat.default:
             continue
@@ -254,10 +258,12 @@ def _drop_skipped_cat_operands(gm: torch.fx.GraphModule) -> None:
                                                       and v.numel() == 0)]
         if keep and len(keep) < len(parts) and all(isinstance(v, torch.Tensor) for v in vals):
             node.args = (keep, *node.args[1:])
+            changed = True
             for dropped in set(parts) - set(keep):
                 if not dropped.users and dropped.op != "placeholder":  # (not random: DCE could drop draws)
                     gm.graph.erase_node(dropped)
-    gm.recompile()
+    if changed:
+        gm.recompile()
 
 
 def _check_constants(gm: torch.fx.GraphModule, fake_mode: FakeTensorMode, what: Callable[[], str]) -> None:

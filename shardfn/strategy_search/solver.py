@@ -475,7 +475,7 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     while not take(hi, at(hi)):
         lo, hi = hi, hi * 8
         rounds += 1
-    while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-3) and \
+    while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and \
             best.objective - bound > _GAP * max(abs(best.objective), 1e-30):
         mid = (lo * hi) ** 0.5 if lo > 0 else hi / 8
         if take(mid, at(mid)):
@@ -486,7 +486,7 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     gap = max(best.objective - bound, 0.0) / max(abs(best.objective), 1e-30)
     best.stats = {**best.stats, "lagrangian_rounds": rounds}
     if gap <= _GAP:
-        best.optimal, best.gap, best.message = True, 0.0, "optimal"
+        best.optimal, best.gap, best.message = True, 0.0, "memory limit binding"
         return best
     if gap <= _BUDGET_GAP or time.perf_counter() > deadline:
         best.gap, best.message = gap, f"memory limit binding: within {gap:.2%} of the best bound"
