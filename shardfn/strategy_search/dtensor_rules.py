@@ -2,7 +2,8 @@
 has no rule for, so that its dispatch finds them: chiefly the backward ops autograd records for a forward op
 DTensor does shard (avg_pool2d runs split by batch; its avg_pool2d_backward had no rule, and the backward raised),
 and what torch 2.11's DTensor lacks that later releases have (pooling by batch, flip: without them a ResNet's batch
-was gathered for every pooling, and cumsum's backward, which flips, raised). Not convolution: 2.11 dispatches it to
+was gathered for every pooling, and cumsum's backward, which flips, raised; squeeze of several dims, cumprod:
+whole on every rank there). Not convolution: 2.11 dispatches it to
 a handler of its own that takes only its eager propagation rule (shardfn's own rule runs it on the pieces there).
 
 Registered only where DTensor has no rule of its own (never overriding one), each proven by ground truth in
@@ -132,3 +133,19 @@ def _adaptive_avg_pool3d_backward(grad_output, self):
 def _tri_inplace(self, diagonal=0):
     # the triangle is taken in each matrix (the last two dims) alone
     return [([R], [R, None])] + [([Shard(d)], [Shard(d), None]) for d in range(_ndim(self) - 2)]
+
+
+@_lacking(aten.squeeze.dims)
+def _squeeze_dims(self, dims):
+    # a listed dim is never split (a rank's piece of one may have size 1 and be squeezed there); any other keeps its
+    # split at its new index
+    listed = {d % max(_ndim(self), 1) for d in dims}
+    kept = [d for d in range(_ndim(self)) if d not in listed or self.shape[d] != 1]
+    return [([R], [R, None])] + [([Shard(kept.index(d))], [Shard(d), None]) for d in kept if d not in listed]
+
+
+@_lacking(aten.cumprod.default)
+def _cumprod(self, dim, dtype=None):
+    # a running product along its own dim: any other dim may be split
+    along = dim % max(_ndim(self), 1)
+    return [([R], [R, None, None])] + [([Shard(d)], [Shard(d), None, None]) for d in range(_ndim(self)) if d != along]

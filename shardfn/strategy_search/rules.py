@@ -153,6 +153,16 @@ def _view_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     return numels(x.shape, cand.inputs[0]) == numels(out.shape, cand.outputs[0])
 
 
+@register_check(aten.squeeze.dims)
+def _squeeze_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
+    # a dim squeeze.dims lists is squeezed wherever it has size 1: on a rank whose piece of a split listed dim has
+    # one row (2 rows over 2 ranks), the local result loses that dim too. Listed dims stay whole (DTensor's rule,
+    # and torch 2.11's own one below, would split them).
+    x, dims = node.args[0].meta["val"], node.args[1]
+    listed = {d % max(x.dim(), 1) for d in dims}
+    return not any(isinstance(p, Shard) and p.dim in listed for p in cand.inputs[0])
+
+
 _POOLS = [getattr(aten, name).default for name in (
     "avg_pool2d", "avg_pool3d", "_adaptive_avg_pool2d", "_adaptive_avg_pool3d", "max_pool2d_with_indices",
     "max_pool3d_with_indices", "adaptive_max_pool2d", "adaptive_max_pool3d", "avg_pool2d_backward",

@@ -261,6 +261,9 @@ def _dtensor_form_cases():
     yield aten.flip.default, (r(5, 3, 4), [0, -1])
     yield aten.tril_.default, (r(3, 5, 4), 1)
     yield aten.triu_.default, (r(2, 4, 4), -1)
+    yield aten.squeeze.dims, (r(5, 1, 3, 1), [1, 3])
+    yield aten.squeeze.dims, (r(1, 6, 2), [0, -1])  # a listed dim of size 2 stays
+    yield aten.cumprod.default, (r(5, 3, 4), 1)
 
 
 @pytest.mark.parametrize("case", list(_dtensor_form_cases()), ids=lambda c: str(c[0]))
@@ -269,6 +272,7 @@ def test_rules_registered_in_dtensor_form(case):
 
     op, args = case
     sp = DTensor._op_dispatcher.sharding_propagator
-    # ours where this torch lacks one (newer releases have tril_/triu_ themselves): either is checked
+    # ours where this torch lacks one (newer releases have tril_/triu_, squeeze.dims, cumprod themselves): either is
+    # checked
     assert op in REGISTERED or op in sp.op_strategy_funcs or op in sp.op_single_dim_strategy_funcs
     assert failures(op, tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args), {}) == []
