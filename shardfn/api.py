@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from . import parameters, runtime
+from . import accumulation, parameters, runtime
 from .agreement import Agreement, check_mode, digest, inputs_compared, tensor_digest
 from .arguments import BoundCall, bind, call_key
 from .capture import capture, capturing, check_not_transformed, split_arguments
@@ -37,7 +37,7 @@ from .reshard import outside_placeholder, reshard
 from .strategy_search import Plan, build_request, make_plan, profile_for
 from .strategy_search.plan import Collective
 
-__all__ = ["ShardedFunction", "ShardedModule", "explain", "shard"]
+__all__ = ["ShardedFunction", "ShardedModule", "explain", "no_sync", "shard"]
 
 _log = logging.getLogger("shardfn")
 
@@ -92,6 +92,7 @@ class _Compiled:
     # (owning module, attribute) of each parameter and buffer: read per call without walking the module tree
     param_slots: list = field(default_factory=list)
     buffer_slots: list = field(default_factory=list)
+    plan_request_accumulates: bool = False  # planned without gradient sync (sf.no_sync)
 
 
 class _Engine:
@@ -106,6 +107,9 @@ class _Engine:
         self.group = None  # the process group the cached programs were made for
         self.params_laid_out = False  # set by the first call's plan; later plans keep the layouts
         self.capturing_self = False
+        # accumulation without sync (sf.no_sync): calls leave parameters' gradients pending while ``sync`` is
+        # off; ``pending`` says some are, which the next synced call reduces once its backward is done
+        self.sync, self.pending = True, False
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
@@ -126,7 +130,27 @@ class _Engine:
             compiled.agreement.check(first=False, values=(lambda: self._values(args, kwargs))
                                      if mode == "values" else None)
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
+        if compiled.program.accumulate and torch.is_grad_enabled():
+            outs = self._accumulated(outs)
         return compiled.captured.result(outs, tensors, objects)
+
+    def _accumulating(self) -> bool:
+        """Does this call leave parameters' gradients pending (inside no_sync, or the synced call after it)?"""
+        return self.module is not None and (not self.sync or self.pending)
+
+    def _accumulated(self, outs: list) -> list:
+        """Outputs of a call that left parameters' gradients pending: inside no_sync, noted; the synced call after
+        it reduces every pending gradient once its backward has finished."""
+        if not self.sync:
+            self.pending = True
+            return outs
+        self.pending = False
+        params = list(self.module.parameters())
+
+        def reduce():
+            accumulation.reduce_pending(params)
+
+        return list(_AtBackwardEnd.apply(reduce, *outs))
 
     # -- the steps ---------------------------------------------------------------------------------------------
 
@@ -140,6 +164,8 @@ class _Engine:
         key += arrived
         if self.module is not None:
             key += (self.module.training,)
+        if self._accumulating() and torch.is_grad_enabled():
+            key += ("no sync",)
         return args, kwargs, arrived, key, tensors, objects
 
     def _check_not_nested_or_transformed(self, tensors: list[torch.Tensor]) -> None:
@@ -211,7 +237,7 @@ class _Engine:
             self._relay_parameters(compiled.plan, mesh, device)
             self.params_laid_out = True
         compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled=not runtime.is_simulated(),
-                                 name=self.name)
+                                 name=self.name, accumulate=compiled.plan_request_accumulates)
         self.cache[key] = compiled
         return compiled
 
@@ -255,14 +281,16 @@ class _Engine:
             mesh_spec = common_mesh([*call.held, *(f for f in call.fixed if f is not None), *param_specs.values(),
                                      *out_given], world, _alias_names(self.config.strategies()))
             captured = self._capture(args, kwargs, call, device)
+            accumulate = self._accumulating() and torch.is_grad_enabled()
             request = build_request(self.config, self.name, call, captured, param_specs, mesh_spec, world,
-                                    profile_for(device))
+                                    profile_for(device), accumulate)
             plan = make_plan(captured, mesh_of(mesh_spec), mesh_spec, request)
             _record_arrivals(plan, arrived, self.name)
         params, buffers = self._state()
         return _Compiled(captured, plan, mesh_spec, Agreement(self.name, 0),
                          param_slots=[parameters.slot(self.module, n) for n in params],
-                         buffer_slots=[parameters.slot(self.module, n) for n in buffers])
+                         buffer_slots=[parameters.slot(self.module, n) for n in buffers],
+                         plan_request_accumulates=accumulate)
 
     def _capture(self, args, kwargs, call: BoundCall, device: str) -> CapturedGraph:
         shapes = iter(call.shapes)
@@ -325,6 +353,8 @@ class _Engine:
         mode = f"grad {'on' if torch.is_grad_enabled() else 'off'}"
         if self.module is not None:
             mode += ", train" if self.module.training else ", eval"
+            if self._accumulating() and torch.is_grad_enabled():
+                mode += ", no sync (gradients accumulated unreduced: sf.no_sync)"
         config = {f.name: repr(getattr(self.config, f.name)) for f in dataclasses.fields(self.config)}
         return {"callable": self._identity().split("|")[0], **config, "tensor inputs": described,
                 "other arguments": f"{others} in {spec}", "mode": mode}
@@ -418,6 +448,34 @@ def _placeholders(compiled: _Compiled, mesh) -> Callable:
         return list(_Outside.apply(make, len(vals), *inputs))
 
     return run
+
+
+class _AtBackwardEnd(torch.autograd.Function):
+    """Identity on a call's outputs whose backward has ``fn`` run once the whole backward pass has finished (when
+    autograd has summed every gradient into ``.grad``)."""
+
+    @staticmethod
+    def forward(ctx, fn, *outs):
+        ctx.fn = fn
+        return tuple(o.view_as(o) if isinstance(o, torch.Tensor) else o for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.fn)
+        return (None, *grads)
+
+
+def no_sync(*sharded):
+    """A context in which the sharded modules' calls accumulate parameters' gradients without reducing them (each
+    rank sums its own part into ``.grad``); the first call of each after it reduces the sum once, as its backward
+    ends. Every rank enters it alike (a rank that does not is told so with the others). See shardfn.accumulation."""
+    engines = []
+    for s in sharded:
+        if not isinstance(s, ShardedModule):
+            raise TypeError(f"no_sync takes sharded modules (sf.shard(module, ...)); got {type(s).__name__}: a "
+                            "sharded function has no parameters whose gradients it reduces")
+        engines.append(s.__dict__["_shardfn_engine"])
+    return accumulation.accumulating(engines)
 
 
 class _Outside(torch.autograd.Function):

@@ -222,8 +222,14 @@ class ParallelProgram:
     DTensors, in the order of ``plan.inputs``); returns the flat tensor outputs: DTensors where
     ``plan.returns_dtensor`` says so, else plain local tensors (a whole value, or this rank's batch slice)."""
 
-    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool, name: str = "fn"):
+    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool, name: str = "fn",
+                 accumulate: bool = False):
         self.captured, self.plan, self.mesh, self.name = captured, plan, mesh, name
+        # gradient accumulation without sync (sf.no_sync): a parameter's gradient is not reduced over the mesh dims
+        # where the parameter is whole; it leaves pending there (Partial), summed locally by autograd until a
+        # call outside no_sync reduces it once. Each parameter's gradient placements, as traced (None: its own).
+        self.accumulate = accumulate
+        self.grad_placements: list[tuple | None] = [None] * sum(e.kind == "param" for e in plan.inputs)
         self.entries, self.as_dtensor = plan.inputs, plan.returns_dtensor
         self.graphs: dict[str, torch.fx.GraphModule] = {}  # the traced per-rank graphs, after the passes
         self.runners: dict[str, Callable] = {}  # what runs each: the graph itself, or Inductor's code of it
@@ -318,8 +324,11 @@ class ParallelProgram:
     def local_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
         """The whole call on this rank's local tensors (then the graph's constants): entry, program, exit."""
         inputs = []
-        for x, e in zip(locals_, self.entries):
-            d = _Enter.apply(x, self.mesh, e.held, torch.Size(e.shape))
+        for i, (x, e) in enumerate(zip(locals_, self.entries)):
+            if self.accumulate and e.kind == "param":
+                d = _EnterAccumulating.apply(x, self.mesh, e.held, torch.Size(e.shape), self.grad_placements, i)
+            else:
+                d = _Enter.apply(x, self.mesh, e.held, torch.Size(e.shape))
             inputs.append(d if e.held == e.planned else _redistribute(d, e.planned))
         outs = [o.to_local() for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
         for k in self._written_elsewhere:  # updated in place in another layout than the caller's: written back
@@ -418,6 +427,22 @@ class ParallelProgram:
             self._locals_of[:] = list(params)
         return cached
 
+    def parameter_grads(self, local: list, layouts: list) -> list:
+        """The parameters' local gradients as DTensors: in the parameters' layouts, or, accumulating without sync,
+        pending (Partial) where the program left them so."""
+        out = []
+        for i, (g, layout) in enumerate(zip(local, layouts)):
+            pending = self.grad_placements[i] if self.accumulate else None
+            if g is None:
+                out.append(None)
+            elif pending is None or pending == tuple(self.entries[i].planned):
+                out.append(local_as(layout, g))
+            else:
+                shape = torch.Size(self.entries[i].shape)
+                out.append(DTensor.from_local(g, self.mesh, pending, run_check=False, shape=shape,
+                                              stride=global_stride(g, shape)))
+        return out
+
     def _direct_graphs(self) -> bool:
         """After the first traced call: can a call run the forward/backward graphs itself (:class:`GraphStep`)?
 
@@ -450,7 +475,8 @@ class ParallelProgram:
                     for k, (o, v) in enumerate(zip(outs, self.out_vals))]
         locals_ = list(args)
         if n_params and torch.is_grad_enabled():
-            locals_[:n_params] = LocalsOf.apply(*args[:n_params])
+            locals_[:n_params] = _ParamLocals.apply(self, *args[:n_params]) if self.accumulate else \
+                LocalsOf.apply(*args[:n_params])
         elif n_params:  # no gradients to route back: the local tensors themselves
             locals_[:n_params] = self.parameter_locals(args[:n_params])
         dtensor_pos = [i for i in range(n_params, len(args)) if isinstance(args[i], DTensor)]
@@ -485,6 +511,43 @@ class _Enter(torch.autograd.Function):
         if tuple(grad.placements) != ctx.placements:
             grad = grad.redistribute(ctx.mesh, ctx.placements)
         return grad.to_local(), None, None, None
+
+
+class _ParamLocals(torch.autograd.Function):
+    """:class:`LocalsOf` for the parameters of a program that accumulates without sync: their gradients go back
+    as the program left them (:meth:`ParallelProgram.parameter_grads`)."""
+
+    @staticmethod
+    def forward(ctx, program, *params: DTensor):
+        ctx.program, ctx.layouts = program, [layout_of(p) for p in params]
+        return tuple(local_of(p).detach() for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *ctx.program.parameter_grads(list(grads), ctx.layouts))
+
+
+class _EnterAccumulating(torch.autograd.Function):
+    """A parameter entering a program that accumulates without sync: its gradient goes back pending (Partial)
+    over the mesh dims where the parameter is whole, resolved only where it is split (a sharded parameter's
+    gradient is reduce-scattered as ever, never held whole). The placements it goes back in are noted in
+    ``record[i]`` while the program is traced (the same on every later call)."""
+
+    @staticmethod
+    def forward(ctx, local, mesh, placements, shape, record, i):
+        ctx.mesh, ctx.placements, ctx.record, ctx.i = mesh, tuple(placements), record, i
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
+                                  stride=global_stride(local, shape))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _as_dtensor(grad, ctx.mesh, _gradient_placements(ctx.placements))
+        target = tuple(g if g.is_partial() and p.is_replicate() else p
+                       for g, p in zip(grad.placements, ctx.placements))
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(ctx.mesh, target)
+        ctx.record[ctx.i] = target
+        return grad.to_local(), None, None, None, None, None
 
 
 class _Backward(torch.autograd.Function):
@@ -533,14 +596,15 @@ class GraphStep(torch.autograd.Function):
         inputs = [*ctx.saved_tensors, *(g.contiguous() for g in grads)]
         release_saved(ctx)  # the graph frees each saved tensor after its last use
         local = program.runners["backward"](inputs)
-        wrapped = [None if g is None else local_as(layout, g) for g, layout in zip(local, ctx.layouts)]
+        wrapped = program.parameter_grads(local[:len(ctx.layouts)], ctx.layouts)
         return (None, *wrapped, *local[len(wrapped):ctx.n_args])
 
 
 def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool = True,
-          name: str = "fn") -> ParallelProgram:
+          name: str = "fn", accumulate: bool = False) -> ParallelProgram:
     """The program that runs ``plan`` on this rank. ``compiled``: traced into local forward/backward graphs on the
     first call (real process groups); else interpreted over DTensors on every call (simulated worlds). ``name``:
-    the sharded callable's, for error messages."""
+    the sharded callable's, for error messages. ``accumulate``: parameters' gradients left pending where the
+    parameters are whole (accumulation without sync)."""
     keep_linalg_error_checks()
-    return ParallelProgram(captured, plan, mesh, compiled, name)
+    return ParallelProgram(captured, plan, mesh, compiled, name, accumulate)

@@ -46,6 +46,13 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     # reductions of a gradient handed straight back: (position in bwd_colls, (mesh dim, dtype), input number)
     gradients = []
     position = {n: i for i, n in enumerate(captured.placeholders)}
+    # accumulating without sync, a parameter's gradient is not all-reduced where it leaves the program
+    unsynced = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"} \
+        if request.accumulate else set()
+
+    def synced(ops, placeholder):
+        return [o for o in ops if not (placeholder in unsynced and o.kind == "all_reduce")]
+
     for d, c in zip(decisions, chosen):
         for slot, (u, out_idx, value_node) in enumerate(d.sources):
             val = value_node.meta["val"]
@@ -60,6 +67,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
                               for o in again]
                 regather_s += sum(cm.collective_seconds(o, mesh_shape, request.profile) for o in again)
             handed_back = gradient_handed_back(value_node)
+            bwd = synced(bwd, handed_back)
             if handed_back is not None:
                 gradients += [(len(bwd_colls) + k, (o.mesh_dim, val.dtype), position[handed_back])
                               for k, o in enumerate(bwd) if o.kind == "all_reduce"]
@@ -67,6 +75,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     for i, (d, c) in enumerate(zip(decisions, chosen)):
         fwd, bwd = node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None else False,
                                     mesh_shape)
+        bwd = synced(bwd, d.node)
         entry = held.get(i) is not None and held[i] != c.outputs[0]  # else its readers' gradients summed
         what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
         if d.node is not None and d.node.op == "placeholder":  # a graph input's gradient, handed back

@@ -64,6 +64,8 @@ class PlanRequest:
     # are not gathered over them in forward, wherever a plan can avoid it
     keep_split: tuple[int, ...] = ()
     time_limit_s: float | None = None  # the integer program's budget (None: search_time_limit())
+    # accumulation without sync (sf.no_sync): parameters' gradients are not all-reduced in this program
+    accumulate: bool = False
 
     def held(self) -> dict[int, Placements]:
         return {i: r.held for i, r in enumerate(self.inputs) if r.held is not None}
@@ -74,14 +76,14 @@ class PlanRequest:
 
 def build_request(config: ShardConfig, name: str, call: BoundCall, captured: CapturedGraph,
                   param_specs: dict[str, TensorSpec], mesh_spec: MeshSpec, world: int,
-                  profile: cm.DeviceProfile) -> PlanRequest:
+                  profile: cm.DeviceProfile, accumulate: bool = False) -> PlanRequest:
     """What the search is asked for one call: each graph input's arriving and fixed layouts, each output's, and
     the objective. ``param_specs``: the parameters' fixed layouts (parameter_plan's, or those laid out already)."""
     batch_axes = call.held[0].dims[0] if call.held and call.held[0].dims else ()
     return PlanRequest(tuple(_input_requests(config, captured, call, param_specs, mesh_spec)),
                        tuple(_output_requests(config, name, captured, world, mesh_spec, batch_axes)),
                        grad=torch.is_grad_enabled(), level=config.level, profile=profile,
-                       keep_split=_data_parallel_dims(config, call, mesh_spec))
+                       keep_split=_data_parallel_dims(config, call, mesh_spec), accumulate=accumulate)
 
 
 def _input_requests(config: ShardConfig, captured: CapturedGraph, call: BoundCall, param_specs,

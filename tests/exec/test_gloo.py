@@ -1,6 +1,7 @@
 """The compiled path on real gloo ranks (4 processes, started once for this module): parity with
 single-process eager, training, checkpoints, and errors raised on every rank instead of hangs."""
 
+import contextlib
 import copy
 import os
 import tempfile
@@ -494,3 +495,39 @@ def _uneven_body():
 def test_uneven_splits_match_eager(gloo4):
     # splits that do not divide their dim: torch.chunk's pieces, in the traced graphs real ranks run
     assert gloo4.run(_uneven_body) == [12565, 12565, 12565, 12562]
+
+
+def _no_sync_body():
+    from tests.test_accumulation import accumulate
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = GPTBlock(16, 4)
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
+    batches = [torch.randn(8, 4, 16) for _ in range(3)]
+    reductions = []
+    import shardfn.accumulation as accumulation
+
+    real = accumulation.reduce_pending
+    accumulation.reduce_pending = lambda params: reductions.append(real(params)) or reductions[-1]
+    try:
+        accumulate(model, reference, batches, world, lambda t: t[2 * rank: 2 * rank + 2], inside=2)
+    finally:
+        accumulation.reduce_pending = real
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
+    (no_sync,) = [c for c in model._shardfn_engine.cache.values() if c.program.accumulate]
+    in_backward = sum("all_reduce" in str(n.target) for n in no_sync.program.graphs["backward"].graph.nodes)
+    # and a rank that accumulates while the others sync: told, on every rank, before any collective
+    try:
+        with sf.no_sync(model) if rank == 1 else contextlib.nullcontext():
+            model(batches[0][2 * rank: 2 * rank + 2]).sum().backward()
+        told = ""
+    except ValueError as e:
+        told = str(e)
+    return in_backward, reductions, "no sync" in told and "rank 1" in told
+
+
+def test_accumulation_without_sync_reduces_once(gloo4):
+    # micro-steps: no all-reduce in their traced backward; the synced call: one bucket for all 15 gradients
+    assert gloo4.run(_no_sync_body) == [(0, [1], True)] * 4
