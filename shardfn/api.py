@@ -237,7 +237,8 @@ class _Engine:
             self._relay_parameters(compiled.plan, mesh, device)
             self.params_laid_out = True
         compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled=not runtime.is_simulated(),
-                                 name=self.name, accumulate=compiled.plan_request_accumulates)
+                                 name=self.name, accumulate=compiled.plan_request_accumulates,
+                                 precision=self.config.precision)
         self.cache[key] = compiled
         return compiled
 
@@ -286,6 +287,8 @@ class _Engine:
                                     profile_for(device), accumulate)
             plan = make_plan(captured, mesh_of(mesh_spec), mesh_spec, request)
             _record_arrivals(plan, arrived, self.name)
+            if self.config.precision is not None:
+                plan.notes.append(f"mixed precision: {self.config.precision}")
         params, buffers = self._state()
         return _Compiled(captured, plan, mesh_spec, Agreement(self.name, 0),
                          param_slots=[parameters.slot(self.module, n) for n in params],
@@ -295,16 +298,18 @@ class _Engine:
     def _capture(self, args, kwargs, call: BoundCall, device: str) -> CapturedGraph:
         shapes = iter(call.shapes)
 
-        def example(a):  # the global value's description: shape, dtype, requires_grad
+        used = _used_dtype(self.config.precision)
+
+        def example(a):  # the global value's description: shape, dtype (as the program uses it), requires_grad
             if not isinstance(a, torch.Tensor):
                 return a
-            return torch.empty(next(shapes), dtype=a.dtype, device="meta").requires_grad_(a.requires_grad)
+            return torch.empty(next(shapes), dtype=used(a.dtype), device="meta").requires_grad_(a.requires_grad)
 
         tensors, _, structure = split_arguments(args, kwargs)
         ex_args, ex_kwargs = structure.rebuild([example(t) for t in tensors])
         params, buffers = self._state()
-        meta = {n: torch.empty(tuple(t.shape), dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)
-                for n, t in {**params, **buffers}.items()}
+        meta = {n: torch.empty(tuple(t.shape), dtype=used(t.dtype) if n in params else t.dtype, device="meta")
+                .requires_grad_(t.requires_grad) for n, t in {**params, **buffers}.items()}
         # planning for CUDA on a machine without it (explain) traces on the CPU: only shapes matter
         trace_device = device if device != "cuda" or torch.cuda.is_available() else "cpu"
         return capture(self.fn, ex_args, ex_kwargs, {n: meta[n] for n in params}, {n: meta[n] for n in buffers},
@@ -595,7 +600,15 @@ def _example_call(example_inputs) -> tuple[list, dict]:
                     f"arguments (tensors may be meta tensors), got {type(example_inputs).__name__}")
 
 
-def _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy) -> _Engine:
+def _used_dtype(precision) -> Callable[[torch.dtype], torch.dtype]:
+    """The dtype a floating parameter or input is used in under a mixed precision policy (others: their own)."""
+    if precision is None or precision.param_dtype is None:
+        return lambda dtype: dtype
+    return lambda dtype: precision.param_dtype if dtype.is_floating_point else dtype
+
+
+def _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy,
+                mp_policy=None) -> _Engine:
     if isinstance(fn, (ShardedFunction, ShardedModule)):
         raise ValueError(f"{fn!r} is already sharded; shard the original function or module once")
     if not callable(fn):
@@ -603,12 +616,12 @@ def _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, da
     module = fn if isinstance(fn, nn.Module) else None
     target = fn.forward if module is not None else fn
     config = ShardConfig.make(target, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy,
-                              module=module)
+                              module=module, mp_policy=mp_policy)
     return _Engine(target, config, module=module)
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, device=None,
-          dataset_strategy="full_batch", example_inputs=None):
+          dataset_strategy="full_batch", example_inputs=None, mp_policy=None):
     """Shard ``fn`` (a function of tensors, or an nn.Module, sharded in place) over all ranks.
 
     See the README for the full semantics: ``in_strategy`` has one entry per positional input (a tuple of split
@@ -618,9 +631,11 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
     module parameters' layouts; ``level`` picks the search objective. ``example_inputs`` (modules only: a tuple
     of positional arguments or a dict of keyword arguments, tensors may be meta) plans the call now and lays the
     parameters out as planned, before any call: a module built on meta then stays meta pieces until
-    :func:`shardfn.materialize` gives each rank its own.
+    :func:`shardfn.materialize` gives each rank its own. ``mp_policy`` (modules only): torch's
+    ``MixedPrecisionPolicy`` (or its fields): parameters, kept in their dtype, are used and gathered in
+    ``param_dtype``, their gradients reduced in ``reduce_dtype``, outputs returned in ``output_dtype``.
     """
-    engine = _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy)
+    engine = _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy, mp_policy)
     if engine.config.ranks is not None:  # a call on a sub-mesh: its process groups are made now, by every rank
         device = runtime.resolve_device(engine.config.device)
         runtime.init(device=device)
@@ -664,7 +679,7 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
     elif isinstance(fn_or_sharded, ShardedModule):
         engine = fn_or_sharded.__dict__["_shardfn_engine"]
     else:
-        known = ("in_strategy", "out_strategy", "parameter_plan", "level", "device", "dataset_strategy")
+        known = ("in_strategy", "out_strategy", "parameter_plan", "level", "device", "dataset_strategy", "mp_policy")
         unknown = sorted(set(shard_kwargs) - set(known))
         if unknown:
             raise TypeError(f"explain: unknown keyword arguments {unknown}; fn's own keyword arguments go in "
@@ -674,7 +689,8 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
             in_strategy = (None,) * len(example_args)
         engine = _engine_for(fn_or_sharded, in_strategy, shard_kwargs.get("out_strategy"),
                              shard_kwargs.get("parameter_plan"), shard_kwargs.get("level", 0),
-                             shard_kwargs.get("device"), shard_kwargs.get("dataset_strategy", "full_batch"))
+                             shard_kwargs.get("device"), shard_kwargs.get("dataset_strategy", "full_batch"),
+                             shard_kwargs.get("mp_policy"))
     device = runtime.resolve_device(engine.config.device) if engine.config.device != "cuda" else "cuda"
     if world_size is None and engine.config.ranks is not None:
         world_size = len(engine.config.ranks)  # a call on a sub-mesh plans for its ranks

@@ -13,11 +13,12 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import torch.nn as nn
 
 from .layout import Layout, TensorLayout
 
-__all__ = ["ShardConfig", "check_strategy", "is_container_entry"]
+__all__ = ["Precision", "ShardConfig", "check_strategy", "is_container_entry"]
 
 DATASET_STRATEGIES = ("full_batch", "data_parallel")
 
@@ -153,6 +154,43 @@ def _call_ranks(strategies: list) -> tuple[int, ...] | None:
     return next(iter(named), None)
 
 
+_PRECISIONS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """A mixed precision policy (the fields of torch's ``MixedPrecisionPolicy``): parameters, kept in their own
+    dtype, are used in ``param_dtype`` (gathered, computed with), their gradients reduced in ``reduce_dtype``
+    (default: ``param_dtype``), outputs returned in ``output_dtype`` (default: as computed). None: as they are."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+
+    @classmethod
+    def of(cls, policy: Any) -> "Precision | None":
+        if policy is None:
+            return None
+        if not all(hasattr(policy, f) for f in ("param_dtype", "reduce_dtype", "output_dtype")):
+            raise TypeError(f"mp_policy must be torch.distributed.fsdp.MixedPrecisionPolicy (or an object with "
+                            f"param_dtype, reduce_dtype and output_dtype), got {type(policy).__name__}")
+        fields = {f: getattr(policy, f) for f in ("param_dtype", "reduce_dtype", "output_dtype")}
+        for name, dtype in fields.items():
+            if dtype is not None and dtype not in _PRECISIONS:
+                raise ValueError(f"mp_policy.{name} is {dtype}, which shardfn cannot compute or reduce in; use one "
+                                 f"of {', '.join(str(d) for d in _PRECISIONS)} (or None: as the parameters are)")
+        if fields["reduce_dtype"] is None:
+            fields["reduce_dtype"] = fields["param_dtype"]
+        return cls(**fields)
+
+    def __str__(self) -> str:
+        def name(d):
+            return "as given" if d is None else str(d).replace("torch.", "")
+
+        return (f"parameters used in {name(self.param_dtype)}, gradients reduced in {name(self.reduce_dtype)}, "
+                f"outputs {name(self.output_dtype)}")
+
+
 @dataclass(frozen=True)
 class ShardConfig:
     """What a sharded callable was asked to do: shard's arguments, validated (see :func:`shardfn.shard`)."""
@@ -164,11 +202,12 @@ class ShardConfig:
     device: str | None
     dataset_strategy: str
     ranks: tuple[int, ...] | None = None  # the ranks the call runs on (its layouts' ranks); None: the whole world
+    precision: Precision | None = None  # mp_policy's
 
     @classmethod
     def make(cls, fn: Callable, in_strategy: Any, out_strategy: Any = None, parameter_plan: Any = None,
              level: Any = 0, device: Any = None, dataset_strategy: Any = "full_batch",
-             module: nn.Module | None = None) -> "ShardConfig":
+             module: nn.Module | None = None, mp_policy: Any = None) -> "ShardConfig":
         in_strategy = _check_in_strategy(in_strategy, fn)
         out_strategy = _check_out_strategy(out_strategy)
         if isinstance(level, bool) or not isinstance(level, int) or level not in (0, 1, 2):
@@ -182,7 +221,11 @@ class ShardConfig:
                 f"dataset_strategy must be 'full_batch' (inputs are global, identical on every rank) or "
                 f"'data_parallel' (each rank passes its dim-0 slice), got {dataset_strategy!r}")
         plan = _check_parameter_plan(module, parameter_plan)
-        config = cls(in_strategy, out_strategy, plan, level, device, dataset_strategy)
+        precision = Precision.of(mp_policy)
+        if precision is not None and module is None:
+            raise TypeError("mp_policy applies to a module's parameters; fn is a function: cast its inputs yourself "
+                            "(or use torch.autocast)")
+        config = cls(in_strategy, out_strategy, plan, level, device, dataset_strategy, precision=precision)
         return dataclasses.replace(config, ranks=_call_ranks(config.strategies()))
 
     def strategies(self) -> list:

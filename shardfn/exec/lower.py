@@ -223,8 +223,12 @@ class ParallelProgram:
     ``plan.returns_dtensor`` says so, else plain local tensors (a whole value, or this rank's batch slice)."""
 
     def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool, name: str = "fn",
-                 accumulate: bool = False):
+                 accumulate: bool = False, precision: Any = None):
         self.captured, self.plan, self.mesh, self.name = captured, plan, mesh, name
+        # a mixed precision policy (config.Precision): floating parameters and inputs enter in its param_dtype (the
+        # graph was captured so), parameters' gradients are reduced in its reduce_dtype, outputs leave in its
+        # output_dtype
+        self.precision = precision
         # gradient accumulation without sync (sf.no_sync): a parameter's gradient is not reduced over the mesh dims
         # where the parameter is whole; it leaves pending there (Partial), summed locally by autograd until a
         # call outside no_sync reduces it once. Each parameter's gradient placements, as traced (None: its own).
@@ -329,8 +333,9 @@ class ParallelProgram:
                 d = _EnterAccumulating.apply(x, self.mesh, e.held, torch.Size(e.shape), self.grad_placements, i)
             else:
                 d = _Enter.apply(x, self.mesh, e.held, torch.Size(e.shape))
+            d = self._used(d, e.kind)
             inputs.append(d if e.held == e.planned else _redistribute(d, e.planned))
-        outs = [o.to_local() for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
+        outs = [self._returned(o.to_local()) for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
         for k in self._written_elsewhere:  # updated in place in another layout than the caller's: written back
             locals_[k].copy_(_redistribute(inputs[k], self.entries[k].held).to_local())
         return outs
@@ -339,12 +344,31 @@ class ParallelProgram:
         """A world of one: the captured graph on the whole tensors, as fn ran at capture (traced into forward and
         backward graphs on a process group, eager in a simulated world). The graph holds torch.autocast's casts
         already; they are not applied twice."""
+        used = [self._used(x, e.kind) for x, e in zip(locals_, self.entries)]
         with contextlib.ExitStack() as stack:
             for device in _AUTOCAST_DEVICES:
                 stack.enter_context(torch.autocast(device, enabled=False))
             if self._checkpointed:  # an interpreter hands each node's annotations (its region) to the trace
-                return list(torch.fx.Interpreter(self.captured.gm).run(*locals_[:len(self.entries)]))
-            return list(self.captured.gm(*locals_[:len(self.entries)]))
+                return [self._returned(o) for o in torch.fx.Interpreter(self.captured.gm).run(*used)]
+            return [self._returned(o) for o in self.captured.gm(*used)]
+
+    def _used(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """A floating parameter or input as the program uses it (mixed precision: in param_dtype; a parameter's
+        gradient then goes back through reduce_dtype, in which it is reduced)."""
+        p = self.precision
+        if p is None or p.param_dtype is None or kind == "buffer" or not x.dtype.is_floating_point \
+                or x.dtype == p.param_dtype:
+            return x
+        if kind == "param":
+            return _UsedAs.apply(x, p.param_dtype, p.reduce_dtype or p.param_dtype)
+        return x.to(p.param_dtype)
+
+    def _returned(self, out: Any) -> Any:
+        p = self.precision
+        if p is None or p.output_dtype is None or not isinstance(out, torch.Tensor) \
+                or not out.is_floating_point():
+            return out
+        return out.to(p.output_dtype)
 
     def _interpreted(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
         """The program interpreted over DTensors (simulated worlds). With gradients, its backward runs inside
@@ -501,7 +525,7 @@ class _Enter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, mesh, placements, shape):
-        ctx.mesh, ctx.placements = mesh, _gradient_placements(placements)
+        ctx.mesh, ctx.placements, ctx.dtype = mesh, _gradient_placements(placements), local.dtype
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=global_stride(local, shape))
 
@@ -510,7 +534,21 @@ class _Enter(torch.autograd.Function):
         grad = _as_dtensor(grad, ctx.mesh, ctx.placements)
         if tuple(grad.placements) != ctx.placements:
             grad = grad.redistribute(ctx.mesh, ctx.placements)
-        return grad.to_local(), None, None, None
+        return grad.to_local().to(ctx.dtype), None, None, None
+
+
+class _UsedAs(torch.autograd.Function):
+    """A parameter cast to the dtype the program uses it in (mixed precision); its gradient goes back in
+    ``reduce_dtype``, pending sums included, so the reduction where the parameter entered runs in that dtype."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, reduce_dtype):
+        ctx.reduce_dtype = reduce_dtype
+        return x.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.reduce_dtype), None, None
 
 
 class _ParamLocals(torch.autograd.Function):
@@ -536,6 +574,7 @@ class _EnterAccumulating(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, mesh, placements, shape, record, i):
         ctx.mesh, ctx.placements, ctx.record, ctx.i = mesh, tuple(placements), record, i
+        ctx.dtype = local.dtype
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=global_stride(local, shape))
 
@@ -547,7 +586,7 @@ class _EnterAccumulating(torch.autograd.Function):
         if tuple(grad.placements) != target:
             grad = grad.redistribute(ctx.mesh, target)
         ctx.record[ctx.i] = target
-        return grad.to_local(), None, None, None, None, None
+        return grad.to_local().to(ctx.dtype), None, None, None, None, None
 
 
 class _Backward(torch.autograd.Function):
@@ -601,10 +640,10 @@ class GraphStep(torch.autograd.Function):
 
 
 def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool = True,
-          name: str = "fn", accumulate: bool = False) -> ParallelProgram:
+          name: str = "fn", accumulate: bool = False, precision: Any = None) -> ParallelProgram:
     """The program that runs ``plan`` on this rank. ``compiled``: traced into local forward/backward graphs on the
     first call (real process groups); else interpreted over DTensors on every call (simulated worlds). ``name``:
     the sharded callable's, for error messages. ``accumulate``: parameters' gradients left pending where the
-    parameters are whole (accumulation without sync)."""
+    parameters are whole (accumulation without sync). ``precision``: a mixed precision policy."""
     keep_linalg_error_checks()
-    return ParallelProgram(captured, plan, mesh, compiled, name, accumulate)
+    return ParallelProgram(captured, plan, mesh, compiled, name, accumulate, precision)

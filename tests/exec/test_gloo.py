@@ -531,3 +531,32 @@ def _no_sync_body():
 def test_accumulation_without_sync_reduces_once(gloo4):
     # micro-steps: no all-reduce in their traced backward; the synced call: one bucket for all 15 gradients
     assert gloo4.run(_no_sync_body) == [(0, [1], True)] * 4
+
+
+def _mixed_precision_body(how):
+    from tests.test_precision import BF16, close, eager_under_the_same_casts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = GPTBlock(16, 4)
+    x = torch.randn(8, 4, 16)
+    _, ref_grads = eager_under_the_same_casts(copy.deepcopy(reference), x, BF16)
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), mp_policy=BF16, **how)
+    dp = how.get("dataset_strategy") == "data_parallel"
+    (model(x[2 * rank: 2 * rank + 2] if dp else x).square().mean() / (world if dp else 1)).backward()
+    for name, p in model.named_parameters():
+        close(p.grad.full_tensor(), ref_grads[name], name)
+    (compiled,) = model._shardfn_engine.cache.values()
+
+    def dtypes(graph, kind):
+        return sorted({str(n.args[0].meta["val"].dtype) for n in compiled.program.graphs[graph].graph.nodes
+                       if kind in str(n.target)})
+
+    return dtypes("forward", "all_gather"), dtypes("backward", "all_reduce") + dtypes("backward", "reduce_scatter")
+
+
+def test_mixed_precision_gathers_in_bf16_and_reduces_in_fp32(gloo4):
+    # the traced graphs: whole parameters' gradients are all-reduced in reduce_dtype (fp32); split ones (level 1)
+    # are gathered in bf16 and their gradients reduce-scattered in bf16, the gather's dual (not reduce_dtype yet)
+    assert gloo4.run(_mixed_precision_body, dict(dataset_strategy="data_parallel")) == [([], ["torch.float32"])] * 4
+    assert gloo4.run(_mixed_precision_body, dict(level=1)) == [(["torch.bfloat16"], ["torch.bfloat16"] * 2)] * 4
