@@ -38,13 +38,13 @@ def reduce_pending(params: Iterable[torch.nn.Parameter]) -> int:
     """All-reduce every parameter's pending (Partial) ``.grad`` into the parameter's placements, in buckets of
     ``SHARDFN_BUCKET_MB`` per dtype and set of mesh dims. Returns the number of collectives."""
     groups: dict[tuple, list] = {}
+    collectives = 0
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
             dims = tuple(d for d, (a, b) in enumerate(zip(g.placements, p.placements)) if a.is_partial()
                          and not b.is_partial())
             groups.setdefault((id(g.device_mesh), dims, g.dtype), []).append(p)
-    collectives = 0
     limit = max(bucket_bytes(), 1)
     for (_, dims, _), members in groups.items():
         bucket, size = [], 0

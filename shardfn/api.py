@@ -25,6 +25,9 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
 from . import accumulation, parameters, runtime
+from .optimizer import ShardedOptimizer
+from .optimizer import check_stage as optimizer_check_stage
+from .optimizer import gradient_targets as optimizer_gradient_targets
 from .agreement import Agreement, check_mode, digest, inputs_compared, tensor_digest
 from .arguments import BoundCall, bind, call_key
 from .capture import capture, capturing, check_not_transformed, split_arguments
@@ -37,7 +40,7 @@ from .reshard import outside_placeholder, reshard
 from .strategy_search import Plan, build_request, make_plan, profile_for
 from .strategy_search.plan import Collective
 
-__all__ = ["ShardedFunction", "ShardedModule", "explain", "no_sync", "shard"]
+__all__ = ["ShardedFunction", "ShardedModule", "explain", "no_sync", "shard", "shard_optimizer"]
 
 _log = logging.getLogger("shardfn")
 
@@ -110,6 +113,10 @@ class _Engine:
         # accumulation without sync (sf.no_sync): calls leave parameters' gradients pending while ``sync`` is
         # off; ``pending`` says some are, which the next synced call reduces once its backward is done
         self.sync, self.pending = True, False
+        # a stage-2 sharded optimizer's pieces: parameter name -> the placements its gradient is reduce-scattered
+        # into (sf.shard_optimizer), and its stage (the plan's memory model splits the states)
+        self.grad_targets: dict[str, tuple] = {}
+        self.optimizer_stage = 0
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
@@ -147,7 +154,7 @@ class _Engine:
         self.pending = False
         params = list(self.module.parameters())
 
-        def reduce():
+        def reduce():  # (a stage-2 sharded optimizer's hooks have taken theirs already)
             accumulation.reduce_pending(params)
 
         return list(_AtBackwardEnd.apply(reduce, *outs))
@@ -166,6 +173,8 @@ class _Engine:
             key += (self.module.training,)
         if self._accumulating() and torch.is_grad_enabled():
             key += ("no sync",)
+        if self.optimizer_stage:
+            key += (("optimizer stage", self.optimizer_stage, tuple(sorted(self.grad_targets.items()))),)
         return args, kwargs, arrived, key, tensors, objects
 
     def _check_not_nested_or_transformed(self, tensors: list[torch.Tensor]) -> None:
@@ -238,7 +247,7 @@ class _Engine:
             self.params_laid_out = True
         compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled=not runtime.is_simulated(),
                                  name=self.name, accumulate=compiled.plan_request_accumulates,
-                                 precision=self.config.precision)
+                                 precision=self.config.precision, grad_targets=dict(self.grad_targets))
         self.cache[key] = compiled
         return compiled
 
@@ -284,7 +293,7 @@ class _Engine:
             captured = self._capture(args, kwargs, call, device)
             accumulate = self._accumulating() and torch.is_grad_enabled()
             request = build_request(self.config, self.name, call, captured, param_specs, mesh_spec, world,
-                                    profile_for(device), accumulate)
+                                    profile_for(device), accumulate, self.optimizer_stage)
             plan = make_plan(captured, mesh_of(mesh_spec), mesh_spec, request)
             _record_arrivals(plan, arrived, self.name)
             if self.config.precision is not None:
@@ -468,6 +477,34 @@ class _AtBackwardEnd(torch.autograd.Function):
     def backward(ctx, *grads):
         torch.autograd.Variable._execution_engine.queue_callback(ctx.fn)
         return (None, *grads)
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, *modules: nn.Module, stage: int = 2):
+    """``optimizer`` (over the parameters of the sharded ``modules``) with its states split over the ranks the
+    parameters are whole on: stage 1 the states, stage 2 the gradients too (reduce-scattered in backward). Every
+    rank calls it alike; the modules' next calls are planned again for it. See shardfn.optimizer."""
+    stage = optimizer_check_stage(stage)
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ShardedOptimizer):
+        raise TypeError(f"shard_optimizer takes a torch.optim optimizer (not already sharded); got "
+                        f"{type(optimizer).__name__}")
+    owners = {}
+    for m in modules:
+        if not isinstance(m, ShardedModule):
+            raise TypeError(f"shard_optimizer: {type(m).__name__} is not a sharded module; pass the modules "
+                            "sf.shard returned, whose parameters the optimizer steps")
+        engine = m.__dict__["_shardfn_engine"]
+        owners.update({id(p): (engine, n) for n, p in m.named_parameters()})
+    strangers = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owners]
+    if strangers:
+        raise ValueError(f"shard_optimizer: {len(strangers)} of the optimizer's parameters (shapes "
+                         f"{[tuple(p.shape) for p in strangers[:3]]}) are not parameters of the sharded modules "
+                         "given; build the optimizer on model.parameters() after sf.shard, and pass that model")
+    sharded = ShardedOptimizer(optimizer, stage, syncing=lambda p: owners[id(p)][0].sync)
+    targets = optimizer_gradient_targets(sharded)
+    for engine, _ in {id(e): (e, n) for e, n in owners.values()}.values():
+        engine.optimizer_stage = stage
+        engine.grad_targets = {n: targets[pid] for pid, (e, n) in owners.items() if e is engine and pid in targets}
+    return sharded
 
 
 def no_sync(*sharded):

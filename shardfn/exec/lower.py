@@ -223,7 +223,7 @@ class ParallelProgram:
     ``plan.returns_dtensor`` says so, else plain local tensors (a whole value, or this rank's batch slice)."""
 
     def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool, name: str = "fn",
-                 accumulate: bool = False, precision: Any = None):
+                 accumulate: bool = False, precision: Any = None, grad_targets: dict | None = None):
         self.captured, self.plan, self.mesh, self.name = captured, plan, mesh, name
         # a mixed precision policy (config.Precision): floating parameters and inputs enter in its param_dtype (the
         # graph was captured so), parameters' gradients are reduced in its reduce_dtype, outputs leave in its
@@ -234,6 +234,9 @@ class ParallelProgram:
         # call outside no_sync reduces it once. Each parameter's gradient placements, as traced (None: its own).
         self.accumulate = accumulate
         self.grad_placements: list[tuple | None] = [None] * sum(e.kind == "param" for e in plan.inputs)
+        # parameters whose gradients a stage-2 sharded optimizer reduce-scatters itself (sf.shard_optimizer: as
+        # autograd hands each over): they leave pending, as without sync (by parameter name)
+        self.grad_targets = grad_targets or {}
         self.entries, self.as_dtensor = plan.inputs, plan.returns_dtensor
         self.graphs: dict[str, torch.fx.GraphModule] = {}  # the traced per-rank graphs, after the passes
         self.runners: dict[str, Callable] = {}  # what runs each: the graph itself, or Inductor's code of it
@@ -329,7 +332,7 @@ class ParallelProgram:
         """The whole call on this rank's local tensors (then the graph's constants): entry, program, exit."""
         inputs = []
         for i, (x, e) in enumerate(zip(locals_, self.entries)):
-            if self.accumulate and e.kind == "param":
+            if e.kind == "param" and (self.accumulate or e.name in self.grad_targets):
                 d = _EnterAccumulating.apply(x, self.mesh, e.held, torch.Size(e.shape), self.grad_placements, i)
             else:
                 d = _Enter.apply(x, self.mesh, e.held, torch.Size(e.shape))
@@ -456,7 +459,7 @@ class ParallelProgram:
         pending (Partial) where the program left them so."""
         out = []
         for i, (g, layout) in enumerate(zip(local, layouts)):
-            pending = self.grad_placements[i] if self.accumulate else None
+            pending = self.grad_placements[i]
             if g is None:
                 out.append(None)
             elif pending is None or pending == tuple(self.entries[i].planned):
@@ -499,8 +502,8 @@ class ParallelProgram:
                     for k, (o, v) in enumerate(zip(outs, self.out_vals))]
         locals_ = list(args)
         if n_params and torch.is_grad_enabled():
-            locals_[:n_params] = _ParamLocals.apply(self, *args[:n_params]) if self.accumulate else \
-                LocalsOf.apply(*args[:n_params])
+            locals_[:n_params] = _ParamLocals.apply(self, *args[:n_params]) \
+                if self.accumulate or self.grad_targets else LocalsOf.apply(*args[:n_params])
         elif n_params:  # no gradients to route back: the local tensors themselves
             locals_[:n_params] = self.parameter_locals(args[:n_params])
         dtensor_pos = [i for i in range(n_params, len(args)) if isinstance(args[i], DTensor)]
@@ -566,10 +569,11 @@ class _ParamLocals(torch.autograd.Function):
 
 
 class _EnterAccumulating(torch.autograd.Function):
-    """A parameter entering a program that accumulates without sync: its gradient goes back pending (Partial)
-    over the mesh dims where the parameter is whole, resolved only where it is split (a sharded parameter's
-    gradient is reduce-scattered as ever, never held whole). The placements it goes back in are noted in
-    ``record[i]`` while the program is traced (the same on every later call)."""
+    """A parameter whose gradient goes back pending (Partial) over the mesh dims where the parameter is whole,
+    resolved only where it is split (a sharded parameter's gradient is reduce-scattered as ever, never held
+    whole): in a program that accumulates without sync, or for a stage-2 sharded optimizer, which reduce-scatters
+    it itself. The placements it goes back in are noted in ``record[i]`` while the program is traced (the same on
+    every later call)."""
 
     @staticmethod
     def forward(ctx, local, mesh, placements, shape, record, i):
@@ -581,8 +585,7 @@ class _EnterAccumulating(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = _as_dtensor(grad, ctx.mesh, _gradient_placements(ctx.placements))
-        target = tuple(g if g.is_partial() and p.is_replicate() else p
-                       for g, p in zip(grad.placements, ctx.placements))
+        target = tuple(g if g.is_partial() and p.is_replicate() else p for g, p in zip(grad.placements, ctx.placements))
         if tuple(grad.placements) != target:
             grad = grad.redistribute(ctx.mesh, target)
         ctx.record[ctx.i] = target
@@ -640,10 +643,12 @@ class GraphStep(torch.autograd.Function):
 
 
 def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool = True,
-          name: str = "fn", accumulate: bool = False, precision: Any = None) -> ParallelProgram:
+          name: str = "fn", accumulate: bool = False, precision: Any = None,
+          grad_targets: dict | None = None) -> ParallelProgram:
     """The program that runs ``plan`` on this rank. ``compiled``: traced into local forward/backward graphs on the
     first call (real process groups); else interpreted over DTensors on every call (simulated worlds). ``name``:
     the sharded callable's, for error messages. ``accumulate``: parameters' gradients left pending where the
-    parameters are whole (accumulation without sync). ``precision``: a mixed precision policy."""
+    parameters are whole (accumulation without sync). ``precision``: a mixed precision policy. ``grad_targets``:
+    parameters (by name) whose pending gradients a stage-2 sharded optimizer reduce-scatters itself."""
     keep_linalg_error_checks()
-    return ParallelProgram(captured, plan, mesh, compiled, name, accumulate, precision)
+    return ParallelProgram(captured, plan, mesh, compiled, name, accumulate, precision, grad_targets)

@@ -21,7 +21,8 @@ from .buckets import bucket_bytes
 from .candidates import Candidate
 from .problem import Decision, StrategyProblem
 
-__all__ = ["Pricing", "Terms", "gathered_at", "gradient_handed_back", "node_collectives", "passes_on", "pending"]
+__all__ = ["Pricing", "Terms", "gathered_at", "gradient_handed_back", "node_collectives", "parameter_copies",
+           "passes_on", "pending"]
 
 Placements = tuple[Placement, ...]
 
@@ -67,8 +68,10 @@ class Terms:
 class Pricing:
     """Prices one search's problem; its memos live as long as the search."""
 
-    def __init__(self, problem: StrategyProblem, profile: cm.DeviceProfile, held: dict[int, Placements]):
+    def __init__(self, problem: StrategyProblem, profile: cm.DeviceProfile, held: dict[int, Placements],
+                 optimizer_stage: int = 0):
         self.problem, self.profile, self.held = problem, profile, held
+        self.optimizer_stage = optimizer_stage
         self.mesh_shape = problem.mesh_shape
         self._edges: dict = {}
         self._unaries: dict = {}
@@ -124,7 +127,7 @@ class Pricing:
         placeholder = d.node.op == "placeholder"
         if placeholder:
             flops = nbytes = factor = 0
-            keep = 4 if d.node in p.trainable else 1  # value, gradient, two optimizer states
+            keep = -1 if d.node in p.trainable else 1  # value, gradient, two optimizer states (per candidate)
         else:
             # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose
             # only to gather it back for its reader)
@@ -134,7 +137,7 @@ class Pricing:
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
             keep = 1 if grad and d.node not in p.recomputed and not cm.is_alias_op(d.node) else 0
         dtype = vals[0].dtype if vals else torch.float32
-        key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad,
+        key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
                cm.is_alias_op(d.node), tuple((tuple(v.shape), v.dtype) for v in vals))
         hit = self._unaries.get(key)
         if hit is not None and hit[0] is d.candidates:
@@ -147,8 +150,9 @@ class Pricing:
                                 for c in d.candidates])
             savings = whole - compute
         memory = np.array([
-            keep * sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
-                       for v, pl in zip(vals, c.outputs) if pl is not None)
+            (parameter_copies(c.outputs[0], mesh_shape, self.optimizer_stage) if keep < 0 else keep)
+            * sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
+                  for v, pl in zip(vals, c.outputs) if pl is not None)
             for c in d.candidates], dtype=float) if keep else np.zeros(n)
         reductions = np.zeros(n)
         for k, c in enumerate(d.candidates):
@@ -213,6 +217,17 @@ class Pricing:
                 if bad is not None:
                     found.append((u, v, bad))
         return found
+
+
+def parameter_copies(placements: Placements, mesh_shape: Sequence[int], optimizer_stage: int = 0) -> float:
+    """How many times a trained parameter's local bytes a rank holds: its value, its gradient, two optimizer
+    states (AdamW's); a sharded optimizer splits the states (stage 1) and the gradient too (stage 2) over the first
+    mesh dim the parameter is whole on."""
+    whole = [d for d, q in enumerate(placements) if q.is_replicate()]
+    if not optimizer_stage or not whole:
+        return 4.0
+    n = mesh_shape[whole[0]]
+    return 1.0 + (1.0 if optimizer_stage == 1 else 1.0 / n) + 2.0 / n
 
 
 def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: list, build: Callable[[], Any]):

@@ -15,7 +15,16 @@ from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
 from .candidates import is_alias, tensor_inputs
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
-from .pricing import Pricing, Terms, gathered_at, gradient_handed_back, node_collectives, passes_on, pending
+from .pricing import (
+    Pricing,
+    Terms,
+    gathered_at,
+    gradient_handed_back,
+    node_collectives,
+    parameter_copies,
+    passes_on,
+    pending,
+)
 from .problem import StrategyProblem, computed_from, splits
 from .request import PlanRequest
 from .solver import Solution
@@ -46,12 +55,18 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     # reductions of a gradient handed straight back: (position in bwd_colls, (mesh dim, dtype), input number)
     gradients = []
     position = {n: i for i, n in enumerate(captured.placeholders)}
-    # accumulating without sync, a parameter's gradient is not all-reduced where it leaves the program
-    unsynced = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"} \
-        if request.accumulate else set()
+    # accumulating without sync, a parameter's gradient is not all-reduced where it leaves the program; for a
+    # stage-2 sharded optimizer it is reduce-scattered into the optimizer's piece instead
+    params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
 
     def synced(ops, placeholder):
-        return [o for o in ops if not (placeholder in unsynced and o.kind == "all_reduce")]
+        if placeholder not in params:
+            return ops
+        if request.accumulate:
+            return [o for o in ops if o.kind != "all_reduce"]
+        if request.optimizer_stage == 2:
+            return [dataclasses.replace(o, kind="reduce_scatter") if o.kind == "all_reduce" else o for o in ops]
+        return ops
 
     for d, c in zip(decisions, chosen):
         for slot, (u, out_idx, value_node) in enumerate(d.sources):
@@ -87,7 +102,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + regather_s
     bwd_colls += regathers
-    peak = _peak_bytes(problem, chosen, needs_grad - problem.recomputed)
+    peak = _peak_bytes(problem, chosen, needs_grad - problem.recomputed, request.optimizer_stage)
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     if solution.timed_out:
         notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
@@ -182,7 +197,7 @@ def _with_buckets(bwd_colls: list[Collective], gradients: list[tuple[int, tuple,
     return out
 
 
-def _peak_bytes(problem: StrategyProblem, chosen, kept) -> int:
+def _peak_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0) -> int:
     """Per-rank peak bytes of the chosen plan, with liveness.
 
     Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
@@ -209,7 +224,9 @@ def _peak_bytes(problem: StrategyProblem, chosen, kept) -> int:
     transient: dict[torch.fx.Node, int] = {}
     for i, node in enumerate(order):
         if node.op == "placeholder":
-            live += local_bytes(node) * (4 if node in trainable else 1)
+            copies = parameter_copies(by_node[node].outputs[0], mesh_shape, optimizer_stage) \
+                if node in trainable else 1
+            live += local_bytes(node) * copies
         elif node.op == "call_function":
             nbytes = 0 if cm.is_alias_op(node) else local_bytes(node)
             live += nbytes

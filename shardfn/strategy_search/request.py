@@ -66,6 +66,9 @@ class PlanRequest:
     time_limit_s: float | None = None  # the integer program's budget (None: search_time_limit())
     # accumulation without sync (sf.no_sync): parameters' gradients are not all-reduced in this program
     accumulate: bool = False
+    # a sharded optimizer's stage (sf.shard_optimizer): 1 splits the optimizer states of whole parameters over
+    # their first whole mesh dim, 2 their gradients too (reduce-scattered, not all-reduced)
+    optimizer_stage: int = 0
 
     def held(self) -> dict[int, Placements]:
         return {i: r.held for i, r in enumerate(self.inputs) if r.held is not None}
@@ -76,14 +79,15 @@ class PlanRequest:
 
 def build_request(config: ShardConfig, name: str, call: BoundCall, captured: CapturedGraph,
                   param_specs: dict[str, TensorSpec], mesh_spec: MeshSpec, world: int,
-                  profile: cm.DeviceProfile, accumulate: bool = False) -> PlanRequest:
+                  profile: cm.DeviceProfile, accumulate: bool = False, optimizer_stage: int = 0) -> PlanRequest:
     """What the search is asked for one call: each graph input's arriving and fixed layouts, each output's, and
     the objective. ``param_specs``: the parameters' fixed layouts (parameter_plan's, or those laid out already)."""
     batch_axes = call.held[0].dims[0] if call.held and call.held[0].dims else ()
     return PlanRequest(tuple(_input_requests(config, captured, call, param_specs, mesh_spec)),
                        tuple(_output_requests(config, name, captured, world, mesh_spec, batch_axes)),
                        grad=torch.is_grad_enabled(), level=config.level, profile=profile,
-                       keep_split=_data_parallel_dims(config, call, mesh_spec), accumulate=accumulate)
+                       keep_split=_data_parallel_dims(config, call, mesh_spec), accumulate=accumulate,
+                       optimizer_stage=optimizer_stage)
 
 
 def _input_requests(config: ShardConfig, captured: CapturedGraph, call: BoundCall, param_specs,

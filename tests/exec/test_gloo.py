@@ -560,3 +560,41 @@ def test_mixed_precision_gathers_in_bf16_and_reduces_in_fp32(gloo4):
     # are gathered in bf16 and their gradients reduce-scattered in bf16, the gather's dual (not reduce_dtype yet)
     assert gloo4.run(_mixed_precision_body, dict(dataset_strategy="data_parallel")) == [([], ["torch.float32"])] * 4
     assert gloo4.run(_mixed_precision_body, dict(level=1)) == [(["torch.bfloat16"], ["torch.bfloat16"] * 2)] * 4
+
+
+def _sharded_optimizer_body(path):
+    from tests.test_optimizer import train_both
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, opt, reference, ref_opt = train_both(2, world, lambda t: t[2 * rank: 2 * rank + 2], micro=2)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).full_tensor(), q.detach(), rtol=1e-4, atol=1e-5)
+    sf.save({"optim": opt.state_dict()}, path)  # each rank writes its pieces of the states
+    return [tuple(opt.state[p]["exp_avg"].to_local().shape) for p in opt.pieces][:2]
+
+
+def test_a_sharded_optimizer_trains_and_its_states_load_into_one_process(gloo4, tmp_path):
+    from tests.test_optimizer import train_both
+
+    path = str(tmp_path / "ckpt")
+    pieces = gloo4.run(_sharded_optimizer_body, path)
+    assert pieces[0] == [(4,), (4,)] and pieces[3] == [(4,), (4,)]  # ln weights (16,): a quarter each
+    # another world size: one process, the states whole, read from the four ranks' pieces
+    _, opt, _, _ = train_both(2, 1, lambda t: t, steps=1)  # (a step: the states exist, in this world's layout)
+    state = opt.state_dict()
+    sf.load({"optim": state}, path)
+    opt.load_state_dict(state)
+    torch.manual_seed(0)
+    ref = GPTBlock(16, 4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(3):
+        for m in range(2):
+            torch.manual_seed(10 * step + m)
+            ref(torch.randn(8, 4, 16)).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for piece, q in zip(opt.pieces, ref.parameters()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            got = opt.state[piece][name]
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            torch.testing.assert_close(got, ref_opt.state[q][name], rtol=1e-4, atol=1e-6)

@@ -1,0 +1,100 @@
+"""sf.shard_optimizer: optimizer states (stage 1) and gradients (stage 2) split over the ranks the parameters are
+whole on; training equals torch's optimizer on the unsharded model. Real ranks, checkpoints of the split states
+loaded into another world size: tests/exec/test_gloo.py."""
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch.distributed._local_tensor import local_tensor_mode
+from torch.distributed.tensor import Shard
+
+import shardfn as sf
+from shardfn.runtime import simulated_world
+from tests.harness import on_rank
+from tests.models import GPTBlock
+
+WORLD = 4
+
+
+def _slice(t):
+    per = t.shape[0] // WORLD
+    return local_tensor_mode().rank_map(lambda r: on_rank(t, r)[per * r: per * (r + 1)].clone())
+
+
+def train_both(stage, world, slice_of, steps=3, micro=1, **shard_kwargs):
+    """A data-parallel GPT block with a sharded AdamW against the unsharded one; the sharded model and optimizer.
+    ``micro`` > 1: that many micro-batches a step, all but the last inside sf.no_sync."""
+    torch.manual_seed(0)
+    reference = GPTBlock(16, 4)
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel",
+                     **shard_kwargs)
+    opt = sf.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, stage=stage)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(steps):
+        for m in range(micro):
+            torch.manual_seed(10 * step + m)
+            x = torch.randn(8, 4, 16)
+            reference(x).square().mean().backward()
+            with sf.no_sync(model) if m < micro - 1 else contextlib.nullcontext():
+                (model(slice_of(x)).square().mean() / world).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return model, opt, reference, ref_opt
+
+
+def _assert_trained_alike(model, reference, ranks):
+    for name, q in reference.named_parameters():
+        whole = model.get_parameter(name).full_tensor()
+        for r in range(ranks):
+            torch.testing.assert_close(on_rank(whole, r), q.detach(), rtol=1e-4, atol=1e-5,
+                                       msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("stage, micro", [(1, 1), (2, 1), (2, 3)], ids=["stage1", "stage2", "stage2-no_sync"])
+def test_sharded_adamw_trains_like_torch_and_keeps_pieces(stage, micro):
+    with simulated_world(WORLD):
+        model, opt, reference, _ = train_both(stage, WORLD, _slice, micro=micro)
+        _assert_trained_alike(model, reference, WORLD)
+        # each rank holds its piece of every state: dim 0 split over the 4 ranks
+        for piece in opt.pieces:
+            for name in ("exp_avg", "exp_avg_sq"):
+                assert tuple(opt.state[piece][name].placements) == (Shard(0),)
+        if stage == 2:  # gradients went to the pieces; no rank keeps a parameter's whole gradient
+            assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_plan_knows_the_split_states_and_reduce_scatters():
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        plans = {}
+        for stage in (0, 1, 2):
+            model = sf.shard(GPTBlock(16, 4), in_strategy=(None,), dataset_strategy="data_parallel")
+            if stage:
+                sf.shard_optimizer(torch.optim.AdamW(model.parameters()), model, stage=stage)
+            plans[stage] = sf.explain(model, _slice(torch.randn(8, 4, 16)))
+    peaks = [plans[s].cost.peak_bytes for s in (0, 1, 2)]
+    assert peaks[0] > peaks[1] > peaks[2], peaks  # states split, then gradients too
+    assert plans[2].count("reduce_scatter", "backward") == plans[0].count("all_reduce", "backward") > 0
+    assert plans[2].count("all_reduce", "backward") == 0
+
+
+def test_misuse_is_a_clear_error():
+    with simulated_world(2):
+        model = sf.shard(GPTBlock(16, 4), in_strategy=(None,), dataset_strategy="data_parallel")
+        opt = torch.optim.AdamW(model.parameters())
+        with pytest.raises(ValueError, match="stage must be 1 .* or 2 .*stage 3, parameters split too, is "
+                                             r"sf.shard\(..., level=1\)"):
+            sf.shard_optimizer(opt, model, stage=3)
+        with pytest.raises(TypeError, match="GPTBlock is not a sharded module"):
+            sf.shard_optimizer(opt, GPTBlock(16, 4))
+        stranger = torch.nn.Parameter(torch.zeros(3))
+        with pytest.raises(ValueError, match=r"1 of the optimizer's parameters \(shapes \[\(3,\)\]\) are not "
+                                             "parameters of the sharded modules given"):
+            sf.shard_optimizer(torch.optim.SGD([stranger, *model.parameters()]), model)
+        sharded = sf.shard_optimizer(opt, model)
+        with pytest.raises(TypeError, match="not already sharded"):
+            sf.shard_optimizer(sharded, model)
