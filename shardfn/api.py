@@ -152,9 +152,10 @@ class _Engine:
             self.pending = True
             return outs
         self.pending = False
-        params = list(self.module.parameters())
+        # a stage-2 sharded optimizer reduce-scatters its parameters' gradients itself
+        params = [p for n, p in self.module.named_parameters() if n not in self.grad_targets]
 
-        def reduce():  # (a stage-2 sharded optimizer's hooks have taken theirs already)
+        def reduce():
             accumulation.reduce_pending(params)
 
         return list(_AtBackwardEnd.apply(reduce, *outs))

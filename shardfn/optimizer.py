@@ -16,6 +16,7 @@ Parameters already split over every mesh dim (level 1) keep their own layout: th
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -53,10 +54,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 with torch.no_grad():
                     piece = p.detach().redistribute(p.device_mesh, target)  # a slice: no collective
                 self.pieces.append(nn.Parameter(piece, requires_grad=p.requires_grad))
+        self._ready: list = []  # stage 2: parameters whose summed gradients await their reduce-scatter
         if stage == 2:
             for p, piece in zip(self.params, self.pieces):
                 if piece is not p:
-                    p.register_post_accumulate_grad_hook(_reduce_scatter_into(piece, syncing))
+                    p.register_post_accumulate_grad_hook(self._hook(piece, syncing))
         swap = {id(p): q for p, q in zip(self.params, self.pieces)}
         for group in optimizer.param_groups:
             group["params"] = [swap[id(p)] for p in group["params"]]
@@ -81,11 +83,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 g = g.redistribute(p.device_mesh, piece.placements)
             piece.grad = g if piece.grad is None else piece.grad + g
         self.inner.step()
-        for p, piece in zip(self.params, self.pieces):
-            if piece is not p:  # whole again for the next forward: one all-gather per parameter
-                whole = piece.redistribute(p.device_mesh, p.placements)
-                p.to_local().copy_(whole.to_local())
+        _gather_pieces([(p, q) for p, q in zip(self.params, self.pieces) if q is not p])  # whole again
         return loss
+
+    def _hook(self, piece: nn.Parameter, syncing):
+        """Stage 2: a parameter's gradient, once autograd has summed it, waits for the end of the backward pass,
+        where all of them are reduce-scattered into their pieces in buckets and dropped (not inside no_sync)."""
+
+        def hook(p: nn.Parameter) -> None:
+            if p.grad is None or not syncing(p):
+                return
+            if not self._ready:
+                torch.autograd.Variable._execution_engine.queue_callback(self._reduce_scatter_ready)
+            self._ready.append((p, piece))
+
+        return hook
+
+    def _reduce_scatter_ready(self) -> None:
+        ready, self._ready = self._ready, []
+        _scatter_gradients(ready)
 
     def zero_grad(self, set_to_none: bool = True):
         for t in (*self.params, *self.pieces):
@@ -108,18 +124,100 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return f"ShardedOptimizer(stage={self.stage}, {self.inner!r})"
 
 
-def _reduce_scatter_into(piece: nn.Parameter, syncing):
-    """Stage 2: a parameter's gradient, once autograd has summed it, reduce-scattered into (added to) its piece's,
-    and dropped; ``syncing(p)`` says whether to do it now (not inside no_sync)."""
+def _bucketable(p: DTensor, piece: DTensor) -> int | None:
+    """The mesh dim of ``piece``'s split when ``p`` is whole everywhere else (plain data parallelism: its pieces
+    can share one collective with others'), else None (moved alone, through DTensor)."""
+    dims = [d for d, (a, b) in enumerate(zip(p.placements, piece.placements)) if a != b]
+    return dims[0] if len(dims) == 1 and all(q.is_replicate() for q in p.placements) else None
 
-    def hook(p: nn.Parameter) -> None:
-        if p.grad is None or not syncing(p):
-            return
-        part = p.grad.redistribute(p.device_mesh, piece.placements)
-        piece.grad = part if piece.grad is None else piece.grad + part
-        p.grad = None
 
-    return hook
+def _by_bucket(pairs):
+    """(parameter, piece) pairs grouped for one collective each: mesh, mesh dim, dtype, up to a bucket's bytes;
+    the others alone."""
+    from .strategy_search.buckets import bucket_bytes
+
+    groups, alone = {}, []
+    for p, piece in pairs:
+        d = _bucketable(p, piece)
+        if d is None:
+            alone.append((p, piece))
+        else:
+            groups.setdefault((id(p.device_mesh), d, p.dtype), []).append((p, piece))
+    limit = max(bucket_bytes(), 1)
+    for (_, d, _), members in groups.items():
+        bucket, size = [], 0
+        for p, piece in members:
+            if bucket and size + p.numel() * p.element_size() > limit:
+                yield d, bucket
+                bucket, size = [], 0
+            bucket.append((p, piece))
+            size += p.numel() * p.element_size()
+        yield d, bucket
+    for pair in alone:
+        yield None, [pair]
+
+
+def _rows(n: int, k: int) -> int:
+    """Rows of each torch.chunk piece of ``n`` rows in ``k`` (the last ones fewer or none): the padded size."""
+    return -(-n // k)
+
+
+def _gather_pieces(pairs) -> None:
+    """Every piece all-gathered into its parameter, in buckets: each rank's pieces padded to torch.chunk's size,
+    concatenated, one all-gather, cut back."""
+    from torch.distributed._functional_collectives import all_gather_tensor
+
+    for d, bucket in _by_bucket(pairs):
+        if d is None:
+            ((p, piece),) = bucket
+            p.to_local().copy_(piece.redistribute(p.device_mesh, p.placements).to_local())
+            continue
+        mesh = bucket[0][0].device_mesh
+        k = mesh.size(d)
+        flat = []
+        for p, piece in bucket:
+            c, local = _rows(p.shape[0], k), piece.to_local()
+            padded = local.new_zeros((c,) + tuple(p.shape[1:]))
+            padded[:local.shape[0]] = local
+            flat.append(padded.reshape(-1))
+        gathered = all_gather_tensor(torch.cat(flat), 0, (mesh, d)).reshape(k, -1)
+        offset = 0
+        for p, _ in bucket:
+            c, row = _rows(p.shape[0], k), math.prod(p.shape[1:])
+            rows = gathered[:, offset:offset + c * row].reshape(k * c, *p.shape[1:])
+            p.to_local().copy_(rows[:p.shape[0]])
+            offset += c * row
+
+
+def _scatter_gradients(pairs) -> None:
+    """Stage 2: every parameter's summed (pending) gradient reduce-scattered into its piece's, in buckets: each
+    padded to torch.chunk's size, rank-major, one reduce-scatter, cut back; the whole gradients dropped."""
+    from torch.distributed._functional_collectives import reduce_scatter_tensor
+
+    for d, bucket in _by_bucket(pairs):
+        if d is None:
+            ((p, piece),) = bucket
+            part = p.grad.redistribute(p.device_mesh, piece.placements)
+        else:
+            mesh = bucket[0][0].device_mesh
+            k = mesh.size(d)
+            blocks = []
+            for p, _ in bucket:
+                c, g = _rows(p.shape[0], k), p.grad.to_local()
+                padded = g.new_zeros((k * c,) + tuple(p.shape[1:]))
+                padded[:p.shape[0]] = g
+                blocks.append(padded.reshape(k, -1))
+            mine = reduce_scatter_tensor(torch.cat(blocks, dim=1).reshape(-1), "sum", 0, (mesh, d))
+            offset = 0
+        for p, piece in bucket:
+            if d is not None:
+                c, row, rows = _rows(p.shape[0], k), math.prod(p.shape[1:]), piece.to_local().shape[0]
+                local = mine[offset:offset + c * row].reshape(c, *p.shape[1:])[:rows]
+                offset += c * row
+                part = DTensor.from_local(local, piece.device_mesh, piece.placements, run_check=False,
+                                          shape=piece.shape, stride=piece.stride())
+            piece.grad = part if piece.grad is None else piece.grad + part
+            p.grad = None
 
 
 def gradient_targets(optimizer: ShardedOptimizer) -> dict[int, tuple]:

@@ -50,19 +50,24 @@ def _assert_trained_alike(model, reference, ranks):
     for name, q in reference.named_parameters():
         whole = model.get_parameter(name).full_tensor()
         for r in range(ranks):
-            torch.testing.assert_close(on_rank(whole, r), q.detach(), rtol=1e-4, atol=1e-5,
+            # AdamW divides a gradient by its magnitude: a near-zero one summed in another order moves up to lr
+            torch.testing.assert_close(on_rank(whole, r), q.detach(), rtol=1e-4, atol=1e-4,
                                        msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("stage, micro", [(1, 1), (2, 1), (2, 3)], ids=["stage1", "stage2", "stage2-no_sync"])
 def test_sharded_adamw_trains_like_torch_and_keeps_pieces(stage, micro):
     with simulated_world(WORLD):
-        model, opt, reference, _ = train_both(stage, WORLD, _slice, micro=micro)
+        model, opt, reference, ref_opt = train_both(stage, WORLD, _slice, micro=micro)
         _assert_trained_alike(model, reference, WORLD)
-        # each rank holds its piece of every state: dim 0 split over the 4 ranks
-        for piece in opt.pieces:
+        # each rank holds its piece of every state (dim 0 split over the 4 ranks), the unsharded optimizer's own
+        # (AdamW would hide gradients scaled alike in the parameters; not in its moments)
+        for piece, q in zip(opt.pieces, reference.parameters()):
             for name in ("exp_avg", "exp_avg_sq"):
-                assert tuple(opt.state[piece][name].placements) == (Shard(0),)
+                state = opt.state[piece][name]
+                assert tuple(state.placements) == (Shard(0),)
+                torch.testing.assert_close(on_rank(state.full_tensor(), 1), ref_opt.state[q][name], rtol=1e-4,
+                                           atol=1e-6)
         if stage == 2:  # gradients went to the pieces; no rank keeps a parameter's whole gradient
             assert all(p.grad is None for p in model.parameters())
 

@@ -568,7 +568,8 @@ def _sharded_optimizer_body(path):
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, reference, ref_opt = train_both(2, world, lambda t: t[2 * rank: 2 * rank + 2], micro=2)
     for name, q in reference.named_parameters():
-        torch.testing.assert_close(model.get_parameter(name).full_tensor(), q.detach(), rtol=1e-4, atol=1e-5)
+        # AdamW divides a gradient by its magnitude: a near-zero one summed in another order moves by up to lr
+        torch.testing.assert_close(model.get_parameter(name).full_tensor(), q.detach(), rtol=1e-4, atol=1e-4)
     sf.save({"optim": opt.state_dict()}, path)  # each rank writes its pieces of the states
     return [tuple(opt.state[p]["exp_avg"].to_local().shape) for p in opt.pieces][:2]
 
