@@ -87,7 +87,7 @@ _RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
 def _collectives(world: int, device: str, repeat: int) -> tuple[tuple[str, float, float], ...]:
     """(kind, alpha, beta) of each collective as the programs run them (functional collectives, the ranks
     starting together), solved from a 4 KiB and a 4 MiB operand."""
-    import torch.distributed._functional_collectives as funcol
+    from . import _functional_collectives as funcol
 
     group = dist.group.WORLD
     run = {"all_reduce": lambda x: funcol.all_reduce(x, "sum", group),

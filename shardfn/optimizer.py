@@ -23,6 +23,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
+from ._functional_collectives import all_gather_tensor, reduce_scatter_tensor
+
 __all__ = ["ShardedOptimizer", "check_stage", "gradient_targets", "piece_placements"]
 
 STAGES = (1, 2)
@@ -165,8 +167,6 @@ def _rows(n: int, k: int) -> int:
 def _gather_pieces(pairs) -> None:
     """Every piece all-gathered into its parameter, in buckets: each rank's pieces padded to torch.chunk's size,
     concatenated, one all-gather, cut back."""
-    from torch.distributed._functional_collectives import all_gather_tensor
-
     for d, bucket in _by_bucket(pairs):
         if d is None:
             ((p, piece),) = bucket
@@ -192,8 +192,6 @@ def _gather_pieces(pairs) -> None:
 def _scatter_gradients(pairs) -> None:
     """Stage 2: every parameter's summed (pending) gradient reduce-scattered into its piece's, in buckets: each
     padded to torch.chunk's size, rank-major, one reduce-scatter, cut back; the whole gradients dropped."""
-    from torch.distributed._functional_collectives import reduce_scatter_tensor
-
     for d, bucket in _by_bucket(pairs):
         if d is None:
             ((p, piece),) = bucket

@@ -31,6 +31,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 from ..capture.graph import CapturedGraph, checkpoint_region, is_in_place, is_view
 from ._dtensor_internals import layout_of, local_as, local_of
 from ._graph_internals import annotated_as, boxed_graph, keep_linalg_error_checks, keeping_annotations, release_saved
+from ._inductor_internals import compile_graph
+from ._inductor_internals import decompositions as inductor_decompositions
 from ..strategy_search.plan import Plan
 from .passes import recompute_checkpointed, regather_in_backward, simplify
 from .run import LocalsOf, global_stride
@@ -87,22 +89,6 @@ def _saying_where(run: Callable, program: str, graph: str) -> Callable:
 
     saying._boxed_call = True
     return saying
-
-
-def _tracing_context(gm: torch.fx.GraphModule):
-    """A tracing context around Inductor's compile of ``gm``: its FX graph cache keys a graph by the guards of the
-    context's shape environment, and without one compiles every graph again (identical layers, later processes).
-    AOTAutograd traced with static shapes, in a fake mode with no shape environment: it gets an empty one (no
-    symbols, no guards), which changes nothing else."""
-    from torch._guards import TracingContext, detect_fake_mode, tracing
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    fake = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
-    if TracingContext.try_get() is not None or fake is None:
-        return contextlib.nullcontext()
-    if fake.shape_env is None:
-        fake.shape_env = ShapeEnv()
-    return tracing(TracingContext(fake))
 
 
 def _conform(x: Any, placements: tuple[Placement, ...] | None):
@@ -396,22 +382,11 @@ class ParallelProgram:
                 if not inductor:
                     self.runners[name] = _saying_where(boxed_graph(gm), self.name, name)
                     return self.runners[name]
-                import torch._inductor.config
-                from torch._inductor.compile_fx import compile_fx_inner
-
-                from torch._dynamo.utils import counters
-
-                start, hits = time.perf_counter(), counters["inductor"]["fxgraph_cache_hit"]
-                # the backward graph takes the saved tensors in the strides AOTAutograd traced: Inductor may not
-                # choose other layouts for them (channels-last convolutions), as it can under torch.compile,
-                # which tells the backward what the forward chose
-                with torch._inductor.config.patch(layout_optimization=False), _tracing_context(gm):
-                    boxed = _in_traced_strides(compile_fx_inner(gm, example_inputs), example_inputs)
+                start = time.perf_counter()
+                code, cached = compile_graph(gm, example_inputs)
+                boxed = _in_traced_strides(code, example_inputs)
                 self.compile_s[name] = time.perf_counter() - start
-                # Inductor's FX graph cache (on disk): an identical graph, from an identical layer or an earlier
-                # process, is loaded instead of compiled
-                done = f"loaded the {name} graph from its cache" if counters["inductor"]["fxgraph_cache_hit"] > hits \
-                    else f"compiled the {name} graph"
+                done = f"loaded the {name} graph from its cache" if cached else f"compiled the {name} graph"
                 _log.info("shardfn: Inductor %s in %.1f s", done, self.compile_s[name])
                 self.plan.notes.append(f"Inductor {done} in {self.compile_s[name]:.1f} s "
                                        "(first call of this signature)")
@@ -422,12 +397,7 @@ class ParallelProgram:
 
         # the min-cut partitioner saves what the default one recomputes (the CPU flash-attention forward)
         # Inductor lowers only the ops its decompositions leave (as under torch.compile)
-        decompositions = None
-        if inductor:
-            import torch._inductor.lowering  # noqa: F401 - some of its decompositions consult it
-            from torch._inductor.decomposition import select_decomp_table
-
-            decompositions = select_decomp_table()
+        decompositions = inductor_decompositions() if inductor else None
         def partition(joint, joint_inputs, **kwargs):
             if self.plan.reshard_after_forward:
                 joint = regather_in_backward(joint, self._n_params)
