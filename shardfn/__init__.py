@@ -11,8 +11,10 @@ from .layout import Layout
 from .meta_init import materialize
 from .pipeline import Pipeline, pipeline
 from .reshard import reshard
+from .show import show
 from .runtime import init
 from .strategy_search import Plan
 
 __all__ = ["CaptureError", "Layout", "Pipeline", "Plan", "ShardedFunction", "ShardedModule", "explain", "init", "load",
-           "materialize", "no_sync", "pipeline", "reshard", "save", "shard", "shard_optimizer"]
+           "materialize", "no_sync", "pipeline", "reshard", "save", "shard", "shard_optimizer",
+           "show"]

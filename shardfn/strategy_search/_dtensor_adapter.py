@@ -85,6 +85,19 @@ def local_shapes(shape, placements: Placements, mesh: DeviceMesh) -> list[tuple[
     ]
 
 
+def local_pieces(shape, placements: Placements, mesh: DeviceMesh) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each rank's piece (mesh order) of a tensor of ``shape`` laid out as ``placements``: (offset, shape), as
+    DTensor slices it (uneven and nested shards included; an empty piece's offset is where it would start)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    out = []
+    for coord in itertools.product(*[range(n) for n in mesh.shape]):
+        local, offset = _compute_local_shape_and_global_offset(tuple(shape), tuple(mesh.shape), list(coord),
+                                                               placements)
+        out.append((tuple(int(o) for o in offset), tuple(int(n) for n in local)))
+    return out
+
+
 def is_local_from_replicate(p: Placement) -> bool:
     """Placements DTensor reaches from Replicate without communication inside an op (embedding's mask)."""
     return type(p).__name__ == "_MaskPartial"
