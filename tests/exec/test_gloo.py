@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
+from shardfn.runtime import simulated_world
 from tests.models import CheckpointedStack, GPTBlock, NormedMLP
 
 
@@ -580,11 +581,13 @@ def test_a_sharded_optimizer_trains_and_its_states_load_into_one_process(gloo4, 
     path = str(tmp_path / "ckpt")
     pieces = gloo4.run(_sharded_optimizer_body, path)
     assert pieces[0] == [(4,), (4,)] and pieces[3] == [(4,), (4,)]  # ln weights (16,): a quarter each
-    # another world size: one process, the states whole, read from the four ranks' pieces
-    _, opt, _, _ = train_both(2, 1, lambda t: t, steps=1)  # (a step: the states exist, in this world's layout)
-    state = opt.state_dict()
-    sf.load({"optim": state}, path)
-    opt.load_state_dict(state)
+    # another world size: one rank (simulated: a real process group left in the test process would leave every
+    # later simulated test in it), the states whole, read from the four ranks' pieces
+    with simulated_world(1):
+        _, opt, _, _ = train_both(2, 1, lambda t: t, steps=1)  # (a step: the states exist, in this layout)
+        state = opt.state_dict()
+        sf.load({"optim": state}, path)
+        opt.load_state_dict(state)
     torch.manual_seed(0)
     ref = GPTBlock(16, 4)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
