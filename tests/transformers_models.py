@@ -176,3 +176,39 @@ def train_and_compare(name: str, mode: str, world: int, rank_slice: Callable, ra
         ref_opt.zero_grad()
         losses.append(float(on_rank(ref.loss, 0)))
     return losses
+
+
+# -- generate() ------------------------------------------------------------------------------------------------
+
+NEW_TOKENS = 5
+
+
+def _generate(model: torch.nn.Module, ids: torch.Tensor, cache: str) -> torch.Tensor:
+    kwargs = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    return model.generate(ids, **kwargs)
+
+
+def generate_and_compare(way: str, cache: str, world: int) -> list[int]:
+    """Greedy generate() with a Llama sharded by a Megatron plan, ``way`` "whole" (the model) or "layers" (each
+    layer), and ``cache`` "static" or "dynamic", against the unsharded model's tokens. Returns how many programs
+    each sharded callable holds afterwards."""
+    spec = MODELS["llama"]
+    torch.manual_seed(0)
+    reference = spec.make().eval()
+    ids = torch.randint(0, VOCAB, (2, 5))
+    want = _generate(reference, ids, cache)
+    model = copy.deepcopy(reference)
+    layers = _get(model, spec.layers)
+    if way == "whole":  # generate() calls the model with keyword arguments only
+        plan = {k: v for i in range(len(layers)) for k, v in megatron(spec, world, f"{spec.layers}.{i}.").items()}
+        model = sf.shard(model, in_strategy={}, parameter_plan=plan)
+        engines = [model._shardfn_engine]
+    else:
+        for i in range(len(layers)):
+            layers[i] = sf.shard(layers[i], in_strategy={}, parameter_plan=megatron(spec, world))
+        engines = [layer._shardfn_engine for layer in layers]
+    got = _generate(model, ids, cache)
+    assert got.shape[1] == ids.shape[1] + NEW_TOKENS and torch.equal(got, want), (got, want)
+    return [len(engine.cache) for engine in engines]
