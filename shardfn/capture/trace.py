@@ -207,6 +207,7 @@ def capture(
             ) from e
         raise
     _check_constants(gm, fake_mode, what)
+    _check_no_communication(gm, what)
     _out_of_place_metadata_ops(gm)
     _drop_skipped_cat_operands(gm)
     # identical ops on the same inputs (q, k and v each viewing the same normalised activations) become one node,
@@ -264,6 +265,23 @@ def _drop_skipped_cat_operands(gm: torch.fx.GraphModule) -> None:
                     gm.graph.erase_node(dropped)
     if changed:
         gm.recompile()
+
+
+_COMMUNICATION = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+
+
+def _check_no_communication(gm: torch.fx.GraphModule, what: Callable[[], str]) -> None:
+    """fn's own torch.distributed calls (a barrier in a forward hook, an all_reduce of a statistic) would run
+    inside the program, beside the collectives the plan places, on tensors the plan has split: refused."""
+    for node in gm.graph.nodes:
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) \
+                and target.namespace in _COMMUNICATION:
+            raise CaptureError(
+                f"{what()} communicates itself ({target._schema.name}, e.g. a torch.distributed call in fn or in "
+                "a module's forward hook): shardfn places every collective the plan needs, and fn runs on every "
+                "rank as one program over global tensors. Call it outside the sharded call (before or after it), "
+                "or remove it.")
 
 
 def _check_constants(gm: torch.fx.GraphModule, fake_mode: FakeTensorMode, what: Callable[[], str]) -> None:

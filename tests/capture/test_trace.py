@@ -54,6 +54,28 @@ def test_a_tensor_from_outside_that_requires_grad_is_refused():
         capture(lambda x: x @ w, [torch.empty(8, 6, device="meta")], {})
 
 
+@pytest.mark.parametrize("where", ["fn", "hook"])
+def test_fn_that_communicates_itself_is_refused(where):
+    import torch.distributed as dist
+
+    from shardfn.runtime import simulated_world
+
+    def fn(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y
+
+    with simulated_world(2):
+        if where == "hook":  # a barrier in a forward pre-hook (a benchmark timing each call) runs in the capture
+            model = torch.nn.Linear(6, 6)
+            model.register_forward_pre_hook(lambda *_: dist.barrier())
+            sharded = sf.shard(model, in_strategy=((2, 1),))
+        else:
+            sharded = sf.shard(fn, in_strategy=((2, 1),))
+        with pytest.raises(sf.CaptureError, match=r"communicates itself \(c10d::.*Call it outside the sharded call"):
+            sharded(torch.randn(4, 6))
+
+
 def test_tensors_in_keyword_arguments_and_containers_are_inputs():
     graph = capture(lambda x, pair=None, scale=None: x * pair[0] + pair[1] * scale,
                     [torch.empty(4, 3, device="meta")],
