@@ -241,7 +241,7 @@ class _Engine:
         first_step = not self.params_laid_out
         agreement.check(first=True, error=error, values=lambda: {
             **self._values(args, kwargs), **(self._replicated_state() if first_step else {})})
-        agreement.check_program(compiled.captured.code_across_ranks(), str(compiled.plan))
+        agreement.check_program(compiled.captured.code_across_ranks(), compiled.plan.table())
         mesh = runtime.device_mesh(compiled.mesh_spec, device, self._ranks())
         if self.module is not None:
             self._relay_parameters(compiled.plan, mesh, device)

@@ -26,7 +26,7 @@ import torch.compiler
 import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint
 
-from .graph import CHECKPOINT_REGION
+from .graph import CHECKPOINT_REGION, MODULE_PATH
 
 __all__ = ["checkpoint_region", "checkpoint_regions_marked", "looks_like_tracing", "patched",
            "requires_grad_marks_ignored"]
@@ -132,3 +132,35 @@ def checkpoint_regions_marked(applies: Callable[[], bool]) -> Iterator[None]:
             for name, torchs in _GENERATORS.items():
                 stack.enter_context(patched(torch.utils.checkpoint, name, around_the_forward(torchs)))
         yield
+
+
+@contextlib.contextmanager
+def module_paths_marked(root: torch.nn.Module | None, applies: Callable[[], bool]) -> Iterator[None]:
+    """While active, the ops traced inside a submodule of ``root`` on this thread's trace (``applies()``) are
+    annotated with the submodule's path in ``root`` (the innermost one's): plans are read per layer by it. A torch
+    release without node annotations leaves them unmarked."""
+    if _ANNOTATE is None or root is None:
+        yield
+        return
+    paths = {id(m): name for name, m in root.named_modules() if name}
+    entered: list[tuple[torch.nn.Module, contextlib.AbstractContextManager]] = []
+
+    def enter(module, _args):
+        if applies() and id(module) in paths:
+            annotation = _ANNOTATE({MODULE_PATH: paths[id(module)]})
+            annotation.__enter__()
+            entered.append((module, annotation))
+
+    def leave(module, _args, _out):
+        if entered and entered[-1][0] is module:
+            entered.pop()[1].__exit__(None, None, None)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(fx_traceback.preserve_node_meta())
+        stack.callback(torch.nn.modules.module.register_module_forward_pre_hook(enter).remove)
+        stack.callback(torch.nn.modules.module.register_module_forward_hook(leave).remove)
+        try:
+            yield
+        finally:
+            while entered:  # a forward that raised leaves its annotations open
+                entered.pop()[1].__exit__(None, None, None)

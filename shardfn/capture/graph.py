@@ -11,7 +11,8 @@ import torch.fx
 
 from .structure import Structure
 
-__all__ = ["CHECKPOINT_REGION", "CapturedGraph", "GraphInput", "checkpoint_region", "is_in_place", "is_view"]
+__all__ = ["CHECKPOINT_REGION", "MODULE_PATH", "CapturedGraph", "GraphInput", "checkpoint_region", "is_in_place",
+           "is_view", "module_path"]
 
 # the key in node.meta["custom"] naming the activation-checkpoint region a node was computed in
 CHECKPOINT_REGION = "shardfn_checkpoint"
@@ -22,6 +23,16 @@ def checkpoint_region(node: torch.fx.Node) -> int | None:
     computes such values again from the region's inputs instead of keeping them from forward. Capture marks the
     captured graph's nodes; exec's tracing carries the mark on to the nodes of each rank's graphs."""
     return (node.meta.get("custom") or {}).get(CHECKPOINT_REGION)
+
+
+# the key in node.meta["custom"] naming the submodule (its path in the captured module) a node was computed in
+MODULE_PATH = "shardfn_module"
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The path, in the captured module, of the innermost submodule whose forward computed ``node``: "" for the
+    module's own code, a function's, or a torch release without node annotations."""
+    return (node.meta.get("custom") or {}).get(MODULE_PATH, "")
 
 
 def is_in_place(target: Any) -> bool:

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import (
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
 
-from ._tracing import checkpoint_regions_marked, looks_like_tracing, requires_grad_marks_ignored
+from ._tracing import checkpoint_regions_marked, looks_like_tracing, module_paths_marked, requires_grad_marks_ignored
 from .functions import functions_as_calls, functions_as_targets
 from .order import canonical_order
 from .graph import CapturedGraph, GraphInput
@@ -188,6 +188,7 @@ def capture(
     try:
         with _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing(), \
                 requires_grad_marks_ignored(capturing), checkpoint_regions_marked(capturing), \
+                module_paths_marked(_module_of(fn), capturing), \
                 functions_as_calls() as function_calls:
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
             gm = make_fx(torch.func.functionalize(flat_fn), decomposition_table=_DECOMPOSITIONS,
@@ -265,6 +266,12 @@ def _drop_skipped_cat_operands(gm: torch.fx.GraphModule) -> None:
                     gm.graph.erase_node(dropped)
     if changed:
         gm.recompile()
+
+
+def _module_of(fn: Callable) -> torch.nn.Module | None:
+    """The module ``fn`` is (or whose bound forward it is): its submodules' paths mark the ops they compute."""
+    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
 
 
 _COMMUNICATION = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")

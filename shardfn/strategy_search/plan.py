@@ -9,6 +9,7 @@ from typing import Any
 from torch.distributed.tensor.placement_types import Placement
 
 from ..layout import MeshSpec
+from ._summary import summary_lines
 
 __all__ = ["Collective", "Cost", "InputPlan", "NodePlan", "Plan"]
 
@@ -59,6 +60,7 @@ class NodePlan:
     rule: str
     inputs: tuple[Placements, ...]
     outputs: tuple[Placements | None, ...]
+    module: str = ""  # the path of the submodule that computed it ("" for the module's own code, a function's)
 
 
 @dataclass(frozen=True)
@@ -103,16 +105,28 @@ class Plan:
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
         return sum((kind is None or c.kind == kind) and (phase is None or c.phase == phase) for c in self.collectives)
 
-    def __str__(self) -> str:
+    def _header(self) -> str:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.shape))
-        lines = [
-            f"shardfn plan  mesh [{mesh}]  level {self.level}  "
-            f"compute {self.cost.compute_s * 1e3:.3f} ms  comm {self.cost.comm_s * 1e3:.3f} ms  "
-            f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank"
-            + ("" if self.optimal else f"  (best found, within {self.gap:.2%} of the best bound)")
-            + ("  parameters gathered again in backward" if self.reshard_after_forward else ""),
-            f"{'node':<28} {'op':<36} {'inputs':<40} outputs",
-        ]
+        return (f"shardfn plan  mesh [{mesh}]  level {self.level}  "
+                f"compute {self.cost.compute_s * 1e3:.3f} ms  comm {self.cost.comm_s * 1e3:.3f} ms  "
+                f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank"
+                + ("" if self.optimal else f"  (best found, within {self.gap:.2%} of the best bound)")
+                + ("  parameters gathered again in backward" if self.reshard_after_forward else ""))
+
+    def __str__(self) -> str:
+        """The plan per layer (repeated layers folded): each layer's parameters by layout and its collectives by
+        kind; then what is returned and the notes. ``table()`` lists every op and every collective."""
+        lines = [self._header(), *summary_lines(self, _fmt)]
+        if not self.collectives:
+            lines.append("no collectives")
+        lines.append(f"returns {', '.join(_fmt(p) for p in self.outputs)}  "
+                     f"({len(self.nodes)} ops and {len(self.collectives)} collectives: plan.table())")
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """Every op (its rule, input and output placements) and every collective, in program order."""
+        lines = [self._header(), f"{'node':<28} {'op':<36} {'inputs':<40} outputs"]
         for n in self.nodes.values():
             ins = ", ".join(_fmt(p) for p in n.inputs) or "-"
             outs = ", ".join(_fmt(p) for p in n.outputs)

@@ -10,6 +10,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Shard
 
+from ..capture.graph import module_path
 from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
@@ -43,7 +44,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     for d, c in zip(decisions, chosen):
         if d.node is not None:
             op = "input" if d.node.op == "placeholder" else str(d.node.target)
-            nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs)
+            nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node))
     fwd_colls, bwd_colls, regathers, regather_s = [], [], [], 0.0
     # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy from
     # forward to backward (FSDP's reshard_after_forward): one more all-gather per gathered parameter

@@ -1,0 +1,163 @@
+"""generate() on a sharded transformers Llama: seconds per token against the unsharded model, and captures.
+
+    python bench/generate.py [--world 1] [--layers 2] [--dim 64] [--tokens 24] [--prompt 8]
+
+The script starts its own gloo ranks (``--world``; 1 measures without oversubscribing the 2 cores). A Llama
+(transformers, random weights) generates ``--tokens`` greedy tokens from a batch of 2 prompts, three ways, all
+in one run: unsharded; sharded whole with a Megatron parameter_plan and a StaticCache; the same with the default
+DynamicCache. The tokens of every way are asserted equal to the unsharded model's. Each model forward that
+generate() makes is timed (a hook around the model's call), so generate's own Python counts for none of them:
+
+    first    the prompt's forward (shardfn: capture, plan and lowering of its signature)
+    token    the median of the decoding forwards after the first one (shardfn with a StaticCache: the cached
+             program; with a DynamicCache: every token a new signature, so capture, plan and lowering each time)
+    programs the programs the sharded model holds at the end (one per signature seen)
+
+With ``--world`` above 1 it also times the sharded model's cached forward at one fixed decoding shape (the same
+call again and again): the floor a token costs on these ranks, against which a StaticCache's token is compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from tests.harness import free_port  # noqa: E402
+
+
+def _llama(args):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(hidden_size=args.dim, intermediate_size=2 * args.dim, num_hidden_layers=args.layers,
+                            num_attention_heads=8, num_key_value_heads=4, vocab_size=128,
+                            max_position_embeddings=args.prompt + args.tokens + 8)
+    return tf.LlamaForCausalLM(config).eval()
+
+
+def _megatron(layers: int, world: int) -> dict:
+    plan = {}
+    for i in range(layers):
+        for n in ("q_proj", "k_proj", "v_proj"):
+            plan[f"model.layers.{i}.self_attn.{n}.weight"] = (world, 1)
+        for n in ("gate_proj", "up_proj"):
+            plan[f"model.layers.{i}.mlp.{n}.weight"] = (world, 1)
+        plan[f"model.layers.{i}.self_attn.o_proj.weight"] = (1, world)
+        plan[f"model.layers.{i}.mlp.down_proj.weight"] = (1, world)
+    return plan
+
+
+class _Timed:
+    """Times every forward of ``model`` (hooks around its call). A sharded model's capture calls the model again
+    inside its first call: only the outermost call is timed (and waits for the other ranks first)."""
+
+    def __init__(self, model):
+        self.times: list[float] = []
+        self.depth = 0
+        model.register_forward_pre_hook(lambda *_: self._enter())
+        model.register_forward_hook(lambda *_: self._leave())
+
+    def _enter(self):
+        self.depth += 1
+        if self.depth == 1:
+            dist.barrier()
+            self.t = time.perf_counter()
+
+    def _leave(self):
+        self.depth -= 1
+        if self.depth == 0:
+            self.times.append(time.perf_counter() - self.t)
+
+
+def _generate(model, ids, args, cache: str):
+    kwargs = dict(max_new_tokens=args.tokens, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        return model.generate(ids, **kwargs)
+
+
+def worker(rank, args, port):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import shardfn as sf
+
+    sf.init()
+    reference = _llama(args)
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (2, args.prompt))
+    rows = []
+    want = None
+    for name, cache, sharded in (("unsharded", "static", False), ("shardfn, StaticCache", "static", True),
+                                 ("unsharded", "dynamic", False), ("shardfn, DynamicCache", "dynamic", True)):
+        model = copy.deepcopy(reference)
+        if sharded:
+            model = sf.shard(model, in_strategy={}, parameter_plan=_megatron(args.layers, args.world))
+        timed = _Timed(model)
+        out = _generate(model, ids, args, cache)
+        want = out if want is None else want
+        assert torch.equal(out, want), f"{name}: other tokens than the unsharded model's"
+        programs = len(model._shardfn_engine.cache) if sharded else 0
+        rows.append((f"{name}" if sharded else f"unsharded ({cache} cache)", timed.times[0],
+                     statistics.median(timed.times[2:]), programs))
+        if sharded and cache == "static" and args.world > 1:
+            floor = _fixed_shape_forward(model, ids, args)
+    if rank == 0:
+        print(f"Llama {args.layers} layers, dim {args.dim}, batch 2, prompt {args.prompt}, {args.tokens} tokens, "
+              f"{args.world} gloo rank(s), torch {torch.__version__}")
+        print(f"{'':28s} {'first (s)':>10s} {'token (ms)':>11s} {'programs':>9s}")
+        for name, first, token, programs in rows:
+            print(f"{name:28s} {first:10.2f} {token * 1e3:11.2f} {programs or '':>9}")
+        print(f"token, shardfn / unsharded: StaticCache {rows[1][2] / rows[0][2]:.2f}x, "
+              f"DynamicCache {rows[3][2] / rows[2][2]:.2f}x")
+        if args.world > 1:
+            print(f"cached forward at one decoding shape {floor * 1e3:.2f} ms; a StaticCache token / that: "
+                  f"{rows[1][2] / floor:.2f}x")
+    dist.barrier()
+
+
+def _fixed_shape_forward(model, ids, args) -> float:
+    """The sharded model's cached program at one decoding shape: one token at a time into a StaticCache (whose
+    shapes do not change), called directly, without generate()."""
+    from transformers import StaticCache
+
+    calls = 12
+    cache = StaticCache(config=model.config, max_cache_len=args.prompt + calls + 1)
+    token = ids[:, -1:]
+    times = []
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(args.prompt), use_cache=True)
+        for i in range(calls):
+            dist.barrier()
+            t = time.perf_counter()
+            model(input_ids=token, past_key_values=cache, cache_position=torch.tensor([args.prompt + i]),
+                  use_cache=True)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[2:])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--world", type=int, default=1)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--prompt", type=int, default=8)
+    args = p.parse_args()
+    mp.start_processes(worker, args=(args, free_port()), nprocs=args.world, join=True, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
