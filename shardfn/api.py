@@ -31,6 +31,7 @@ from .optimizer import gradient_targets as optimizer_gradient_targets
 from .agreement import Agreement, check_mode, digest, inputs_compared, tensor_digest
 from .arguments import BoundCall, bind, call_key
 from .capture import capture, capturing, check_not_transformed, split_arguments
+from .capture.dynamic import planning_graph
 from .capture.graph import CapturedGraph
 from .config import ShardConfig
 from .exec.lower import ParallelProgram, lower
@@ -96,6 +97,17 @@ class _Compiled:
     param_slots: list = field(default_factory=list)
     buffer_slots: list = field(default_factory=list)
     plan_request_accumulates: bool = False  # planned without gradient sync (sf.no_sync)
+    # a program for every size of some dims (capture.dynamic): {argument tensor number: dims}, and the sizes of
+    # the call it was made for (its other dims hold only those)
+    dynamic: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    sizes: tuple = ()
+
+    def takes(self, sizes: tuple) -> bool:
+        """Whether a call of these argument sizes differs from this program's only in its dynamic dims."""
+        return len(sizes) == len(self.sizes) and all(
+            len(now) == len(then) and all(a == b or d in self.dynamic.get(j, ()) for d, (a, b) in
+                                          enumerate(zip(now, then)))
+            for j, (now, then) in enumerate(zip(sizes, self.sizes)))
 
 
 class _Engine:
@@ -117,6 +129,10 @@ class _Engine:
         # into (sf.shard_optimizer), and its stage (the plan's memory model splits the states)
         self.grad_targets: dict[str, tuple] = {}
         self.optimizer_stage = 0
+        # dims whose size changes between calls (torch.compile's automatic dynamic shapes): by signature without
+        # sizes, the argument sizes first seen, and the program that serves every size of the dims that changed
+        self.sizes_seen: dict[tuple, tuple] = {}
+        self.dynamic: dict[tuple, _Compiled] = {}
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
@@ -132,7 +148,8 @@ class _Engine:
             return self._outside_call(key, args, kwargs, tensors, objects, arrived)
         compiled = self.cache.get(key)
         if compiled is None:
-            compiled = self._first_call(key, args, kwargs, arrived)
+            compiled = self._for_every_size(key, args, kwargs, tensors, arrived) or \
+                self._first_call(key, args, kwargs, arrived)
         elif (mode := check_mode()) != "first":
             compiled.agreement.check(first=False, values=(lambda: self._values(args, kwargs))
                                      if mode == "values" else None)
@@ -222,7 +239,7 @@ class _Engine:
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         return args, kwargs, (("arrived", tuple(arrived)),)
 
-    def _first_call(self, key: tuple, args, kwargs, arrived: tuple = ()) -> _Compiled:
+    def _first_call(self, key: tuple, args, kwargs, arrived: tuple = (), dynamic: dict | None = None) -> _Compiled:
         device = runtime.resolve_device(self.config.device)
         world = self._world(device)
         self.group = dist.group.WORLD
@@ -232,7 +249,7 @@ class _Engine:
         try:  # local work only: a rank that fails here still takes part in the agreement below
             self._check_materialized()
             compiled = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
-                                 arrived)
+                                 arrived, dynamic)
             compiled.agreement = agreement
         except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
             error = e
@@ -246,10 +263,58 @@ class _Engine:
         if self.module is not None:
             self._relay_parameters(compiled.plan, mesh, device)
             self.params_laid_out = True
-        compiled.program = lower(compiled.captured, compiled.plan, mesh, compiled=not runtime.is_simulated(),
+        # a program for every size runs interpreted: traced graphs hold one size
+        compiled.program = lower(compiled.captured, compiled.plan, mesh,
+                                 compiled=not runtime.is_simulated() and not dynamic,
                                  name=self.name, accumulate=compiled.plan_request_accumulates,
                                  precision=self.config.precision, grad_targets=dict(self.grad_targets))
-        self.cache[key] = compiled
+        if not dynamic:  # (a program for every size is kept by the signature without sizes: _for_every_size)
+            self.cache[key] = compiled
+        return compiled
+
+    def _for_every_size(self, key: tuple, args, kwargs, tensors: list, arrived: tuple) -> _Compiled | None:
+        """A new signature whose structure was seen before with other sizes: the program that serves every size
+        of the dims that changed (made now, once, traced with those dims as symbols), if its capture holds for
+        these sizes. None: a program for this signature alone (the first sizes of a structure; dynamic dims off;
+        a size the dynamic capture's guards reject, said on the ``shardfn`` logger)."""
+        if self.config.dynamic is False or arrived:
+            return None
+        free = self._free(key, args, kwargs)
+        sizes = tuple(tuple(t.shape) for t in tensors)
+        compiled = self.dynamic.get(free)
+        if compiled is not None and compiled.takes(sizes):
+            reason = compiled.program.dynamic_rejects(tensors)
+            if reason is None:  # (not cached by this signature: sizes would crowd the programs out)
+                return compiled
+            _log.info("shardfn: %s: a program for these sizes alone: %s", self.name, reason)
+            return None
+        seen = self.sizes_seen.setdefault(free, sizes)
+        dims = {j: tuple(d for d, (a, b) in enumerate(zip(now, then)) if a != b)
+                for j, (now, then) in enumerate(zip(sizes, seen))}
+        if compiled is not None:
+            dims = {j: tuple(sorted({*dims.get(j, ()), *compiled.dynamic.get(j, ())})) for j in range(len(sizes))}
+        dims = {j: d for j, d in dims.items() if d}
+        if not dims:
+            return None
+        _log.info("shardfn: %s: sizes changed since its first call; dims %s are traced as symbols (one program "
+                  "for every size)", self.name, dims)
+        compiled = self._first_call(key, args, kwargs, arrived, dynamic=dims)
+        compiled.sizes = sizes
+        self.dynamic[free] = compiled
+        return compiled
+
+    @staticmethod
+    def _free(key: tuple, args, kwargs) -> tuple:
+        """The signature without sizes (what _signature adds after the call's own key stays)."""
+        base = call_key(args, kwargs, sizes=False)[0]
+        return base + key[len(base):]
+
+    def serving(self, key: tuple, args, kwargs, tensors: list) -> _Compiled | None:
+        """The program for every size that would run a call of this signature, if one would."""
+        compiled = self.dynamic.get(self._free(key, args, kwargs))
+        if compiled is None or not compiled.takes(tuple(tuple(t.shape) for t in tensors)) \
+                or compiled.program.dynamic_rejects(tensors) is not None:
+            return None
         return compiled
 
     def _check_materialized(self) -> None:
@@ -282,8 +347,9 @@ class _Engine:
         return compiled.captured.result(outs, tensors, objects)
 
     def plan(self, args, kwargs, world: int, mesh_of: Callable[[MeshSpec], Any], device: str,
-             arrived: tuple = ()) -> _Compiled:
-        """Bind, capture and plan one call signature (local: no communication)."""
+             arrived: tuple = (), dynamic: dict | None = None) -> _Compiled:
+        """Bind, capture and plan one call signature (local: no communication). ``dynamic``: {argument tensor
+        number: dims} traced as symbols; the search plans at this call's sizes."""
         with runtime.outside_simulation():
             call = bind(self.config, self.fn, self.name, args, kwargs, world)
             param_specs = self._param_specs(world)
@@ -291,11 +357,15 @@ class _Engine:
                          for i, s in enumerate(self.config.out_strategy or ()) if s is not None]
             mesh_spec = common_mesh([*call.held, *(f for f in call.fixed if f is not None), *param_specs.values(),
                                      *out_given], world, _alias_names(self.config.strategies()))
-            captured = self._capture(args, kwargs, call, device)
+            captured = self._capture(args, kwargs, call, device, dynamic)
+            planned = captured if not dynamic else dataclasses.replace(
+                captured, gm=planning_graph(captured.gm), dynamic=None)
             accumulate = self._accumulating() and torch.is_grad_enabled()
-            request = build_request(self.config, self.name, call, captured, param_specs, mesh_spec, world,
+            request = build_request(self.config, self.name, call, planned, param_specs, mesh_spec, world,
                                     profile_for(device), accumulate, self.optimizer_stage)
-            plan = make_plan(captured, mesh_of(mesh_spec), mesh_spec, request)
+            plan = make_plan(planned, mesh_of(mesh_spec), mesh_spec, request)
+            if dynamic:
+                plan.notes.append(_dynamic_note(captured, dynamic))
             _record_arrivals(plan, arrived, self.name)
             if self.config.precision is not None:
                 plan.notes.append(f"mixed precision: {self.config.precision}")
@@ -303,9 +373,9 @@ class _Engine:
         return _Compiled(captured, plan, mesh_spec, Agreement(self.name, 0),
                          param_slots=[parameters.slot(self.module, n) for n in params],
                          buffer_slots=[parameters.slot(self.module, n) for n in buffers],
-                         plan_request_accumulates=accumulate)
+                         plan_request_accumulates=accumulate, dynamic=dict(dynamic or {}))
 
-    def _capture(self, args, kwargs, call: BoundCall, device: str) -> CapturedGraph:
+    def _capture(self, args, kwargs, call: BoundCall, device: str, dynamic: dict | None = None) -> CapturedGraph:
         shapes = iter(call.shapes)
 
         used = _used_dtype(self.config.precision)
@@ -323,7 +393,8 @@ class _Engine:
         # planning for CUDA on a machine without it (explain) traces on the CPU: only shapes matter
         trace_device = device if device != "cuda" or torch.cuda.is_available() else "cpu"
         return capture(self.fn, ex_args, ex_kwargs, {n: meta[n] for n in params}, {n: meta[n] for n in buffers},
-                       call=self._call_module if self.module is not None else None, device=trace_device)
+                       call=self._call_module if self.module is not None else None, device=trace_device,
+                       dynamic=dynamic)
 
     def _param_specs(self, world: int) -> dict[str, TensorSpec]:
         """Fixed parameter layouts: parameter_plan's, and once a call has laid the parameters out, all of them
@@ -400,6 +471,14 @@ class _Engine:
             return torch.func.functional_call(self.module, state, args, kwargs)
         finally:
             self.capturing_self = False
+
+
+def _dynamic_note(captured: CapturedGraph, dynamic: dict) -> str:
+    """What explain() says of a program for every size: which dims, planned at which sizes, for which range."""
+    inputs = [gi for gi in captured.inputs if gi.kind == "input"]
+    dims = "; ".join(f"{inputs[j].name} dims {list(d)} (planned at {[inputs[j].shape[k] for k in d]})"
+                     for j, d in sorted(dynamic.items()))
+    return f"dynamic: {dims}; the program holds for {captured.dynamic.described()}"
 
 
 def _arrival_layout(t: DTensor, ranks: tuple[int, ...]) -> TensorLayout:
@@ -646,7 +725,7 @@ def _used_dtype(precision) -> Callable[[torch.dtype], torch.dtype]:
 
 
 def _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy,
-                mp_policy=None) -> _Engine:
+                mp_policy=None, dynamic=None) -> _Engine:
     if isinstance(fn, (ShardedFunction, ShardedModule)):
         raise ValueError(f"{fn!r} is already sharded; shard the original function or module once")
     if not callable(fn):
@@ -654,12 +733,12 @@ def _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, da
     module = fn if isinstance(fn, nn.Module) else None
     target = fn.forward if module is not None else fn
     config = ShardConfig.make(target, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy,
-                              module=module, mp_policy=mp_policy)
+                              module=module, mp_policy=mp_policy, dynamic=dynamic)
     return _Engine(target, config, module=module)
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, device=None,
-          dataset_strategy="full_batch", example_inputs=None, mp_policy=None):
+          dataset_strategy="full_batch", example_inputs=None, mp_policy=None, dynamic=None):
     """Shard ``fn`` (a function of tensors, or an nn.Module, sharded in place) over all ranks.
 
     See the README for the full semantics: ``in_strategy`` has one entry per positional input (a tuple of split
@@ -672,8 +751,11 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
     :func:`shardfn.materialize` gives each rank its own. ``mp_policy`` (modules only): torch's
     ``MixedPrecisionPolicy`` (or its fields): parameters, kept in their dtype, are used and gathered in
     ``param_dtype``, their gradients reduced in ``reduce_dtype``, outputs returned in ``output_dtype``.
+    ``dynamic``: None (default) makes one program for every size of the dims whose size changed, once a second
+    size is seen (those dims traced as symbols); False keeps one program per size.
     """
-    engine = _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy, mp_policy)
+    engine = _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy, mp_policy,
+                         dynamic)
     if engine.config.ranks is not None:  # a call on a sub-mesh: its process groups are made now, by every rank
         device = runtime.resolve_device(engine.config.device)
         runtime.init(device=device)
@@ -736,10 +818,11 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
         world_size = runtime.init(device=device).size()
     elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"explain: world_size must be a positive int, got {world_size!r}")
-    args, kwargs, arrived, key, _, _ = engine._signature(tuple(example_args), dict(kwargs or {}), move=False,
-                                                         world=world_size)
-    cached = engine.cache.get(key)
+    args, kwargs, arrived, key, tensors, _ = engine._signature(tuple(example_args), dict(kwargs or {}),
+                                                               move=False, world=world_size)
+    # this signature ran (or one program serves its sizes): that plan, with what running it found (compile times)
+    cached = engine.cache.get(key) or engine.serving(key, args, kwargs, tensors)
     if cached is not None and cached.plan.mesh.world_size == world_size:
-        return cached.plan  # this signature ran: its plan, with what running it found (compile times)
+        return cached.plan
     return engine.plan(list(args), kwargs, world_size, lambda spec: runtime.planning_mesh(spec, device), device,
                        arrived).plan

@@ -203,11 +203,14 @@ class ShardConfig:
     dataset_strategy: str
     ranks: tuple[int, ...] | None = None  # the ranks the call runs on (its layouts' ranks); None: the whole world
     precision: Precision | None = None  # mp_policy's
+    # dims whose size changes: None traces those that changed as symbols once a second size is seen (one
+    # program for every size), False keeps one program per size
+    dynamic: bool | None = None
 
     @classmethod
     def make(cls, fn: Callable, in_strategy: Any, out_strategy: Any = None, parameter_plan: Any = None,
              level: Any = 0, device: Any = None, dataset_strategy: Any = "full_batch",
-             module: nn.Module | None = None, mp_policy: Any = None) -> "ShardConfig":
+             module: nn.Module | None = None, mp_policy: Any = None, dynamic: Any = None) -> "ShardConfig":
         in_strategy = _check_in_strategy(in_strategy, fn)
         out_strategy = _check_out_strategy(out_strategy)
         if isinstance(level, bool) or not isinstance(level, int) or level not in (0, 1, 2):
@@ -225,7 +228,11 @@ class ShardConfig:
         if precision is not None and module is None:
             raise TypeError("mp_policy applies to a module's parameters; fn is a function: cast its inputs yourself "
                             "(or use torch.autocast)")
-        config = cls(in_strategy, out_strategy, plan, level, device, dataset_strategy, precision=precision)
+        if dynamic not in (None, False):
+            raise ValueError(f"dynamic must be None (dims whose size changes become symbols once a second size is "
+                             f"seen) or False (one program per size), got {dynamic!r}")
+        config = cls(in_strategy, out_strategy, plan, level, device, dataset_strategy, precision=precision,
+                     dynamic=dynamic)
         return dataclasses.replace(config, ranks=_call_ranks(config.strategies()))
 
     def strategies(self) -> list:

@@ -76,6 +76,8 @@ class CapturedGraph:
     outputs: Structure
     n_outputs: int
     states: list[tuple[int, int, Structure]]
+    # dims traced as symbols (capture.dynamic.DynamicDims), or None: every size is a number of the graph
+    dynamic: Any = None
 
     def result(self, values: list, inputs: list, arguments: list) -> Any:
         """fn's return value from the graph's outputs; first each changed argument object gets its new state.

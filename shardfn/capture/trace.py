@@ -13,15 +13,19 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx
 from torch._decomp import get_decompositions
+from torch._dispatch.python import enable_python_dispatcher
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     FakeTensorMode,
 )
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ._tracing import checkpoint_regions_marked, looks_like_tracing, module_paths_marked, requires_grad_marks_ignored
+from .dynamic import DynamicDims, functionalized, symbolic_input
 from .functions import functions_as_calls, functions_as_targets
 from .order import canonical_order
 from .graph import CapturedGraph, GraphInput
@@ -135,6 +139,7 @@ def capture(
     call: Callable[..., Any] | None = None,
     device: str = "cpu",
     grad: bool | None = None,
+    dynamic: dict[int, tuple[int, ...]] | None = None,
 ) -> CapturedGraph:
     """Trace ``fn(*args, **kwargs)`` into an aten graph on fake tensors of the global shapes.
 
@@ -144,7 +149,8 @@ def capture(
     becomes extra graph outputs and a new state written back after each call. For a module, ``params``/``buffers``
     are its state and ``call(state, *args, **kwargs)`` runs it with that state substituted; they become the first
     placeholders, then the argument tensors in order. ``grad``: whether the call records gradients (default: the
-    current grad mode), which some ops' kernel choice depends on.
+    current grad mode), which some ops' kernel choice depends on. ``dynamic``: {argument tensor number: dims}
+    traced as symbols (capture.dynamic), so the graph serves other sizes of those dims.
     """
     grad = torch.is_grad_enabled() if grad is None else grad
     what = lambda: getattr(fn, "__qualname__", type(fn).__name__)  # noqa: E731
@@ -179,20 +185,32 @@ def capture(
         return tensors
 
     # real tensors fn reads that are not its inputs (a closure's mask) become constants of the graph
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode:
+    symbols = DynamicDims(ShapeEnv()) if dynamic else None
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=symbols.shape_env if symbols else None)
+    fakes = []
+    for position, gi in enumerate(inputs):
         # inputs require grad as the call's do: ops choose their kernel by it (SDPA takes its math path for a
         # mask that needs a gradient, the CPU flash kernel otherwise)
-        fakes = [torch.empty(gi.shape, dtype=gi.dtype, device=device).requires_grad_(
-            gi.requires_grad and (gi.dtype.is_floating_point or gi.dtype.is_complex)) for gi in inputs]
+        grads = gi.requires_grad and (gi.dtype.is_floating_point or gi.dtype.is_complex)
+        dims = (dynamic or {}).get(gi.index, ()) if gi.kind == "input" else ()
+        if dims:
+            fakes.append(symbolic_input(fake_mode, symbols, position, gi.shape, dims, dtype=gi.dtype,
+                                        device=device).requires_grad_(grads))
+            continue
+        with fake_mode:
+            fakes.append(torch.empty(gi.shape, dtype=gi.dtype, device=device).requires_grad_(grads))
     try:
-        with _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing(), \
+        # a simulated world's mode leaves the tensors of Python functionalization to their own dispatch, which
+        # refuses: off the stack while a dynamic capture traces
+        with _disable_current_modes() if dynamic else contextlib.nullcontext(), \
+                _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing(), \
                 requires_grad_marks_ignored(capturing), checkpoint_regions_marked(capturing), \
                 module_paths_marked(_module_of(fn), capturing), \
-                functions_as_calls() as function_calls:
+                functions_as_calls() as function_calls, \
+                enable_python_dispatcher() if dynamic else contextlib.nullcontext():
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
-            gm = make_fx(torch.func.functionalize(flat_fn), decomposition_table=_DECOMPOSITIONS,
-                         tracing_mode="real")(*fakes)
+            functional = functionalized(flat_fn) if dynamic else torch.func.functionalize(flat_fn)
+            gm = make_fx(functional, decomposition_table=_DECOMPOSITIONS, tracing_mode="real")(*fakes)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise CaptureError(
             f"shardfn could not trace {what()}: its control flow or output shape depends "
@@ -217,7 +235,8 @@ def capture(
     functions_as_targets(gm, function_calls, fake_mode)  # after CSE: two calls of a Function stay two
     # every rank holds this graph in one order, whatever order fn's Python ran independent work in on this rank
     gm = canonical_order(gm)
-    return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"])
+    return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"],
+                         dynamic=symbols)
 
 
 def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:

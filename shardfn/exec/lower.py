@@ -228,6 +228,10 @@ class ParallelProgram:
         self.runners: dict[str, Callable] = {}  # what runs each: the graph itself, or Inductor's code of it
         self.compile_s: dict[str, float] = {}  # seconds Inductor took for each
         self.out_vals = [n.meta["val"] for n in captured.output_nodes]
+        # a program for every size of some dims (capture.dynamic): the symbols' values of the running call, from
+        # which every value's shape at this call's sizes follows
+        self.dynamic = captured.dynamic
+        self._bindings: dict = {}
         # the graph's constant tensors (made inside fn, or read from outside it): extra inputs of the traced
         # program, read from their objects at every call
         self.constants = [getattr(captured.gm, n.target) for n in captured.gm.graph.nodes
@@ -273,7 +277,7 @@ class ParallelProgram:
                 leaves[i] = _to(leaf, np_.inputs[slot], self.mesh)
                 slot += 1
         args, kwargs = pytree.tree_unflatten(leaves, spec)
-        val = node.meta.get("val")
+        val = self._val(node.meta.get("val"))
         if node.target in _VIEWS:
             args = (_contiguous(args[0]), *args[1:])
 
@@ -321,7 +325,7 @@ class ParallelProgram:
             if e.kind == "param" and (self.accumulate or e.name in self.grad_targets):
                 d = _EnterAccumulating.apply(x, self.mesh, e.held, torch.Size(e.shape), self.grad_placements, i)
             else:
-                d = _Enter.apply(x, self.mesh, e.held, torch.Size(e.shape))
+                d = _Enter.apply(x, self.mesh, e.held, self._global_shape(i, e))
             d = self._used(d, e.kind)
             inputs.append(d if e.held == e.planned else _redistribute(d, e.planned))
         outs = [self._returned(o.to_local()) for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
@@ -340,6 +344,44 @@ class ParallelProgram:
             if self._checkpointed:  # an interpreter hands each node's annotations (its region) to the trace
                 return [self._returned(o) for o in torch.fx.Interpreter(self.captured.gm).run(*used)]
             return [self._returned(o) for o in self.captured.gm(*used)]
+
+    # --- sizes that change (capture.dynamic) ------------------------------------------------------------
+
+    def _val(self, val: Any) -> Any:
+        """A node's value as at this call's sizes."""
+        return val if self.dynamic is None else self.dynamic.concrete(val, self._bindings)
+
+    def _global_shape(self, i: int, e) -> torch.Size:
+        """Input ``i``'s global shape in this call."""
+        if self.dynamic is None or i not in self.dynamic.dims:
+            return torch.Size(e.shape)
+        return torch.Size(self.dynamic.size(s, self._bindings) for s in self._symbolic_shape(i))
+
+    def _symbolic_shape(self, i: int) -> tuple:
+        return tuple(self.captured.placeholders[i].meta["val"].shape)
+
+    def _global_shapes(self, args) -> dict[int, tuple[int, ...]]:
+        """The global shapes of the inputs with dynamic dims, from the call's arguments (a DTensor's own; a
+        plain tensor's held split undone)."""
+        shapes = {}
+        for i in self.dynamic.dims:
+            x, e = args[i], self.entries[i]
+            if isinstance(x, DTensor):
+                shapes[i] = tuple(x.shape)
+                continue
+            shape = list(x.shape)
+            for m, p in enumerate(e.held):
+                if isinstance(p, Shard):
+                    shape[p.dim] *= self.mesh.shape[m]
+            shapes[i] = tuple(shape)
+        return shapes
+
+    def dynamic_rejects(self, args) -> str | None:
+        """Why this program does not serve a call with these argument tensors (the graph's inputs after the
+        parameters and buffers), or None."""
+        n_state = len(self.entries) - len(args)
+        bindings = self.dynamic.bindings(self._global_shapes([None] * n_state + list(args)))
+        return self.dynamic.rejects(bindings)
 
     def _used(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """A floating parameter or input as the program uses it (mixed precision: in param_dtype; a parameter's
@@ -470,6 +512,8 @@ class ParallelProgram:
             outs = GraphStep.apply(self, *args)
             return [_from_local(o, self.mesh, self.plan.outputs[k], v) if self.as_dtensor[k] else o
                     for k, (o, v) in enumerate(zip(outs, self.out_vals))]
+        if self.dynamic is not None:
+            self._bindings = self.dynamic.bindings(self._global_shapes(args))
         locals_ = list(args)
         if n_params and torch.is_grad_enabled():
             locals_[:n_params] = _ParamLocals.apply(self, *args[:n_params]) \
@@ -486,7 +530,7 @@ class ParallelProgram:
         with implicit_replication():
             outs = self._run(*locals_, *self.constants)
         return [
-            _from_local(o, self.mesh, self.plan.outputs[k], v) if self.as_dtensor[k] else o
+            _from_local(o, self.mesh, self.plan.outputs[k], self._val(v)) if self.as_dtensor[k] else o
             for k, (o, v) in enumerate(zip(outs, self.out_vals))
         ]
 

@@ -1,0 +1,160 @@
+"""Dims whose size changes between calls: traced as symbols, so one captured graph serves every size.
+
+A capture with dynamic dims traces fn on fake inputs whose sizes in those dims are symbols of a ShapeEnv (as
+torch.compile's dynamic shapes do): the graph computes sizes from its inputs (``sym_size`` nodes) instead of
+holding them as numbers, and the ShapeEnv records what fn's Python assumed of them (its guards: a branch on a
+size, a split that needs a size above 1). :class:`DynamicDims` answers, for a call of other sizes, whether the
+graph holds for them (the guards), the symbols' values, and each value's shape at those sizes. The search plans
+on :func:`planning_graph`: the same graph at the sizes it was traced for (the hint), sizes as numbers again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+__all__ = ["DynamicDims", "planning_graph", "symbolic_input"]
+
+
+def _source(name: str):
+    from torch._dynamo.source import ConstantSource  # torch._dynamo loads lazily: only a dynamic capture needs it
+
+    return ConstantSource(name)
+
+
+@dataclass
+class DynamicDims:
+    """The symbols of one capture: ``dims`` maps a graph input (its placeholder position) to {dim: symbol}."""
+
+    shape_env: ShapeEnv
+    dims: dict[int, dict[int, sympy.Symbol]] = dataclasses.field(default_factory=dict)
+
+    def symbolic(self, position: int, shape: tuple[int, ...], dynamic: tuple[int, ...]) -> tuple:
+        """``shape`` with the ``dynamic`` dims as new symbols (hinted by their sizes now), for input ``position``."""
+        out = list(shape)
+        for d in dynamic:
+            symbol = self.shape_env.create_symbol(shape[d], _source(f"shardfn_input{position}_dim{d}"),
+                                                  dynamic_dim=DimDynamic.DYNAMIC)
+            self.dims.setdefault(position, {})[d] = symbol
+            out[d] = self.shape_env.create_symintnode(symbol, hint=shape[d])
+        return tuple(out)
+
+    def bindings(self, shapes: dict[int, tuple[int, ...]]) -> dict[sympy.Symbol, int]:
+        """The symbols' values for a call whose graph inputs have the global ``shapes`` (by position)."""
+        return {symbol: int(shapes[position][d]) for position, dims in self.dims.items() for d, symbol in dims.items()}
+
+    def rejects(self, bindings: dict[sympy.Symbol, int]) -> str | None:
+        """Why the graph does not hold for these sizes (a guard fn's Python relied on, a symbol's range), or None."""
+        for symbol, value in bindings.items():
+            bounds = self.shape_env.var_to_range.get(symbol)
+            if bounds is not None and not (bounds.lower <= value <= bounds.upper):
+                return f"a dynamic dim of size {value} is outside the range the capture allows ({bounds})"
+        for guard in self.shape_env.guards:
+            if not bool(guard.expr.xreplace(bindings)):
+                return f"the capture assumed {guard.expr}, which does not hold for {bindings}"
+        return None
+
+    def described(self) -> str:
+        """The sizes the graph holds for: each symbol's range, and what fn's Python assumed of them."""
+        ranges = []
+        for dims in self.dims.values():
+            for symbol in dims.values():
+                bounds = self.shape_env.var_to_range.get(symbol)
+                upper = "" if bounds is None or not bounds.upper.is_Integer else str(int(bounds.upper))
+                ranges.append(f"{symbol} >= {int(bounds.lower) if bounds is not None else 0}"
+                              + (f", <= {upper}" if upper else ""))
+        assumed = [str(g.expr) for g in self.shape_env.guards]
+        return "sizes " + "; ".join(ranges) + (f" (assumed: {', '.join(assumed)})" if assumed else "")
+
+    def size(self, s: Any, bindings: dict[sympy.Symbol, int]) -> Any:
+        """A size (int or SymInt) at these bindings."""
+        if isinstance(s, torch.SymInt):
+            return int(s.node.expr.xreplace(bindings))
+        return s
+
+    def concrete(self, val: Any, bindings: dict[sympy.Symbol, int]) -> Any:
+        """A node's value as a meta tensor (or tuple of them) of its shape and strides at these bindings."""
+        def one(v):
+            if isinstance(v, torch.SymInt):
+                return self.size(v, bindings)
+            if not isinstance(v, torch.Tensor):
+                return v
+            return torch.empty_strided([self.size(s, bindings) for s in v.shape],
+                                       [self.size(s, bindings) for s in v.stride()], dtype=v.dtype, device="meta")
+        return pytree.tree_map(one, val)
+
+
+def symbolic_input(fake_mode: FakeTensorMode, dims: DynamicDims, position: int, shape: tuple[int, ...],
+                   dynamic: tuple[int, ...], **kwargs) -> torch.Tensor:
+    """A fake input of ``shape`` whose ``dynamic`` dims are symbols."""
+    with fake_mode:
+        return torch.empty(dims.symbolic(position, shape, dynamic), **kwargs)
+
+
+def _hinted(v: Any, mode: FakeTensorMode) -> Any:
+    def one(x):
+        if isinstance(x, torch.SymInt):
+            return x.node.hint
+        if not isinstance(x, torch.Tensor) or not any(isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride())):
+            return x
+        with mode:
+            hint = lambda s: s.node.hint if isinstance(s, torch.SymInt) else s  # noqa: E731
+            return torch.empty_strided([hint(s) for s in x.shape], [hint(s) for s in x.stride()], dtype=x.dtype,
+                                       device=x.device).requires_grad_(x.requires_grad)
+    return pytree.tree_map(one, v)
+
+
+def planning_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a symbolic graph at the sizes it was traced for: each size computed from the inputs becomes its
+    number again and every value its shape at those sizes. The copy keeps the nodes' names, so a plan made on it
+    names the nodes of the symbolic graph."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    sizes: dict[torch.fx.Node, int] = {}
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            sizes[node] = val.node.hint
+        elif val is not None:
+            node.meta = {**node.meta, "val": _hinted(val, mode)}
+    for node in graph.nodes:
+        node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: sizes.get(n, n))
+    for node in reversed(list(sizes)):
+        graph.erase_node(node)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def functionalized(func):
+    """``func`` with its in-place ops as out-of-place ones and each input it wrote into written by one copy_ at
+    the end (as torch.func.functionalize(func, remove="mutations")), by torch's Python functionalization: the C++
+    one runs composite ops (dropout) whose kernels read a symbolic size as a number."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+
+    def from_functional(t):
+        torch._sync(t)
+        return torch._from_functional_tensor(t.elem)
+
+    def inner(*args):
+        mode = FunctionalTensorMode()
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
+            with mode:
+                wrapped = [FunctionalTensor.to_functional(a) if isinstance(a, torch.Tensor) else a for a in args]
+                outs = pytree.tree_map_only(FunctionalTensor, from_functional, func(*wrapped))
+            for a, w in zip(args, wrapped):
+                if isinstance(w, FunctionalTensor):
+                    torch._sync(w)
+                    if torch._functionalize_has_data_mutation(w.elem):
+                        a.copy_(torch._from_functional_tensor(w.elem))
+        return outs
+
+    return inner

@@ -1,0 +1,131 @@
+"""Sizes that change between calls (shardfn/capture/dynamic.py, the engine's programs for every size): once a
+second size of a structure is seen, the dims that changed are traced as symbols and one program serves every
+later size, results and gradients as eager's; a size the capture's guards reject gets a program of its own."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed._local_tensor import local_tensor_mode
+
+import shardfn as sf
+from shardfn.runtime import simulated_world
+from tests.harness import on_rank
+from tests.transformers_models import MODELS, megatron
+
+WORLD = 4
+# the first length's program; the second's, for every length; two more lengths on it
+LENGTHS = (9, 13, 17, 11)
+
+
+def _gpt2():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def _programs(model) -> tuple[int, int]:
+    engine = model._shardfn_engine
+    return len(engine.cache), len(engine.dynamic)
+
+
+def _steps(model, reference, slice_of, loss_of, grads_of, rank_count: int, lengths=LENGTHS):
+    """A step per length: the sharded model's loss and one gradient against eager's on the whole batch."""
+    for length in lengths:
+        torch.manual_seed(length)
+        ids = torch.randint(0, 128, (8, length))
+        local = slice_of(ids)
+        loss = model(local, labels=local).loss
+        loss.backward()
+        want = reference(ids, labels=ids).loss
+        want.backward()
+        for got, expected in zip(loss_of(loss), [want.detach()] * rank_count):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grads_of(dict(model.named_parameters())[name].grad), p.grad, rtol=1e-4,
+                                       atol=1e-6, msg=lambda m: f"length {length}, {name}: {m}")
+        model.zero_grad()
+        reference.zero_grad()
+
+
+def test_data_parallel_steps_of_changing_length_run_one_program_for_every_length(caplog):
+    reference = _gpt2()
+    with simulated_world(WORLD), caplog.at_level(logging.INFO, logger="shardfn"):
+        model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
+        _steps(model, reference,
+               lambda ids: local_tensor_mode().rank_map(lambda r: ids[2 * r: 2 * r + 2].clone()),
+               lambda loss: [on_rank(loss, r) for r in range(WORLD)],
+               lambda g: on_rank(g.full_tensor() if hasattr(g, "full_tensor") else g, 0), WORLD, LENGTHS[:3])
+        # the first length's program, and one for every later length
+        assert _programs(model) == (1, 1)
+    assert any("traced as symbols" in r.getMessage() for r in caplog.records)
+
+
+def test_tensor_parallel_steps_of_changing_length():
+    spec = MODELS["llama"]
+    torch.manual_seed(0)
+    reference = spec.make()
+    plan = {k: v for i in range(2) for k, v in megatron(spec, WORLD, f"model.layers.{i}.").items()}
+    with simulated_world(WORLD):
+        model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=plan)
+        _steps(model, reference, lambda ids: ids, lambda loss: [on_rank(loss, r) for r in range(WORLD)],
+               lambda g: on_rank(g.full_tensor(), 0), WORLD, LENGTHS[:3])
+        assert _programs(model) == (1, 1)
+
+
+def _branchy(x):
+    # fn's Python reads a size: the capture assumes the branch it took
+    return x * 2 if x.shape[1] > 12 else x - 1
+
+
+def test_a_size_the_capture_assumed_otherwise_gets_a_program_of_its_own(caplog):
+    with simulated_world(WORLD), caplog.at_level(logging.INFO, logger="shardfn"):
+        f = sf.shard(_branchy, in_strategy=((WORLD, 1),))
+        for length in (16, 20, 24, 8):
+            x = torch.randn(8, length)
+            torch.testing.assert_close(on_rank(f(x), 0), _branchy(x))
+        engine = f._engine
+        assert len(engine.dynamic) == 1 and len(engine.cache) == 2  # 16; 20 and 24 dynamic; 8 on its own
+    assert any("a program for these sizes alone" in r.getMessage() for r in caplog.records)
+
+
+def test_dynamic_false_keeps_one_program_per_size():
+    with simulated_world(WORLD):
+        f = sf.shard(lambda x: x.sin(), in_strategy=((WORLD, 1),), dynamic=False)
+        for length in (4, 6, 8):
+            x = torch.randn(8, length)
+            torch.testing.assert_close(on_rank(f(x), 0), x.sin())
+        assert len(f._engine.cache) == 3 and not f._engine.dynamic
+
+
+def test_explain_says_which_dims_are_dynamic():
+    with simulated_world(WORLD):
+        f = sf.shard(lambda x, w: (x @ w).relu(), in_strategy=((WORLD, 1), None))
+        w = torch.randn(6, 5)
+        for rows in (8, 12, 16):
+            f(torch.randn(rows, 6), w)
+        plan = sf.explain(f, torch.randn(20, 6), w)
+    (note,) = [n for n in plan.notes if n.startswith("dynamic:")]
+    assert "input 0 dims [0] (planned at [12])" in note and ">= 2" in note
+
+
+def test_a_bad_dynamic_setting_names_the_argument():
+    with pytest.raises(ValueError, match="dynamic must be None .* or False"):
+        sf.shard(lambda x: x, in_strategy=(None,), dynamic="yes")
+
+
+def _data_parallel_body():
+    reference = _gpt2()
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
+    rank = dist.get_rank()
+    _steps(model, reference, lambda ids: ids[2 * rank: 2 * rank + 2], lambda loss: [loss.detach()],
+           lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1)
+    return _programs(model)
+
+
+def test_data_parallel_steps_of_changing_length_on_real_ranks(gloo4):
+    assert gloo4.run(_data_parallel_body) == [(1, 1)] * 4
