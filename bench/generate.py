@@ -10,8 +10,9 @@ generate() makes is timed (a hook around the model's call), so generate's own Py
 
     first    the prompt's forward (shardfn: capture, plan and lowering of its signature)
     token    the median of the decoding forwards after the first one (shardfn with a StaticCache: the cached
-             program; with a DynamicCache: every token a new signature, so capture, plan and lowering each time)
-    programs the programs the sharded model holds at the end (one per signature seen)
+             program; with a DynamicCache: from the second token on, the program for every cache length)
+    programs the programs the sharded model made (one per signature, one for every size of a structure whose
+             sizes changed)
 
 With ``--world`` above 1 it also times the sharded model's cached forward at one fixed decoding shape (the same
 call again and again): the floor a token costs on these ranks, against which a StaticCache's token is compared.
@@ -109,7 +110,8 @@ def worker(rank, args, port):
         out = _generate(model, ids, args, cache)
         want = out if want is None else want
         assert torch.equal(out, want), f"{name}: other tokens than the unsharded model's"
-        programs = len(model._shardfn_engine.cache) if sharded else 0
+        engine = model._shardfn_engine if sharded else None
+        programs = len(engine.cache) + len(engine.dynamic) if sharded else 0
         rows.append((f"{name}" if sharded else f"unsharded ({cache} cache)", timed.times[0],
                      statistics.median(timed.times[2:]), programs))
         if sharded and cache == "static" and args.world > 1:

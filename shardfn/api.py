@@ -29,7 +29,7 @@ from .optimizer import ShardedOptimizer
 from .optimizer import check_stage as optimizer_check_stage
 from .optimizer import gradient_targets as optimizer_gradient_targets
 from .agreement import Agreement, check_mode, digest, inputs_compared, tensor_digest
-from .arguments import BoundCall, bind, call_key
+from .arguments import BoundCall, bind, call_key, without_sizes
 from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.dynamic import planning_graph
 from .capture.graph import CapturedGraph
@@ -101,6 +101,16 @@ class _Compiled:
     # the call it was made for (its other dims hold only those)
     dynamic: dict[int, tuple[int, ...]] = field(default_factory=dict)
     sizes: tuple = ()
+    verdicts: dict = field(default_factory=dict)  # argument sizes -> why not served (None: served)
+
+    def rejects(self, sizes: tuple, tensors: list) -> str | None:
+        """Why the program for every size does not serve a call of these argument sizes (its capture's guards),
+        or None; remembered per sizes (a generation asks again for every token)."""
+        if sizes not in self.verdicts:
+            if len(self.verdicts) >= 4096:
+                self.verdicts.clear()
+            self.verdicts[sizes] = self.program.dynamic_rejects(tensors)
+        return self.verdicts[sizes]
 
     def takes(self, sizes: tuple) -> bool:
         """Whether a call of these argument sizes differs from this program's only in its dynamic dims."""
@@ -144,6 +154,7 @@ class _Engine:
         if group is not self.group:  # a new process group: programs made for the old one are void
             self.cache.clear()
             self.outside.clear()
+            self.dynamic.clear()
         if self.config.ranks is not None and not self._runs_here():
             return self._outside_call(key, args, kwargs, tensors, objects, arrived)
         compiled = self.cache.get(key)
@@ -279,41 +290,53 @@ class _Engine:
         a size the dynamic capture's guards reject, said on the ``shardfn`` logger)."""
         if self.config.dynamic is False or arrived:
             return None
-        free = self._free(key, args, kwargs)
+        free = without_sizes(key)
         sizes = tuple(tuple(t.shape) for t in tensors)
         compiled = self.dynamic.get(free)
         if compiled is not None and compiled.takes(sizes):
-            reason = compiled.program.dynamic_rejects(tensors)
+            reason = compiled.rejects(sizes, tensors)
             if reason is None:  # (not cached by this signature: sizes would crowd the programs out)
                 return compiled
             _log.info("shardfn: %s: a program for these sizes alone: %s", self.name, reason)
             return None
         seen = self.sizes_seen.setdefault(free, sizes)
-        dims = {j: tuple(d for d, (a, b) in enumerate(zip(now, then)) if a != b)
+        given = self._given_dims(args, kwargs, tensors)
+        dims = {j: tuple(sorted({*(d for d, (a, b) in enumerate(zip(now, then)) if a != b), *given.get(j, ()),
+                                 *(compiled.dynamic.get(j, ()) if compiled is not None else ())}))
                 for j, (now, then) in enumerate(zip(sizes, seen))}
-        if compiled is not None:
-            dims = {j: tuple(sorted({*dims.get(j, ()), *compiled.dynamic.get(j, ())})) for j in range(len(sizes))}
         dims = {j: d for j, d in dims.items() if d}
         if not dims:
             return None
-        _log.info("shardfn: %s: sizes changed since its first call; dims %s are traced as symbols (one program "
-                  "for every size)", self.name, dims)
+        _log.info("shardfn: %s: dims %s are traced as symbols (one program for every size)%s", self.name, dims,
+                  "" if given else ": their sizes changed since the first call")
         compiled = self._first_call(key, args, kwargs, arrived, dynamic=dims)
         compiled.sizes = sizes
         self.dynamic[free] = compiled
         return compiled
 
-    @staticmethod
-    def _free(key: tuple, args, kwargs) -> tuple:
-        """The signature without sizes (what _signature adds after the call's own key stays)."""
-        base = call_key(args, kwargs, sizes=False)[0]
-        return base + key[len(base):]
+    def _given_dims(self, args, kwargs, tensors: list) -> dict[int, tuple[int, ...]]:
+        """shard(dynamic={argument: dims})'s dims, by argument tensor number: every tensor of that argument (a
+        container's, an object's attributes') takes them."""
+        if not isinstance(self.config.dynamic, dict):
+            return {}
+        names = split_arguments(args, kwargs, names=True)[1]
+        dims: dict[int, tuple[int, ...]] = {}
+        for argument, wanted in self.config.dynamic.items():
+            prefix = f"input {argument}" if isinstance(argument, int) else argument
+            for j, name in enumerate(names):
+                if name != prefix and not name.startswith((prefix + ".", prefix + "[")):
+                    continue
+                if wanted[-1] >= tensors[j].dim():
+                    raise ValueError(f"dynamic[{argument!r}] = {wanted}: {name} has {tensors[j].dim()} dims (shape "
+                                     f"{tuple(tensors[j].shape)}); name dims below {tensors[j].dim()}")
+                dims[j] = wanted
+        return dims
 
     def serving(self, key: tuple, args, kwargs, tensors: list) -> _Compiled | None:
         """The program for every size that would run a call of this signature, if one would."""
-        compiled = self.dynamic.get(self._free(key, args, kwargs))
-        if compiled is None or not compiled.takes(tuple(tuple(t.shape) for t in tensors)) \
-                or compiled.program.dynamic_rejects(tensors) is not None:
+        compiled = self.dynamic.get(without_sizes(key))
+        sizes = tuple(tuple(t.shape) for t in tensors)
+        if compiled is None or not compiled.takes(sizes) or compiled.rejects(sizes, tensors) is not None:
             return None
         return compiled
 
@@ -752,7 +775,8 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
     ``MixedPrecisionPolicy`` (or its fields): parameters, kept in their dtype, are used and gathered in
     ``param_dtype``, their gradients reduced in ``reduce_dtype``, outputs returned in ``output_dtype``.
     ``dynamic``: None (default) makes one program for every size of the dims whose size changed, once a second
-    size is seen (those dims traced as symbols); False keeps one program per size.
+    size is seen (those dims traced as symbols); False keeps one program per size; a dict {argument position or
+    keyword name: dims} makes them dynamic from the first call (every tensor of that argument).
     """
     engine = _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy, mp_policy,
                          dynamic)

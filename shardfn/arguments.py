@@ -179,26 +179,40 @@ def batch_slices(config: ShardConfig, world: int) -> int:
     return math.prod(a.size for a in spec.dims[0]) if spec.dims else world
 
 
-def _tensor_key(a: torch.Tensor, sizes: bool = True):
-    shape = tuple(a.shape) if sizes else a.dim()
+class _TensorKey(tuple):
+    """One tensor's part of a signature (equal to the plain tuple): found again by :func:`without_sizes`."""
+
+    __slots__ = ()
+
+
+def _tensor_key(a: torch.Tensor):
     if isinstance(a, DTensor):
-        return ("D", shape, a.dtype, a.requires_grad, tuple(a.placements), tuple(a.device_mesh.shape))
-    return ("T", shape, a.dtype, a.requires_grad, a.device.type)
+        return _TensorKey(("D", tuple(a.shape), a.dtype, a.requires_grad, tuple(a.placements),
+                           tuple(a.device_mesh.shape)))
+    return _TensorKey(("T", tuple(a.shape), a.dtype, a.requires_grad, a.device.type))
 
 
-def call_key(args: Sequence[Any], kwargs: dict, sizes: bool = True) -> tuple[tuple, list[torch.Tensor], list]:
+def without_sizes(key: Any) -> Any:
+    """A signature with each tensor's shape replaced by its rank: the signature calls of other sizes share."""
+    if isinstance(key, _TensorKey):
+        return (key[0], len(key[1]), *key[2:])
+    if isinstance(key, tuple):
+        return tuple(without_sizes(k) for k in key)
+    return key
+
+
+def call_key(args: Sequence[Any], kwargs: dict) -> tuple[tuple, list[torch.Tensor], list]:
     """A call's signature (structure, tensors' shapes, dtypes, requires_grad, layouts, other values, grad mode,
-    autocast), its tensors (the program's inputs, in order) and its argument objects (by number). Without
-    ``sizes``, tensors' ranks stand for their shapes: the signature calls of other sizes share."""
+    autocast), its tensors (the program's inputs, in order) and its argument objects (by number)."""
     if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call: plain tensors only
-        key = (("plain", tuple(_tensor_key(a, sizes) for a in args)), torch.is_grad_enabled(), _autocast_state())
+        key = (("plain", tuple(_tensor_key(a) for a in args)), torch.is_grad_enabled(), _autocast_state())
         return key, list(args), []
     try:
         tensors, _, structure = split_arguments(args, kwargs)
     except TypeError:  # an argument shardfn cannot take apart: again with names, for an error that names it
         split_arguments(args, kwargs, names=True)
         raise
-    key = (structure.key(lambda i: _tensor_key(tensors[i], sizes)), torch.is_grad_enabled(), _autocast_state())
+    key = (structure.key(lambda i: _tensor_key(tensors[i])), torch.is_grad_enabled(), _autocast_state())
     return key, tensors, structure.objects() if structure.n_objects else []
 
 

@@ -54,6 +54,30 @@ def is_container_entry(e: Any) -> bool:
         v is None or isinstance(v, (tuple, list, dict, TensorLayout)) for v in e)
 
 
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _check_dynamic(dynamic: Any) -> Any:
+    """None, False, or {argument (position or keyword name): dim or dims} with dims as a sorted tuple."""
+    if dynamic is None or dynamic is False:
+        return dynamic
+    if isinstance(dynamic, dict):
+        out = {}
+        for name, dims in dynamic.items():
+            dims = (dims,) if _is_index(dims) else dims
+            if not (_is_index(name) or isinstance(name, str)) or not isinstance(dims, (tuple, list)) or not dims \
+                    or not all(_is_index(d) for d in dims):
+                break
+            out[name] = tuple(sorted(set(dims)))
+        else:
+            return out
+    raise ValueError(
+        f"dynamic must be None (dims whose size changes become symbols once a second size is seen), False (one "
+        f"program per size) or a dict {{argument position or name: dim or tuple of dims}} (e.g. {{'input_ids': 1, "
+        f"'past_key_values': 2}}), got {dynamic!r}")
+
+
 def _check_in_strategy(in_strategy: Any, fn: Callable) -> tuple | dict:
     if in_strategy is None:
         raise TypeError("in_strategy is required: a tuple with one entry per positional input (a tuple of ints, a "
@@ -204,8 +228,8 @@ class ShardConfig:
     ranks: tuple[int, ...] | None = None  # the ranks the call runs on (its layouts' ranks); None: the whole world
     precision: Precision | None = None  # mp_policy's
     # dims whose size changes: None traces those that changed as symbols once a second size is seen (one
-    # program for every size), False keeps one program per size
-    dynamic: bool | None = None
+    # program for every size), False keeps one program per size; {argument: dims} names some up front
+    dynamic: Any = None
 
     @classmethod
     def make(cls, fn: Callable, in_strategy: Any, out_strategy: Any = None, parameter_plan: Any = None,
@@ -228,9 +252,7 @@ class ShardConfig:
         if precision is not None and module is None:
             raise TypeError("mp_policy applies to a module's parameters; fn is a function: cast its inputs yourself "
                             "(or use torch.autocast)")
-        if dynamic not in (None, False):
-            raise ValueError(f"dynamic must be None (dims whose size changes become symbols once a second size is "
-                             f"seen) or False (one program per size), got {dynamic!r}")
+        dynamic = _check_dynamic(dynamic)
         config = cls(in_strategy, out_strategy, plan, level, device, dataset_strategy, precision=precision,
                      dynamic=dynamic)
         return dataclasses.replace(config, ranks=_call_ranks(config.strategies()))

@@ -113,9 +113,24 @@ def test_explain_says_which_dims_are_dynamic():
     assert "input 0 dims [0] (planned at [12])" in note and ">= 2" in note
 
 
-def test_a_bad_dynamic_setting_names_the_argument():
-    with pytest.raises(ValueError, match="dynamic must be None .* or False"):
-        sf.shard(lambda x: x, in_strategy=(None,), dynamic="yes")
+def test_dims_named_up_front_are_dynamic_from_the_first_call():
+    def f(x, mask=None):
+        return (x.softmax(-1) * mask).sum(1)
+
+    with simulated_world(WORLD):
+        g = sf.shard(f, in_strategy={"x": (WORLD, 1)}, dynamic={0: 1, "mask": (1,)})
+        for length in (6, 10, 7):
+            x, mask = torch.randn(8, length), torch.rand(8, length)
+            torch.testing.assert_close(on_rank(g(x, mask=mask), 0), f(x, mask))
+        assert len(g._engine.dynamic) == 1 and not g._engine.cache
+        with pytest.raises(ValueError, match=r"dynamic\['mask'\] = \(1,\): mask has 1 dims"):
+            g(torch.randn(8, 5), mask=torch.rand(5))
+
+
+@pytest.mark.parametrize("bad", ["yes", True, {0: -1}, {0: ()}, {1.5: 1}])
+def test_a_bad_dynamic_setting_names_the_argument(bad):
+    with pytest.raises(ValueError, match=r"dynamic must be None .*, False .* or a dict"):
+        sf.shard(lambda x: x, in_strategy=(None,), dynamic=bad)
 
 
 def _data_parallel_body():

@@ -9,7 +9,7 @@ from torch.distributed._local_tensor import local_tensor_mode
 
 from shardfn.runtime import simulated_world
 from tests.harness import on_rank
-from tests.transformers_models import MODELS, MODES, NEW_TOKENS, generate_and_compare, train_and_compare
+from tests.transformers_models import MODELS, MODES, generate_and_compare, train_and_compare
 
 WORLD = 4
 # (Gemma 3 is here for what its Python does on real ranks, the same in every way: two ways of it suffice)
@@ -101,19 +101,21 @@ def test_data_parallel_keeps_the_batch_split(name):
 
 
 # generate(): a StaticCache keeps every decoding step's shapes, so after the prompt's program and the first
-# token's no call captures again; a DynamicCache grows by a token a step, so each step is a new signature (a
-# program each, bounded by SHARDFN_CACHE_SIZE) until shapes that change are planned once (issue 22)
-@pytest.mark.parametrize("way, cache", [("whole", "dynamic"), ("layers", "static")])
+# token's no call captures again; a DynamicCache grows by a token a step: the prompt's program, the first
+# token's, and from the second token on one program for every length of the cache
+@pytest.mark.parametrize("way, cache", [("whole", "dynamic"), ("layers", "static"), ("layers", "dynamic")])
 def test_generate_gives_the_unsharded_tokens_on_simulated_ranks(way, cache):
     with simulated_world(WORLD):
         programs = generate_and_compare(way, cache, WORLD)
-    assert programs == [2 if cache == "static" else NEW_TOKENS] * len(programs)
+    assert programs == [2 if cache == "static" else 3] * len(programs)
 
 
 def _generate_body(cache):
     return generate_and_compare("whole", cache, dist.get_world_size())
 
 
-def test_generate_with_a_static_cache_on_real_ranks(gloo4):
-    # the traced per-rank graphs: every decoding step after the first runs the cached program
-    assert gloo4.run(_generate_body, "static") == [[2]] * 4
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_generate_on_real_ranks(gloo4, cache):
+    # a StaticCache: the traced per-rank graphs, every decoding step after the first on the cached program; a
+    # DynamicCache: from the second token on, one program for every length
+    assert gloo4.run(_generate_body, cache) == [[2 if cache == "static" else 3]] * 4
