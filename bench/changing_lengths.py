@@ -11,12 +11,13 @@ spell of this shared machine falls on all alike), AdamW each:
     DDP                   torch's DistributedDataParallel, eager
     DDP + torch.compile   the same under torch.compile (its automatic dynamic shapes: it recompiles once, at the
                           second length, with the length as a symbol)
-    shardfn               sf.shard(model, dataset_strategy="data_parallel"): the first length gets a program of
-                          its own, the second one program for every length (the length traced as a symbol)
+    shardfn               sf.shard(model, dataset_strategy="data_parallel"): the first length is captured and
+                          planned alone, the second once for every length (the length traced as a symbol); each
+                          new length after it is only traced into its per-rank graphs
 
 Printed per way: the first step, the second (where both shardfn and torch.compile make their program for every
-length), the median of the steps after those two, and how many programs (shardfn) or graphs (torch.compile's
-frame compilations) were made. Losses are asserted equal across the ways at every step.
+length), the median of the steps after those two, and how many captures (shardfn: each a capture and a plan) or
+graphs (torch.compile's frame compilations) were made. Losses are asserted equal across the ways at every step.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -69,8 +71,6 @@ class _Way:
 def worker(rank, args, port):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import torch._dynamo
-
     import shardfn as sf
 
     sf.init()
@@ -102,12 +102,12 @@ def worker(rank, args, port):
             got /= args.world
         torch.testing.assert_close(got, ddp, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
     engine = sharded._shardfn_engine
-    made = {"shardfn": len(engine.cache) + len(engine.dynamic), "DDP": 0,
+    made = {"shardfn": engine.captures, "DDP": 0,
             "DDP + torch.compile": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     if rank == 0:
         print(f"GPT-2 {args.layers} layers, dim {args.dim}, {args.world} gloo ranks x batch {args.batch}, "
               f"{args.steps} steps, lengths drawn in [{low}, {high}], torch {torch.__version__}")
-        print(f"{'':22s} {'step 1 (s)':>10s} {'step 2 (s)':>10s} {'later (ms)':>11s} {'programs':>9s}")
+        print(f"{'':22s} {'step 1 (s)':>10s} {'step 2 (s)':>10s} {'later (ms)':>11s} {'captures':>9s}")
         for name, way in ways.items():
             later = statistics.median(way.times[2:]) * 1e3
             print(f"{name:22s} {way.times[0]:10.2f} {way.times[1]:10.2f} {later:11.1f} {made[name] or '':>9}")

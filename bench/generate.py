@@ -11,8 +11,8 @@ generate() makes is timed (a hook around the model's call), so generate's own Py
     first    the prompt's forward (shardfn: capture, plan and lowering of its signature)
     token    the median of the decoding forwards after the first one (shardfn with a StaticCache: the cached
              program; with a DynamicCache: from the second token on, the program for every cache length)
-    programs the programs the sharded model made (one per signature, one for every size of a structure whose
-             sizes changed)
+    captures the captures (and plans) the sharded model made: one per signature, one for every size of a
+             structure whose sizes changed
 
 With ``--world`` above 1 it also times the sharded model's cached forward at one fixed decoding shape (the same
 call again and again): the floor a token costs on these ranks, against which a StaticCache's token is compared.
@@ -110,18 +110,17 @@ def worker(rank, args, port):
         out = _generate(model, ids, args, cache)
         want = out if want is None else want
         assert torch.equal(out, want), f"{name}: other tokens than the unsharded model's"
-        engine = model._shardfn_engine if sharded else None
-        programs = len(engine.cache) + len(engine.dynamic) if sharded else 0
+        captures = model._shardfn_engine.captures if sharded else 0
         rows.append((f"{name}" if sharded else f"unsharded ({cache} cache)", timed.times[0],
-                     statistics.median(timed.times[2:]), programs))
+                     statistics.median(timed.times[2:]), captures))
         if sharded and cache == "static" and args.world > 1:
             floor = _fixed_shape_forward(model, ids, args)
     if rank == 0:
         print(f"Llama {args.layers} layers, dim {args.dim}, batch 2, prompt {args.prompt}, {args.tokens} tokens, "
               f"{args.world} gloo rank(s), torch {torch.__version__}")
-        print(f"{'':28s} {'first (s)':>10s} {'token (ms)':>11s} {'programs':>9s}")
-        for name, first, token, programs in rows:
-            print(f"{name:28s} {first:10.2f} {token * 1e3:11.2f} {programs or '':>9}")
+        print(f"{'':28s} {'first (s)':>10s} {'token (ms)':>11s} {'captures':>9s}")
+        for name, first, token, captures in rows:
+            print(f"{name:28s} {first:10.2f} {token * 1e3:11.2f} {captures or '':>9}")
         print(f"token, shardfn / unsharded: StaticCache {rows[1][2] / rows[0][2]:.2f}x, "
               f"DynamicCache {rows[3][2] / rows[2][2]:.2f}x")
         if args.world > 1:

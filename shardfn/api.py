@@ -143,6 +143,7 @@ class _Engine:
         # sizes, the argument sizes first seen, and the program that serves every size of the dims that changed
         self.sizes_seen: dict[tuple, tuple] = {}
         self.dynamic: dict[tuple, _Compiled] = {}
+        self.captures = 0  # captures (and plans) made: what a call of a new signature costs, counted
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
@@ -274,14 +275,27 @@ class _Engine:
         if self.module is not None:
             self._relay_parameters(compiled.plan, mesh, device)
             self.params_laid_out = True
-        # a program for every size runs interpreted: traced graphs hold one size
-        compiled.program = lower(compiled.captured, compiled.plan, mesh,
-                                 compiled=not runtime.is_simulated() and not dynamic,
-                                 name=self.name, accumulate=compiled.plan_request_accumulates,
-                                 precision=self.config.precision, grad_targets=dict(self.grad_targets))
+        # a program for every size is interpreted (traced graphs hold one size): simulated worlds run it, real
+        # ranks trace it at each size they meet (_at_these_sizes)
+        compiled.program = self._lower(compiled, mesh, traced=not runtime.is_simulated() and not dynamic)
         if not dynamic:  # (a program for every size is kept by the signature without sizes: _for_every_size)
             self.cache[key] = compiled
         return compiled
+
+    def _lower(self, compiled: _Compiled, mesh, traced: bool) -> ParallelProgram:
+        return lower(compiled.captured, compiled.plan, mesh, compiled=traced, name=self.name,
+                     accumulate=compiled.plan_request_accumulates, precision=self.config.precision,
+                     grad_targets=dict(self.grad_targets))
+
+    def _at_these_sizes(self, compiled: _Compiled, key: tuple) -> _Compiled:
+        """The program for every size, for a call of this signature: on real ranks traced at its sizes (no
+        capture, no plan: the symbolic graph's plan, the sizes its values take now) and kept by the signature
+        like any program; in a simulated world interpreted as it is."""
+        if runtime.is_simulated():
+            return compiled
+        sized = dataclasses.replace(compiled, program=self._lower(compiled, compiled.program.mesh, traced=True))
+        self.cache[key] = sized
+        return sized
 
     def _for_every_size(self, key: tuple, args, kwargs, tensors: list, arrived: tuple) -> _Compiled | None:
         """A new signature whose structure was seen before with other sizes: the program that serves every size
@@ -295,8 +309,8 @@ class _Engine:
         compiled = self.dynamic.get(free)
         if compiled is not None and compiled.takes(sizes):
             reason = compiled.rejects(sizes, tensors)
-            if reason is None:  # (not cached by this signature: sizes would crowd the programs out)
-                return compiled
+            if reason is None:
+                return self._at_these_sizes(compiled, key)
             _log.info("shardfn: %s: a program for these sizes alone: %s", self.name, reason)
             return None
         seen = self.sizes_seen.setdefault(free, sizes)
@@ -312,7 +326,7 @@ class _Engine:
         compiled = self._first_call(key, args, kwargs, arrived, dynamic=dims)
         compiled.sizes = sizes
         self.dynamic[free] = compiled
-        return compiled
+        return self._at_these_sizes(compiled, key)
 
     def _given_dims(self, args, kwargs, tensors: list) -> dict[int, tuple[int, ...]]:
         """shard(dynamic={argument: dims})'s dims, by argument tensor number: every tensor of that argument (a
@@ -381,6 +395,7 @@ class _Engine:
             mesh_spec = common_mesh([*call.held, *(f for f in call.fixed if f is not None), *param_specs.values(),
                                      *out_given], world, _alias_names(self.config.strategies()))
             captured = self._capture(args, kwargs, call, device, dynamic)
+            self.captures += 1
             planned = captured if not dynamic else dataclasses.replace(
                 captured, gm=planning_graph(captured.gm), dynamic=None)
             accumulate = self._accumulating() and torch.is_grad_enabled()

@@ -28,9 +28,8 @@ def _gpt2():
                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
-def _programs(model) -> tuple[int, int]:
-    engine = model._shardfn_engine
-    return len(engine.cache), len(engine.dynamic)
+def _captures(model) -> int:
+    return model._shardfn_engine.captures
 
 
 def _steps(model, reference, slice_of, loss_of, grads_of, rank_count: int, lengths=LENGTHS):
@@ -60,8 +59,8 @@ def test_data_parallel_steps_of_changing_length_run_one_program_for_every_length
                lambda ids: local_tensor_mode().rank_map(lambda r: ids[2 * r: 2 * r + 2].clone()),
                lambda loss: [on_rank(loss, r) for r in range(WORLD)],
                lambda g: on_rank(g.full_tensor() if hasattr(g, "full_tensor") else g, 0), WORLD, LENGTHS[:3])
-        # the first length's program, and one for every later length
-        assert _programs(model) == (1, 1)
+        # the first length's capture, and one for every later length
+        assert _captures(model) == 2 and len(model._shardfn_engine.dynamic) == 1
     assert any("traced as symbols" in r.getMessage() for r in caplog.records)
 
 
@@ -74,7 +73,7 @@ def test_tensor_parallel_steps_of_changing_length():
         model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=plan)
         _steps(model, reference, lambda ids: ids, lambda loss: [on_rank(loss, r) for r in range(WORLD)],
                lambda g: on_rank(g.full_tensor(), 0), WORLD, LENGTHS[:3])
-        assert _programs(model) == (1, 1)
+        assert _captures(model) == 2
 
 
 def _branchy(x):
@@ -89,7 +88,7 @@ def test_a_size_the_capture_assumed_otherwise_gets_a_program_of_its_own(caplog):
             x = torch.randn(8, length)
             torch.testing.assert_close(on_rank(f(x), 0), _branchy(x))
         engine = f._engine
-        assert len(engine.dynamic) == 1 and len(engine.cache) == 2  # 16; 20 and 24 dynamic; 8 on its own
+        assert len(engine.dynamic) == 1 and engine.captures == 3  # 16; 20 and 24 dynamic; 8 on its own
     assert any("a program for these sizes alone" in r.getMessage() for r in caplog.records)
 
 
@@ -99,7 +98,7 @@ def test_dynamic_false_keeps_one_program_per_size():
         for length in (4, 6, 8):
             x = torch.randn(8, length)
             torch.testing.assert_close(on_rank(f(x), 0), x.sin())
-        assert len(f._engine.cache) == 3 and not f._engine.dynamic
+        assert f._engine.captures == 3 and not f._engine.dynamic
 
 
 def test_explain_says_which_dims_are_dynamic():
@@ -122,7 +121,7 @@ def test_dims_named_up_front_are_dynamic_from_the_first_call():
         for length in (6, 10, 7):
             x, mask = torch.randn(8, length), torch.rand(8, length)
             torch.testing.assert_close(on_rank(g(x, mask=mask), 0), f(x, mask))
-        assert len(g._engine.dynamic) == 1 and not g._engine.cache
+        assert len(g._engine.dynamic) == 1 and g._engine.captures == 1
         with pytest.raises(ValueError, match=r"dynamic\['mask'\] = \(1,\): mask has 1 dims"):
             g(torch.randn(8, 5), mask=torch.rand(5))
 
@@ -139,8 +138,9 @@ def _data_parallel_body():
     rank = dist.get_rank()
     _steps(model, reference, lambda ids: ids[2 * rank: 2 * rank + 2], lambda loss: [loss.detach()],
            lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1)
-    return _programs(model)
+    return _captures(model), len(model._shardfn_engine.cache)
 
 
 def test_data_parallel_steps_of_changing_length_on_real_ranks(gloo4):
-    assert gloo4.run(_data_parallel_body) == [(1, 1)] * 4
+    # two captures; a traced program per length (the later ones traced from the program for every length)
+    assert gloo4.run(_data_parallel_body) == [(2, len(LENGTHS))] * 4

@@ -192,7 +192,7 @@ def _generate(model: torch.nn.Module, ids: torch.Tensor, cache: str) -> torch.Te
 
 def generate_and_compare(way: str, cache: str, world: int) -> list[int]:
     """Greedy generate() with a Llama sharded by a Megatron plan, ``way`` "whole" (the model) or "layers" (each
-    layer), and ``cache`` "static" or "dynamic", against the unsharded model's tokens. Returns how many programs
+    layer), and ``cache`` "static" or "dynamic", against the unsharded model's tokens. Returns how many captures
     each sharded callable made (one per signature, one for every size of a structure whose sizes changed)."""
     spec = MODELS["llama"]
     torch.manual_seed(0)
@@ -211,4 +211,4 @@ def generate_and_compare(way: str, cache: str, world: int) -> list[int]:
         engines = [layer._shardfn_engine for layer in layers]
     got = _generate(model, ids, cache)
     assert got.shape[1] == ids.shape[1] + NEW_TOKENS and torch.equal(got, want), (got, want)
-    return [len(engine.cache) + len(engine.dynamic) for engine in engines]
+    return [engine.captures for engine in engines]

@@ -505,15 +505,15 @@ class ParallelProgram:
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         # parameters (first in entries) have the layout the plan gave them: their layouts are known
         n_params = self._n_params
+        if self.dynamic is not None:  # the symbols' values in this call (a traced program: the ones it holds)
+            self._bindings = self.dynamic.bindings(self._global_shapes(args))
         if self._graph_step is None and "backward" in self.graphs:
             self._graph_step = self._direct_graphs()
         if self._graph_step and torch.is_grad_enabled() and not any(
                 isinstance(a, DTensor) for a in args[n_params:]):
             outs = GraphStep.apply(self, *args)
-            return [_from_local(o, self.mesh, self.plan.outputs[k], v) if self.as_dtensor[k] else o
+            return [_from_local(o, self.mesh, self.plan.outputs[k], self._val(v)) if self.as_dtensor[k] else o
                     for k, (o, v) in enumerate(zip(outs, self.out_vals))]
-        if self.dynamic is not None:
-            self._bindings = self.dynamic.bindings(self._global_shapes(args))
         locals_ = list(args)
         if n_params and torch.is_grad_enabled():
             locals_[:n_params] = _ParamLocals.apply(self, *args[:n_params]) \
