@@ -102,6 +102,7 @@ class _Compiled:
     dynamic: dict[int, tuple[int, ...]] = field(default_factory=dict)
     sizes: tuple = ()
     verdicts: dict = field(default_factory=dict)  # argument sizes -> why not served (None: served)
+    met: dict = field(default_factory=dict)  # signature -> calls of it served (real ranks trace the second)
 
     def rejects(self, sizes: tuple, tensors: list) -> str | None:
         """Why the program for every size does not serve a call of these argument sizes (its capture's guards),
@@ -288,10 +289,17 @@ class _Engine:
                      grad_targets=dict(self.grad_targets))
 
     def _at_these_sizes(self, compiled: _Compiled, key: tuple) -> _Compiled:
-        """The program for every size, for a call of this signature: on real ranks traced at its sizes (no
-        capture, no plan: the symbolic graph's plan, the sizes its values take now) and kept by the signature
-        like any program; in a simulated world interpreted as it is."""
+        """The program for every size, for a call of this signature. It runs interpreted over DTensors (no
+        capture, no plan, no trace: the symbolic graph's plan at the sizes its values take now). On real ranks a
+        signature met again is traced into per-rank graphs at its sizes and kept like any program, while the
+        programs kept stay below SHARDFN_CACHE_SIZE: a trace costs many interpreted steps, so sizes met once (a
+        generation's every token) are not traced, and sizes that recur (a few padded lengths) run traced."""
         if runtime.is_simulated():
+            return compiled
+        if len(compiled.met) >= 4096:
+            compiled.met.clear()
+        compiled.met[key] = met = compiled.met.get(key, 0) + 1
+        if met < 2 or len(self.cache) + 1 >= cache_limit():
             return compiled
         sized = dataclasses.replace(compiled, program=self._lower(compiled, compiled.program.mesh, traced=True))
         self.cache[key] = sized

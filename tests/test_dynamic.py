@@ -8,7 +8,6 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed._local_tensor import local_tensor_mode
 
 import shardfn as sf
 from shardfn.runtime import simulated_world
@@ -51,29 +50,18 @@ def _steps(model, reference, slice_of, loss_of, grads_of, rank_count: int, lengt
         reference.zero_grad()
 
 
-def test_data_parallel_steps_of_changing_length_run_one_program_for_every_length(caplog):
-    reference = _gpt2()
-    with simulated_world(WORLD), caplog.at_level(logging.INFO, logger="shardfn"):
-        model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
-        _steps(model, reference,
-               lambda ids: local_tensor_mode().rank_map(lambda r: ids[2 * r: 2 * r + 2].clone()),
-               lambda loss: [on_rank(loss, r) for r in range(WORLD)],
-               lambda g: on_rank(g.full_tensor() if hasattr(g, "full_tensor") else g, 0), WORLD, LENGTHS[:3])
-        # the first length's capture, and one for every later length
-        assert _captures(model) == 2 and len(model._shardfn_engine.dynamic) == 1
-    assert any("traced as symbols" in r.getMessage() for r in caplog.records)
-
-
-def test_tensor_parallel_steps_of_changing_length():
+def test_tensor_parallel_steps_of_changing_length(caplog):
     spec = MODELS["llama"]
     torch.manual_seed(0)
     reference = spec.make()
     plan = {k: v for i in range(2) for k, v in megatron(spec, WORLD, f"model.layers.{i}.").items()}
-    with simulated_world(WORLD):
+    with simulated_world(WORLD), caplog.at_level(logging.INFO, logger="shardfn"):
         model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=plan)
         _steps(model, reference, lambda ids: ids, lambda loss: [on_rank(loss, r) for r in range(WORLD)],
                lambda g: on_rank(g.full_tensor(), 0), WORLD, LENGTHS[:3])
-        assert _captures(model) == 2
+        # the first length's capture, and one for every later length
+        assert _captures(model) == 2 and len(model._shardfn_engine.dynamic) == 1
+    assert any("traced as symbols" in r.getMessage() for r in caplog.records)
 
 
 def _branchy(x):
@@ -136,11 +124,12 @@ def _data_parallel_body():
     reference = _gpt2()
     model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
     rank = dist.get_rank()
+    # a length met again runs traced from the program for every length (17: interpreted, then traced)
     _steps(model, reference, lambda ids: ids[2 * rank: 2 * rank + 2], lambda loss: [loss.detach()],
-           lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1)
+           lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1, LENGTHS + (17,))
     return _captures(model), len(model._shardfn_engine.cache)
 
 
 def test_data_parallel_steps_of_changing_length_on_real_ranks(gloo4):
-    # two captures; a traced program per length (the later ones traced from the program for every length)
-    assert gloo4.run(_data_parallel_body) == [(2, len(LENGTHS))] * 4
+    # two captures; traced programs for the first length and for 17, met twice
+    assert gloo4.run(_data_parallel_body) == [(2, 2)] * 4

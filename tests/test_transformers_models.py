@@ -103,7 +103,7 @@ def test_data_parallel_keeps_the_batch_split(name):
 # generate(): a StaticCache keeps every decoding step's shapes, so after the prompt's program and the first
 # token's no call captures again; a DynamicCache grows by a token a step: the prompt's program, the first
 # token's, and from the second token on one program for every length of the cache
-@pytest.mark.parametrize("way, cache", [("whole", "dynamic"), ("layers", "static"), ("layers", "dynamic")])
+@pytest.mark.parametrize("way, cache", [("whole", "dynamic"), ("layers", "dynamic")])
 def test_generate_gives_the_unsharded_tokens_on_simulated_ranks(way, cache):
     with simulated_world(WORLD):
         programs = generate_and_compare(way, cache, WORLD)

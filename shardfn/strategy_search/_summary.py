@@ -7,7 +7,7 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .plan import Plan, Placements
+    from .plan import Plan
 
 __all__ = ["layer_of", "summary_lines"]
 
