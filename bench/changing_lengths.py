@@ -1,7 +1,7 @@
 """Training steps whose sequence length changes every step: shardfn against eager and torch.compile, in one run.
 
     python bench/changing_lengths.py [--world 4] [--steps 12] [--layers 2] [--dim 64] [--batch 2]
-                                     [--lengths 16,64] [--no-compile]
+                                     [--lengths 16,64] [--pad-to 1] [--no-compile]
 
 transformers' GPT-2 (random weights, dropout off), data parallel on ``--world`` gloo ranks (the script starts
 them), each rank a slice of ``--batch`` rows; every step draws a new sequence length in ``--lengths`` (the same
@@ -86,7 +86,7 @@ def worker(rank, args, port):
     draw = random.Random(0)
     low, high = args.lengths
     for _ in range(args.steps):
-        length = draw.randint(low, high)
+        length = -(-draw.randint(low, high) // args.pad_to) * args.pad_to
         torch.manual_seed(length)
         ids = torch.randint(0, 128, (args.batch * args.world, length))[args.batch * rank: args.batch * (rank + 1)]
         for way in ways.values():
@@ -106,7 +106,8 @@ def worker(rank, args, port):
             "DDP + torch.compile": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     if rank == 0:
         print(f"GPT-2 {args.layers} layers, dim {args.dim}, {args.world} gloo ranks x batch {args.batch}, "
-              f"{args.steps} steps, lengths drawn in [{low}, {high}], torch {torch.__version__}")
+              f"{args.steps} steps, lengths drawn in [{low}, {high}] padded to a multiple of {args.pad_to}, "
+              f"torch {torch.__version__}")
         print(f"{'':22s} {'step 1 (s)':>10s} {'step 2 (s)':>10s} {'later (ms)':>11s} {'captures':>9s}")
         for name, way in ways.items():
             later = statistics.median(way.times[2:]) * 1e3
@@ -125,6 +126,8 @@ def main():
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--lengths", type=lambda s: tuple(int(x) for x in s.split(",")), default=(16, 64))
+    p.add_argument("--pad-to", type=int, default=1, help="round each length up to a multiple of this (a padding "
+                   "collator's pad_to_multiple_of): a few lengths that recur")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     args = p.parse_args()
     mp.start_processes(worker, args=(args, free_port()), nprocs=args.world, join=True, start_method="spawn")
