@@ -145,6 +145,7 @@ class _Engine:
         self.sizes_seen: dict[tuple, tuple] = {}
         self.dynamic: dict[tuple, _Compiled] = {}
         self.captures = 0  # captures (and plans) made: what a call of a new signature costs, counted
+        self.static_only: set[tuple] = set()  # structures whose symbolic capture failed: a program per size
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
@@ -313,6 +314,8 @@ class _Engine:
         if self.config.dynamic is False or arrived:
             return None
         free = without_sizes(key)
+        if free in self.static_only:
+            return None
         sizes = tuple(tuple(t.shape) for t in tensors)
         compiled = self.dynamic.get(free)
         if compiled is not None and compiled.takes(sizes):
@@ -331,7 +334,15 @@ class _Engine:
             return None
         _log.info("shardfn: %s: dims %s are traced as symbols (one program for every size)%s", self.name, dims,
                   "" if given else ": their sizes changed since the first call")
-        compiled = self._first_call(key, args, kwargs, arrived, dynamic=dims)
+        try:
+            compiled = self._first_call(key, args, kwargs, arrived, dynamic=dims)
+        except Exception as e:  # noqa: BLE001 - raised alike on every rank (the agreement): all fall back
+            if isinstance(self.config.dynamic, dict):
+                raise
+            _log.warning("shardfn: %s: its sizes changed, but tracing dims %s as symbols failed (%s: %s); one "
+                         "program per size", self.name, dims, type(e).__name__, str(e).splitlines()[0])
+            self.static_only.add(free)
+            return None
         compiled.sizes = sizes
         self.dynamic[free] = compiled
         return self._at_these_sizes(compiled, key)

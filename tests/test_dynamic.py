@@ -80,6 +80,24 @@ def test_a_size_the_capture_assumed_otherwise_gets_a_program_of_its_own(caplog):
     assert any("a program for these sizes alone" in r.getMessage() for r in caplog.records)
 
 
+def test_a_structure_whose_symbolic_capture_fails_keeps_one_program_per_size(monkeypatch, caplog):
+    import shardfn.api as api
+
+    def refuse(gm):  # a symbolic capture that fails (an op without symbolic shapes, say)
+        raise RuntimeError("no symbolic shapes here")
+
+    monkeypatch.setattr(api, "planning_graph", refuse)
+    with simulated_world(WORLD), caplog.at_level(logging.WARNING, logger="shardfn"):
+        f = sf.shard(lambda x: x.cos(), in_strategy=((WORLD, 1),))
+        for length in (4, 6, 8, 6):
+            x = torch.randn(8, length)
+            torch.testing.assert_close(on_rank(f(x), 0), x.cos())
+        # 4; 6 tried as symbols once, then one program per size: 6, 8
+        assert f._engine.captures == 4 and not f._engine.dynamic
+    assert any("tracing dims" in r.getMessage() and "no symbolic shapes here" in r.getMessage()
+               for r in caplog.records)
+
+
 def test_dynamic_false_keeps_one_program_per_size():
     with simulated_world(WORLD):
         f = sf.shard(lambda x: x.sin(), in_strategy=((WORLD, 1),), dynamic=False)
