@@ -146,6 +146,7 @@ class _Engine:
         self.dynamic: dict[tuple, _Compiled] = {}
         self.captures = 0  # captures (and plans) made: what a call of a new signature costs, counted
         self.static_only: set[tuple] = set()  # structures whose symbolic capture failed: a program per size
+        self.planning_error: Exception | None = None  # the last first call's own failure to capture or plan
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
@@ -266,7 +267,7 @@ class _Engine:
                                  arrived, dynamic)
             compiled.agreement = agreement
         except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
-            error = e
+            error = self.planning_error = e
         # a model's replicas are compared once, before its first step: later, kernels that sum in no fixed order
         # (atomics on a GPU) may leave replicated parameters apart in their last bits, harmlessly
         first_step = not self.params_laid_out
@@ -334,10 +335,12 @@ class _Engine:
             return None
         _log.info("shardfn: %s: dims %s are traced as symbols (one program for every size)%s", self.name, dims,
                   "" if given else ": their sizes changed since the first call")
+        self.planning_error = None
         try:
             compiled = self._first_call(key, args, kwargs, arrived, dynamic=dims)
-        except Exception as e:  # noqa: BLE001 - raised alike on every rank (the agreement): all fall back
-            if isinstance(self.config.dynamic, dict):
+        except Exception as e:  # noqa: BLE001 - this rank's own capture or plan failed, and every rank's alike
+            # (the agreement raises a rank's own error only then): all fall back; anything else stops the call
+            if e is not self.planning_error or isinstance(self.config.dynamic, dict):
                 raise
             _log.warning("shardfn: %s: its sizes changed, but tracing dims %s as symbols failed (%s: %s); one "
                          "program per size", self.name, dims, type(e).__name__, str(e).splitlines()[0])
