@@ -161,11 +161,12 @@ class _Engine:
             self.dynamic.clear()
         if self.config.ranks is not None and not self._runs_here():
             return self._outside_call(key, args, kwargs, tensors, objects, arrived)
-        compiled = self.cache.get(key)
+        compiled, made = self.cache.get(key), False
         if compiled is None:
-            compiled = self._for_every_size(key, args, kwargs, tensors, arrived) or \
-                self._first_call(key, args, kwargs, arrived)
-        elif (mode := check_mode()) != "first":
+            compiled, made = self._for_every_size(key, args, kwargs, tensors, arrived)
+            if compiled is None:
+                compiled, made = self._first_call(key, args, kwargs, arrived), True
+        if not made and (mode := check_mode()) != "first":  # (a program made now agreed as it was made)
             compiled.agreement.check(first=False, values=(lambda: self._values(args, kwargs))
                                      if mode == "values" else None)
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
@@ -258,8 +259,7 @@ class _Engine:
         device = runtime.resolve_device(self.config.device)
         world = self._world(device)
         self.group = dist.group.WORLD
-        agreement = Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs),
-                              ranks=self._ranks())
+        agreement = self._agreement(key, args, kwargs)
         compiled, error = None, None
         try:  # local work only: a rank that fails here still takes part in the agreement below
             self._check_materialized()
@@ -285,46 +285,55 @@ class _Engine:
             self.cache[key] = compiled
         return compiled
 
+    def _agreement(self, key: tuple, args, kwargs) -> Agreement:
+        """What the ranks compare for a call of this signature (its sizes included)."""
+        return Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs),
+                         ranks=self._ranks())
+
     def _lower(self, compiled: _Compiled, mesh, traced: bool) -> ParallelProgram:
         return lower(compiled.captured, compiled.plan, mesh, compiled=traced, name=self.name,
                      accumulate=compiled.plan_request_accumulates, precision=self.config.precision,
                      grad_targets=dict(self.grad_targets))
 
-    def _at_these_sizes(self, compiled: _Compiled, key: tuple) -> _Compiled:
+    def _at_these_sizes(self, compiled: _Compiled, key: tuple, args, kwargs) -> _Compiled:
         """The program for every size, for a call of this signature. It runs interpreted over DTensors (no
         capture, no plan, no trace: the symbolic graph's plan at the sizes its values take now). On real ranks a
         signature met again is traced into per-rank graphs at its sizes and kept like any program, while the
         programs kept stay below SHARDFN_CACHE_SIZE: a trace costs many interpreted steps, so sizes met once (a
-        generation's every token) are not traced, and sizes that recur (a few padded lengths) run traced."""
+        generation's every token) are not traced, and sizes that recur (a few padded lengths) run traced. The
+        ranks compare this call's signature, its sizes included, as for any program."""
+        here = dataclasses.replace(compiled, agreement=self._agreement(key, args, kwargs))
         if runtime.is_simulated():
-            return compiled
+            return here
         if len(compiled.met) >= 4096:
             compiled.met.clear()
         compiled.met[key] = met = compiled.met.get(key, 0) + 1
         if met < 2 or len(self.cache) + 1 >= cache_limit():
-            return compiled
-        sized = dataclasses.replace(compiled, program=self._lower(compiled, compiled.program.mesh, traced=True))
-        self.cache[key] = sized
-        return sized
+            return here
+        here.program = self._lower(compiled, compiled.program.mesh, traced=True)
+        self.cache[key] = here
+        return here
 
-    def _for_every_size(self, key: tuple, args, kwargs, tensors: list, arrived: tuple) -> _Compiled | None:
+    def _for_every_size(self, key: tuple, args, kwargs, tensors: list,
+                        arrived: tuple) -> tuple[_Compiled | None, bool]:
         """A new signature whose structure was seen before with other sizes: the program that serves every size
         of the dims that changed (made now, once, traced with those dims as symbols), if its capture holds for
-        these sizes. None: a program for this signature alone (the first sizes of a structure; dynamic dims off;
-        a size the dynamic capture's guards reject, said on the ``shardfn`` logger)."""
+        these sizes, and whether it was made now. None: a program for this signature alone (the first sizes of a
+        structure; dynamic dims off; a size the dynamic capture's guards reject, said on the ``shardfn``
+        logger)."""
         if self.config.dynamic is False or arrived:
-            return None
+            return None, False
         free = without_sizes(key)
         if free in self.static_only:
-            return None
+            return None, False
         sizes = tuple(tuple(t.shape) for t in tensors)
         compiled = self.dynamic.get(free)
         if compiled is not None and compiled.takes(sizes):
             reason = compiled.rejects(sizes, tensors)
             if reason is None:
-                return self._at_these_sizes(compiled, key)
+                return self._at_these_sizes(compiled, key, args, kwargs), False
             _log.info("shardfn: %s: a program for these sizes alone: %s", self.name, reason)
-            return None
+            return None, False
         seen = self.sizes_seen.setdefault(free, sizes)
         given = self._given_dims(args, kwargs, tensors)
         dims = {j: tuple(sorted({*(d for d, (a, b) in enumerate(zip(now, then)) if a != b), *given.get(j, ()),
@@ -332,7 +341,7 @@ class _Engine:
                 for j, (now, then) in enumerate(zip(sizes, seen))}
         dims = {j: d for j, d in dims.items() if d}
         if not dims:
-            return None
+            return None, False
         _log.info("shardfn: %s: dims %s are traced as symbols (one program for every size)%s", self.name, dims,
                   "" if given else ": their sizes changed since the first call")
         self.planning_error = None
@@ -345,10 +354,10 @@ class _Engine:
             _log.warning("shardfn: %s: its sizes changed, but tracing dims %s as symbols failed (%s: %s); one "
                          "program per size", self.name, dims, type(e).__name__, str(e).splitlines()[0])
             self.static_only.add(free)
-            return None
+            return None, False
         compiled.sizes = sizes
         self.dynamic[free] = compiled
-        return self._at_these_sizes(compiled, key)
+        return self._at_these_sizes(compiled, key, args, kwargs), True
 
     def _given_dims(self, args, kwargs, tensors: list) -> dict[int, tuple[int, ...]]:
         """shard(dynamic={argument: dims})'s dims, by argument tensor number: every tensor of that argument (a

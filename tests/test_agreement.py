@@ -73,6 +73,13 @@ def _shapes_change_on_one_rank_later():
     f(*_args(rows=_odd(16, 8)))
 
 
+def _sizes_differ_on_one_rank_with_a_program_for_every_size():
+    f = sf.shard(dense_relu, in_strategy=((4, 1), None, None))
+    f(*_args())
+    f(*_args(rows=16))  # the rows traced as a symbol: one program for every row count
+    f(*_args(rows=_odd(24, 20)))  # served by that program on every rank, with other sizes on rank 3
+
+
 def _other_call_order():
     f = sf.shard(dense_relu, in_strategy=((4, 1), None, None))
     g = sf.shard(lambda x, w, b: x @ w - b, in_strategy=((4, 1), None, None))
@@ -126,6 +133,8 @@ CASES = {
     "dtype differs": (_different_dtype, ["rank 3: input 0 (8, 16) float64", "ranks 0,1,2: input 0 (8, 16) float32"]),
     "uneven data_parallel batch": (_uneven_last_batch, ["rank 3: input 0 (1, 16)", "drop or pad an uneven last"]),
     "shapes change on one rank later": (_shapes_change_on_one_rank_later, ["rank 3: input 0 (16, 16)"]),
+    "sizes differ on one rank, one program for every size": (
+        _sizes_differ_on_one_rank_with_a_program_for_every_size, ["rank 3: input 0 (24, 16)"]),
     "another call order": (_other_call_order, ["callable", "<lambda>", "dense_relu"]),
     "traced structure differs": (_structure_differs, ["traced graph"]),
     "input values differ": (_values_differ, ["values of input 0: ranks 0,1,2: digest", "torch.manual_seed"]),
