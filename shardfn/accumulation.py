@@ -16,7 +16,7 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from .strategy_search.buckets import bucket_bytes
+from .strategy_search.buckets import bucket_bytes, in_buckets
 
 __all__ = ["accumulating", "reduce_pending"]
 
@@ -37,27 +37,17 @@ def accumulating(engines: list):
 def reduce_pending(params: Iterable[torch.nn.Parameter]) -> int:
     """All-reduce every parameter's pending (Partial) ``.grad`` into the parameter's placements, in buckets of
     ``SHARDFN_BUCKET_MB`` per dtype and set of mesh dims. Returns the number of collectives."""
-    groups: dict[tuple, list] = {}
-    collectives = 0
+    pending = []
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
-            dims = tuple(d for d, (a, b) in enumerate(zip(g.placements, p.placements)) if a.is_partial()
-                         and not b.is_partial())
-            groups.setdefault((id(g.device_mesh), dims, g.dtype), []).append(p)
-    limit = max(bucket_bytes(), 1)
-    for (_, dims, _), members in groups.items():
-        bucket, size = [], 0
-        for p in members + [None]:
-            nbytes = 0 if p is None else p.grad.to_local().numel() * p.grad.element_size()
-            if bucket and (p is None or size + nbytes > limit):
-                _reduce_bucket(bucket, dims)
-                collectives += 1
-                bucket, size = [], 0
-            if p is not None:
-                bucket.append(p)
-                size += nbytes
-    return collectives
+            pending.append((p, tuple(d for d, (a, b) in enumerate(zip(g.placements, p.placements))
+                                     if a.is_partial() and not b.is_partial())))
+    buckets = in_buckets(pending, lambda e: (id(e[0].grad.device_mesh), e[1], e[0].grad.dtype),
+                         lambda e: e[0].grad.to_local().numel() * e[0].grad.element_size(), max(bucket_bytes(), 1))
+    for bucket in buckets:
+        _reduce_bucket([p for p, _ in bucket], bucket[0][1])
+    return len(buckets)
 
 
 def _reduce_bucket(params: list, dims: tuple[int, ...]) -> None:

@@ -39,6 +39,7 @@ from .layout import Axis, Layout, MeshSpec, TensorLayout, TensorSpec, common_mes
     spec_of_dtensor, to_placements
 from .reshard import outside_placeholder, reshard
 from .strategy_search import Plan, build_request, make_plan, profile_for
+from .strategy_search.lru import LRU
 from .strategy_search.plan import Collective
 
 __all__ = ["ShardedFunction", "ShardedModule", "explain", "no_sync", "shard", "shard_optimizer"]
@@ -101,17 +102,14 @@ class _Compiled:
     # the call it was made for (its other dims hold only those)
     dynamic: dict[int, tuple[int, ...]] = field(default_factory=dict)
     sizes: tuple = ()
-    verdicts: dict = field(default_factory=dict)  # argument sizes -> why not served (None: served)
-    met: dict = field(default_factory=dict)  # signature -> calls of it served (real ranks trace the second)
+    verdicts: LRU = field(default_factory=lambda: LRU(4096))  # argument sizes -> why not served (None: served)
+    met: LRU = field(default_factory=lambda: LRU(4096))  # signature -> [calls of it served] (real ranks trace
+    # the second)
 
     def rejects(self, sizes: tuple, tensors: list) -> str | None:
         """Why the program for every size does not serve a call of these argument sizes (its capture's guards),
         or None; remembered per sizes (a generation asks again for every token)."""
-        if sizes not in self.verdicts:
-            if len(self.verdicts) >= 4096:
-                self.verdicts.clear()
-            self.verdicts[sizes] = self.program.dynamic_rejects(tensors)
-        return self.verdicts[sizes]
+        return self.verdicts.get(sizes, lambda: self.program.dynamic_rejects(tensors))
 
     def takes(self, sizes: tuple) -> bool:
         """Whether a call of these argument sizes differs from this program's only in its dynamic dims."""
@@ -305,10 +303,9 @@ class _Engine:
         here = dataclasses.replace(compiled, agreement=self._agreement(key, args, kwargs))
         if runtime.is_simulated():
             return here
-        if len(compiled.met) >= 4096:
-            compiled.met.clear()
-        compiled.met[key] = met = compiled.met.get(key, 0) + 1
-        if met < 2 or len(self.cache) + 1 >= cache_limit():
+        met = compiled.met.get(key, lambda: [0])
+        met[0] += 1
+        if met[0] < 2 or len(self.cache) + 1 >= cache_limit():
             return here
         here.program = self._lower(compiled, compiled.program.mesh, traced=True)
         self.cache[key] = here

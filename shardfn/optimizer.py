@@ -136,27 +136,17 @@ def _bucketable(p: DTensor, piece: DTensor) -> int | None:
 def _by_bucket(pairs):
     """(parameter, piece) pairs grouped for one collective each: mesh, mesh dim, dtype, up to a bucket's bytes;
     the others alone."""
-    from .strategy_search.buckets import bucket_bytes
+    from .strategy_search.buckets import bucket_bytes, in_buckets
 
-    groups, alone = {}, []
+    together, alone = [], []
     for p, piece in pairs:
         d = _bucketable(p, piece)
-        if d is None:
-            alone.append((p, piece))
-        else:
-            groups.setdefault((id(p.device_mesh), d, p.dtype), []).append((p, piece))
-    limit = max(bucket_bytes(), 1)
-    for (_, d, _), members in groups.items():
-        bucket, size = [], 0
-        for p, piece in members:
-            if bucket and size + p.numel() * p.element_size() > limit:
-                yield d, bucket
-                bucket, size = [], 0
-            bucket.append((p, piece))
-            size += p.numel() * p.element_size()
-        yield d, bucket
-    for pair in alone:
-        yield None, [pair]
+        (alone if d is None else together).append((p, piece, d))
+    for bucket in in_buckets(together, lambda e: (id(e[0].device_mesh), e[2], e[0].dtype),
+                             lambda e: e[0].numel() * e[0].element_size(), max(bucket_bytes(), 1)):
+        yield bucket[0][2], [(p, piece) for p, piece, _ in bucket]
+    for p, piece, _ in alone:
+        yield None, [(p, piece)]
 
 
 def _rows(n: int, k: int) -> int:

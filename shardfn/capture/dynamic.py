@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
@@ -81,15 +81,9 @@ class DynamicDims:
         return s
 
     def concrete(self, val: Any, bindings: dict[sympy.Symbol, int]) -> Any:
-        """A node's value as a meta tensor (or tuple of them) of its shape and strides at these bindings."""
-        def one(v):
-            if isinstance(v, torch.SymInt):
-                return self.size(v, bindings)
-            if not isinstance(v, torch.Tensor):
-                return v
-            return torch.empty_strided([self.size(s, bindings) for s in v.shape],
-                                       [self.size(s, bindings) for s in v.stride()], dtype=v.dtype, device="meta")
-        return pytree.tree_map(one, val)
+        """A node's value (or tuple of them) at these bindings: a tensor's shape and strides as numbers (a meta
+        tensor), a size a number."""
+        return _numbered(val, lambda s: self.size(s, bindings))
 
 
 def symbolic_input(fake_mode: FakeTensorMode, dims: DynamicDims, position: int, shape: tuple[int, ...],
@@ -99,17 +93,24 @@ def symbolic_input(fake_mode: FakeTensorMode, dims: DynamicDims, position: int, 
         return torch.empty(dims.symbolic(position, shape, dynamic), **kwargs)
 
 
-def _hinted(v: Any, mode: FakeTensorMode) -> Any:
+def _numbered(val: Any, size: Callable[[torch.SymInt], int], mode: FakeTensorMode | None = None) -> Any:
+    """``val`` (a value, or a tuple of them) with its SymInts as the numbers ``size`` gives: a SymInt a number, a
+    tensor of symbolic shape or strides an empty one of those numbers (on meta; or, in fake ``mode``, on its own
+    device, requiring grad as it did)."""
+    def number(s):
+        return size(s) if isinstance(s, torch.SymInt) else s
+
     def one(x):
         if isinstance(x, torch.SymInt):
-            return x.node.hint
+            return size(x)
         if not isinstance(x, torch.Tensor) or not any(isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride())):
             return x
+        shape, stride = [number(s) for s in x.shape], [number(s) for s in x.stride()]
+        if mode is None:
+            return torch.empty_strided(shape, stride, dtype=x.dtype, device="meta")
         with mode:
-            hint = lambda s: s.node.hint if isinstance(s, torch.SymInt) else s  # noqa: E731
-            return torch.empty_strided([hint(s) for s in x.shape], [hint(s) for s in x.stride()], dtype=x.dtype,
-                                       device=x.device).requires_grad_(x.requires_grad)
-    return pytree.tree_map(one, v)
+            return torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device).requires_grad_(x.requires_grad)
+    return pytree.tree_map(one, val)
 
 
 def planning_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -126,7 +127,7 @@ def planning_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if isinstance(val, torch.SymInt):
             sizes[node] = val.node.hint
         elif val is not None:
-            node.meta = {**node.meta, "val": _hinted(val, mode)}
+            node.meta = {**node.meta, "val": _numbered(val, lambda s: s.node.hint, mode)}
     for node in graph.nodes:
         node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: sizes.get(n, n))
     for node in reversed(list(sizes)):

@@ -322,10 +322,9 @@ class ParallelProgram:
         """The whole call on this rank's local tensors (then the graph's constants): entry, program, exit."""
         inputs = []
         for i, (x, e) in enumerate(zip(locals_, self.entries)):
-            if e.kind == "param" and (self.accumulate or e.name in self.grad_targets):
-                d = _EnterAccumulating.apply(x, self.mesh, e.held, torch.Size(e.shape), self.grad_placements, i)
-            else:
-                d = _Enter.apply(x, self.mesh, e.held, self._global_shape(i, e))
+            pending = e.kind == "param" and (self.accumulate or e.name in self.grad_targets)
+            record = self.grad_placements if pending else None
+            d = _Enter.apply(x, self.mesh, e.held, self._global_shape(i, e), record, i)
             d = self._used(d, e.kind)
             inputs.append(d if e.held == e.planned else _redistribute(d, e.planned))
         outs = [self._returned(o.to_local()) for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
@@ -355,10 +354,8 @@ class ParallelProgram:
         """Input ``i``'s global shape in this call."""
         if self.dynamic is None or i not in self.dynamic.dims:
             return torch.Size(e.shape)
-        return torch.Size(self.dynamic.size(s, self._bindings) for s in self._symbolic_shape(i))
-
-    def _symbolic_shape(self, i: int) -> tuple:
-        return tuple(self.captured.placeholders[i].meta["val"].shape)
+        symbolic = self.captured.placeholders[i].meta["val"].shape
+        return torch.Size(self.dynamic.size(s, self._bindings) for s in symbolic)
 
     def _global_shapes(self, args) -> dict[int, tuple[int, ...]]:
         """The global shapes of the inputs with dynamic dims, from the call's arguments (a DTensor's own; a
@@ -538,20 +535,31 @@ class ParallelProgram:
 class _Enter(torch.autograd.Function):
     """This rank's piece of an input as a DTensor in the layout it arrives in. Its gradient goes back in that layout
     with pending sums reduced (as DTensor.from_local's does), also when a backward formula made it a plain tensor
-    of the global shape (sgn's zeros): a whole value, of which this rank keeps its piece."""
+    of the global shape (sgn's zeros): a whole value, of which this rank keeps its piece.
+
+    With ``record`` (a parameter in a program that accumulates without sync, or one whose gradient a stage-2
+    sharded optimizer reduce-scatters itself), its gradient goes back pending (Partial) over the mesh dims where
+    the parameter is whole, resolved only where it is split (a sharded parameter's gradient is reduce-scattered as
+    ever, never held whole); the placements it goes back in are noted in ``record[i]`` while the program is traced
+    (the same on every later call)."""
 
     @staticmethod
-    def forward(ctx, local, mesh, placements, shape):
+    def forward(ctx, local, mesh, placements, shape, record, i):
         ctx.mesh, ctx.placements, ctx.dtype = mesh, _gradient_placements(placements), local.dtype
+        ctx.record, ctx.i = record, i
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=global_stride(local, shape))
 
     @staticmethod
     def backward(ctx, grad):
         grad = _as_dtensor(grad, ctx.mesh, ctx.placements)
-        if tuple(grad.placements) != ctx.placements:
-            grad = grad.redistribute(ctx.mesh, ctx.placements)
-        return grad.to_local().to(ctx.dtype), None, None, None
+        target = ctx.placements
+        if ctx.record is not None:
+            target = tuple(g if g.is_partial() and p.is_replicate() else p for g, p in zip(grad.placements, target))
+            ctx.record[ctx.i] = target
+        if tuple(grad.placements) != target:
+            grad = grad.redistribute(ctx.mesh, target)
+        return grad.to_local().to(ctx.dtype), None, None, None, None, None
 
 
 class _UsedAs(torch.autograd.Function):
@@ -580,30 +588,6 @@ class _ParamLocals(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return (None, *ctx.program.parameter_grads(list(grads), ctx.layouts))
-
-
-class _EnterAccumulating(torch.autograd.Function):
-    """A parameter whose gradient goes back pending (Partial) over the mesh dims where the parameter is whole,
-    resolved only where it is split (a sharded parameter's gradient is reduce-scattered as ever, never held
-    whole): in a program that accumulates without sync, or for a stage-2 sharded optimizer, which reduce-scatters
-    it itself. The placements it goes back in are noted in ``record[i]`` while the program is traced (the same on
-    every later call)."""
-
-    @staticmethod
-    def forward(ctx, local, mesh, placements, shape, record, i):
-        ctx.mesh, ctx.placements, ctx.record, ctx.i = mesh, tuple(placements), record, i
-        ctx.dtype = local.dtype
-        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-                                  stride=global_stride(local, shape))
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = _as_dtensor(grad, ctx.mesh, _gradient_placements(ctx.placements))
-        target = tuple(g if g.is_partial() and p.is_replicate() else p for g, p in zip(grad.placements, ctx.placements))
-        if tuple(grad.placements) != target:
-            grad = grad.redistribute(ctx.mesh, target)
-        ctx.record[ctx.i] = target
-        return grad.to_local().to(ctx.dtype), None, None, None, None, None
 
 
 class _Backward(torch.autograd.Function):

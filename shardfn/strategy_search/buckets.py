@@ -9,9 +9,9 @@ order their gradients are ready, until the next would take it over the size limi
 from __future__ import annotations
 
 import os
-from typing import Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
-__all__ = ["bucket_bytes", "assign_buckets"]
+__all__ = ["assign_buckets", "bucket_bytes", "in_buckets"]
 
 
 def bucket_bytes() -> int:
@@ -34,3 +34,14 @@ def assign_buckets(items: Sequence[tuple[Hashable, int]], limit: int) -> list[in
         open_by_kind[kind] = (current[0], current[1] + nbytes)
         numbers.append(current[0])
     return numbers
+
+
+def in_buckets(items: Sequence[Any], kind: Callable[[Any], Hashable], nbytes: Callable[[Any], int],
+               limit: int) -> list[list[Any]]:
+    """``items`` grouped into buckets by :func:`assign_buckets`' rule, the buckets in the order they open (the
+    same on every rank for the same items)."""
+    numbers = assign_buckets([(kind(x), nbytes(x)) for x in items], limit)
+    buckets: list[list[Any]] = [[] for _ in range(max(numbers, default=-1) + 1)]
+    for x, number in zip(items, numbers):
+        buckets[number].append(x)
+    return buckets

@@ -49,7 +49,8 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy from
     # forward to backward (FSDP's reshard_after_forward): one more all-gather per gathered parameter
     reshard = level == 1 and request.grad
-    from_params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
+    params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
+    from_params = set(params)
     for node in captured.gm.graph.nodes:  # what backward computes again from the shards: ops on parameters alone
         if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= from_params:
             from_params.add(node)
@@ -58,7 +59,6 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     position = {n: i for i, n in enumerate(captured.placeholders)}
     # accumulating without sync, a parameter's gradient is not all-reduced where it leaves the program; for a
     # stage-2 sharded optimizer it is reduce-scattered into the optimizer's piece instead
-    params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
 
     def synced(ops, placeholder):
         if placeholder not in params:
