@@ -6,8 +6,13 @@ control group (a gloo group beside the programs' own): each rank contributes the
 autocast), a running count of its calls, and whether its own checks, capture or planning failed. When all agree,
 the program runs; a first call also compares the traced graph and the plan. When they do not, a second exchange
 gathers every rank's readable description, and every rank raises the same error naming what differs and where.
-So ranks that disagree (a different strategy, a smaller last batch, a skipped call, another order of calls, a
-failure on one rank) get an error on every rank, never a hang or a wrong number.
+So ranks that disagree (a different strategy, a skipped call, another order of calls, a failure on one rank) get
+an error on every rank, never a hang or a wrong number.
+
+With dataset_strategy="data_parallel" the batch slices' row counts are compared apart from the rest: ranks that
+agree on everything else but pass slices of other lengths (an epoch's last batch) make an uneven call, which they
+all learn of together (:class:`UnevenBatch`, with every rank's row counts from a second exchange) and which the
+engine runs on the whole batch (shardfn.uneven_batch).
 
 The values that must be equal on every rank are compared too, by digests of their bytes: every full-batch input
 (dataset_strategy="full_batch": the whole batch, the same on every rank), every replicated input DTensor, and, on
@@ -35,8 +40,8 @@ import torch.distributed as dist
 
 from . import runtime
 
-__all__ = ["Agreement", "CHECK_MODES", "check_mode", "digest", "inputs_compared", "inputs_not_compared",
-           "tensor_digest"]
+__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "check_mode", "digest", "inputs_compared",
+           "inputs_not_compared", "tensor_digest"]
 
 CHECK_MODES = ("signature", "values", "first")
 
@@ -90,6 +95,14 @@ def inputs_compared() -> bool:
     return _INPUTS_COMPARED.get()
 
 
+class UnevenBatch(Exception):
+    """Raised on every rank of a call whose ranks agree on all but their batch slices' row counts."""
+
+    def __init__(self, rows: dict[int, tuple[int, ...]]):
+        super().__init__(f"uneven batch slices: {rows}")
+        self.rows = rows  # per (global) rank of the call: the row counts of its batch inputs
+
+
 _SEQUENCE: dict = {}  # calls of sharded callables made by this process, per set of ranks they run on
 
 
@@ -101,6 +114,7 @@ class Agreement:
     signature: int
     describe: dict[str, str] = field(default_factory=dict)  # field -> readable value (for messages)
     ranks: tuple[int, ...] | None = None  # the ranks the call runs on (None: the world)
+    rows: tuple[int, ...] = ()  # data_parallel: the row counts of this rank's batch inputs (compared apart)
 
     def check(self, first: bool, error: BaseException | None = None,
               values: Callable[[], dict[str, int]] | None = None) -> None:
@@ -119,26 +133,36 @@ class Agreement:
                 digests = values()
             except Exception as e:  # noqa: BLE001 - re-raised below, reported on the others
                 error = e
-        mine = [self.signature, sequence, int(first), 0 if error is None else 1,
-                digest(repr(sorted(digests.items())))]
+        mine = [self.signature, sequence, 0 if error is None else 1, int(first),
+                digest(repr(sorted(digests.items()))), digest(repr(self.rows))]
         both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         top, low = both[: len(mine)].tolist(), [-v for v in both[len(mine):].tolist()]
         if top == low and error is None:
             return
+        if top[:3] == low[:3] == mine[:3] and top[5] != low[5]:
+            # the same call but for its slices' lengths (whether a rank met those lengths before, and so compared
+            # values, may differ too): every rank learns every rank's row counts
+            rows: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(rows, self.rows, group=group)
+            raise UnevenBatch(dict(zip(dist.get_process_group_ranks(group), rows)))
         self._disagree(group, error, digests)
 
-    def check_program(self, graph: str, plan: str) -> None:
-        """A first call, once all agree on the signature: the traced graph and the plan must agree too."""
+    def check_program(self, graph: str | None, plan: str | None, error: BaseException | None = None) -> None:
+        """A first call, once all agree on the signature and each rank has captured and planned it (or failed
+        to: ``error``): the traced graph and the plan must agree too; a rank's failure is raised on every rank."""
         group = _group(self.ranks)
         if group is None:
+            if error is not None:
+                raise error
             return
-        mine = [digest(graph), digest(plan)]
+        mine = [digest(graph or ""), digest(plan or ""), 0 if error is None else 1]
         both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        if both[:2].tolist() != mine or [-v for v in both[2:].tolist()] != mine:
-            self.describe = {**self.describe, "traced graph": graph, "plan": plan}
-            self._disagree(group, None, {})
+        if both[:3].tolist() != mine or [-v for v in both[3:].tolist()] != mine or error is not None:
+            if error is None:
+                self.describe = {**self.describe, "traced graph": graph, "plan": plan}
+            self._disagree(group, error, {})
 
     def _disagree(self, group, error: BaseException | None, values: dict[str, int]) -> None:
         """Second exchange: every rank's description and error; the same message raised everywhere."""
@@ -165,8 +189,8 @@ class Agreement:
         message = ("shardfn: the ranks are not making the same call, so its collectives would not match (a "
                    "hang or wrong numbers); every rank stops here. What differs:\n" + "\n".join(lines) + "\n"
                    "Every rank must call sharded callables in the same order with the same strategies and arguments "
-                   "of the same shapes, dtypes and layouts (with dataset_strategy='data_parallel', equal batch "
-                   "slices: drop or pad an uneven last batch).")
+                   "of the same shapes, dtypes and layouts (with dataset_strategy='data_parallel' only the batch "
+                   "slices' lengths may differ).")
         raise ValueError(message) from error
 
 

@@ -24,12 +24,12 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from . import accumulation, parameters, runtime
+from . import accumulation, parameters, runtime, uneven_batch
 from .optimizer import ShardedOptimizer
 from .optimizer import check_stage as optimizer_check_stage
 from .optimizer import gradient_targets as optimizer_gradient_targets
-from .agreement import Agreement, check_mode, digest, inputs_compared, tensor_digest
-from .arguments import BoundCall, bind, call_key, without_sizes
+from .agreement import Agreement, UnevenBatch, check_mode, digest, inputs_compared, tensor_digest
+from .arguments import BoundCall, bind, call_key, without_batch_rows, without_sizes
 from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.dynamic import planning_graph
 from .capture.graph import CapturedGraph
@@ -145,6 +145,7 @@ class _Engine:
         self.captures = 0  # captures (and plans) made: what a call of a new signature costs, counted
         self.static_only: set[tuple] = set()  # structures whose symbolic capture failed: a program per size
         self.planning_error: Exception | None = None  # the last first call's own failure to capture or plan
+        self.batch: dict[int, int] = {}  # inside an uneven call: its batch inputs' global rows, by tensor number
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
@@ -159,9 +160,21 @@ class _Engine:
             self.dynamic.clear()
         if self.config.ranks is not None and not self._runs_here():
             return self._outside_call(key, args, kwargs, tensors, objects, arrived)
+        if (rows := self._simulated_rows(tensors)) is not None:  # (real ranks learn it in the agreement)
+            compiled, outs = self._uneven_call(rows, args, kwargs, tensors, arrived)
+            return compiled.captured.result(outs, tensors, objects)
+        try:
+            compiled, outs = self._run(key, args, kwargs, tensors, arrived)
+        except UnevenBatch as uneven:  # raised on every rank alike
+            compiled, outs = self._uneven_call(uneven.rows, args, kwargs, tensors, arrived)
+        return compiled.captured.result(outs, tensors, objects)
+
+    def _run(self, key: tuple, args, kwargs, tensors: list, arrived: tuple) -> tuple[_Compiled, list]:
+        """The program for this call's signature (made now if new), run: it and its outputs."""
         compiled, made = self.cache.get(key), False
         if compiled is None:
-            compiled, made = self._for_every_size(key, args, kwargs, tensors, arrived)
+            if not self.batch:  # (an uneven call's global batch: a program of its own, see _uneven_call)
+                compiled, made = self._for_every_size(key, args, kwargs, tensors, arrived)
             if compiled is None:
                 compiled, made = self._first_call(key, args, kwargs, arrived), True
         if not made and (mode := check_mode()) != "first":  # (a program made now agreed as it was made)
@@ -170,7 +183,54 @@ class _Engine:
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
         if compiled.program.accumulate and torch.is_grad_enabled():
             outs = self._accumulated(outs)
-        return compiled.captured.result(outs, tensors, objects)
+        return compiled, outs
+
+    def _simulated_rows(self, tensors: list) -> dict[int, tuple[int, ...]] | None:
+        """In a simulated world, each rank's batch inputs' row counts where some differ between ranks."""
+        if not runtime.is_simulated() or self.config.dataset_strategy != "data_parallel":
+            return None
+        batch = [t for t in tensors if self._in_batch(t)]
+        counts = [runtime.simulated_counts(t.shape[0]) for t in batch]
+        if all(c is None for c in counts):
+            return None
+        world = len(next(c for c in counts if c is not None))
+        return {r: tuple(int(t.shape[0]) if c is None else c[r] for t, c in zip(batch, counts)) for r in range(world)}
+
+    def _uneven_call(self, rows: dict[int, tuple[int, ...]], args, kwargs, tensors: list,
+                     arrived: tuple) -> tuple[_Compiled, list]:
+        """A call whose ranks passed batch slices of other lengths (``rows``: per global rank of the call, its
+        batch inputs' row counts): run on their concatenation (see shardfn.uneven_batch). The program is the one for that
+        global batch, kept by the signature with the batch's rows."""
+        device = runtime.resolve_device(self.config.device)
+        world = self._world(device)
+        ranks = self._ranks() or tuple(range(world))
+        me = ranks.index(dist.get_rank())
+        batch = [j for j, t in enumerate(tensors) if self._in_batch(t)]
+        with runtime.outside_simulation():  # (the held splits; the rows are the slices')
+            call = bind(self.config, self.fn, self.name, args, kwargs, world, rows=dict.fromkeys(batch, 0))
+            mesh_spec = self._mesh_spec(call, self._param_specs(world), world)
+        moves = {j: uneven_batch.rows_of([rows[r][i] for r in ranks], call.held[j], mesh_spec, call.names[j])
+                 for i, j in enumerate(batch)}
+        moved = list(tensors)
+        for j, where in moves.items():
+            moved[j] = uneven_batch.move_rows(tensors[j], where, me, ranks)
+        structure = split_arguments(args, kwargs)[2]
+        args, kwargs = structure.rebuild(moved)
+        self.batch = {j: where.total for j, where in moves.items()}
+        try:
+            compiled, outs = self._run(self._key(args, kwargs, arrived), args, kwargs, moved, arrived)
+        finally:
+            self.batch = {}
+        plan, vals = compiled.plan, [n.meta["val"] for n in compiled.captured.output_nodes]
+        outs = list(outs)
+        for k, out in enumerate(outs):  # outputs split as a batch input is go back into that input's slices
+            if plan.returns_dtensor[k] or plan.outputs[k] is None or not vals[k].dim():
+                continue
+            same = [where for j, where in moves.items() if where.total == vals[k].shape[0] and
+                    to_placements(call.held[j], mesh_spec) == tuple(plan.outputs[k])]
+            if same:
+                outs[k] = uneven_batch.move_rows(out, same[0].back(), me, ranks)
+        return compiled, outs
 
     def _accumulating(self) -> bool:
         """Does this call leave parameters' gradients pending (inside no_sync, or the synced call after it)?"""
@@ -199,6 +259,10 @@ class _Engine:
         arrived = ()
         if kwargs or not all(type(a) is torch.Tensor for a in args):
             args, kwargs, arrived = self._arrive(args, kwargs, move=move, world=world)
+        key, tensors, objects = self._key(args, kwargs, arrived, with_tensors=True)
+        return args, kwargs, arrived, key, tensors, objects
+
+    def _key(self, args, kwargs, arrived: tuple, with_tensors: bool = False):
         key, tensors, objects = call_key(args, kwargs)
         key += arrived
         if self.module is not None:
@@ -207,7 +271,13 @@ class _Engine:
             key += ("no sync",)
         if self.optimizer_stage:
             key += (("optimizer stage", self.optimizer_stage, tuple(sorted(self.grad_targets.items()))),)
-        return args, kwargs, arrived, key, tensors, objects
+        if self.batch:  # (an uneven call's pieces: their rows follow from the batch's)
+            key = without_batch_rows(key) + (("batch rows", tuple(sorted(self.batch.items()))),)
+        return (key, tensors, objects) if with_tensors else key
+
+    def _in_batch(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is this rank's slice of a data_parallel batch."""
+        return self.config.dataset_strategy == "data_parallel" and not isinstance(t, DTensor) and t.dim() > 0
 
     def _check_not_nested_or_transformed(self, tensors: list[torch.Tensor]) -> None:
         if capturing():
@@ -258,20 +328,28 @@ class _Engine:
         world = self._world(device)
         self.group = dist.group.WORLD
         agreement = self._agreement(key, args, kwargs)
-        compiled, error = None, None
-        try:  # local work only: a rank that fails here still takes part in the agreement below
+        # a model's replicas are compared once, before its first step: later, kernels that sum in no fixed order
+        # (atomics on a GPU) may leave replicated parameters apart in their last bits, harmlessly. The ranks agree
+        # on the call before planning it (an uneven batch is known here, before a plan for one rank's slice)
+        first_step = not self.params_laid_out
+        error = None
+        try:  # the call's own checks (local): a rank whose checks fail tells the others in the agreement
             self._check_materialized()
+            with runtime.outside_simulation():
+                bind(self.config, self.fn, self.name, args, kwargs, world, rows=self.batch)
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
+            error = self.planning_error = e
+        agreement.check(first=True, error=error, values=lambda: {
+            **self._values(args, kwargs), **(self._replicated_state() if first_step else {})})
+        compiled = None
+        try:  # local work only: a rank that fails here still takes part in the agreement below
             compiled = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
                                  arrived, dynamic)
             compiled.agreement = agreement
-        except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_program, reported on the others
             error = self.planning_error = e
-        # a model's replicas are compared once, before its first step: later, kernels that sum in no fixed order
-        # (atomics on a GPU) may leave replicated parameters apart in their last bits, harmlessly
-        first_step = not self.params_laid_out
-        agreement.check(first=True, error=error, values=lambda: {
-            **self._values(args, kwargs), **(self._replicated_state() if first_step else {})})
-        agreement.check_program(compiled.captured.code_across_ranks(), compiled.plan.table())
+        agreement.check_program(compiled and compiled.captured.code_across_ranks(),
+                                compiled and compiled.plan.table(), error)
         mesh = runtime.device_mesh(compiled.mesh_spec, device, self._ranks())
         if self.module is not None:
             self._relay_parameters(compiled.plan, mesh, device)
@@ -284,9 +362,16 @@ class _Engine:
         return compiled
 
     def _agreement(self, key: tuple, args, kwargs) -> Agreement:
-        """What the ranks compare for a call of this signature (its sizes included)."""
+        """What the ranks compare for a call of this signature (its sizes included; data_parallel slices' row
+        counts apart: ranks may pass slices of other lengths, shardfn.uneven_batch)."""
+        rows: tuple[int, ...] = ()
+        if self.config.dataset_strategy == "data_parallel":
+            key = without_batch_rows(key)
+            tensors = split_arguments(args, kwargs)[0]
+            rows = tuple(sorted(self.batch.items())) if self.batch else \
+                tuple(t.shape[0] for t in tensors if self._in_batch(t))
         return Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs),
-                         ranks=self._ranks())
+                         ranks=self._ranks(), rows=rows)
 
     def _lower(self, compiled: _Compiled, mesh, traced: bool) -> ParallelProgram:
         return lower(compiled.captured, compiled.plan, mesh, compiled=traced, name=self.name,
@@ -416,12 +501,9 @@ class _Engine:
         """Bind, capture and plan one call signature (local: no communication). ``dynamic``: {argument tensor
         number: dims} traced as symbols; the search plans at this call's sizes."""
         with runtime.outside_simulation():
-            call = bind(self.config, self.fn, self.name, args, kwargs, world)
+            call = bind(self.config, self.fn, self.name, args, kwargs, world, rows=self.batch)
             param_specs = self._param_specs(world)
-            out_given = [normalize_strategy(s, None, world, f"out_strategy[{i}]")
-                         for i, s in enumerate(self.config.out_strategy or ()) if s is not None]
-            mesh_spec = common_mesh([*call.held, *(f for f in call.fixed if f is not None), *param_specs.values(),
-                                     *out_given], world, _alias_names(self.config.strategies()))
+            mesh_spec = self._mesh_spec(call, param_specs, world)
             captured = self._capture(args, kwargs, call, device, dynamic)
             self.captures += 1
             planned = captured if not dynamic else dataclasses.replace(
@@ -440,6 +522,13 @@ class _Engine:
                          param_slots=[parameters.slot(self.module, n) for n in params],
                          buffer_slots=[parameters.slot(self.module, n) for n in buffers],
                          plan_request_accumulates=accumulate, dynamic=dict(dynamic or {}))
+
+    def _mesh_spec(self, call: BoundCall, param_specs: dict[str, TensorSpec], world: int) -> MeshSpec:
+        """The call's mesh: the one every given layout fits on."""
+        out_given = [normalize_strategy(s, None, world, f"out_strategy[{i}]")
+                     for i, s in enumerate(self.config.out_strategy or ()) if s is not None]
+        return common_mesh([*call.held, *(f for f in call.fixed if f is not None), *param_specs.values(),
+                            *out_given], world, _alias_names(self.config.strategies()))
 
     def _capture(self, args, kwargs, call: BoundCall, device: str, dynamic: dict | None = None) -> CapturedGraph:
         shapes = iter(call.shapes)

@@ -30,7 +30,7 @@ from .capture.structure import split
 from .config import ShardConfig, is_container_entry
 from .layout import TensorLayout, TensorSpec, normalize_strategy, spec_of_dtensor
 
-__all__ = ["BoundCall", "bind", "call_key"]
+__all__ = ["BoundCall", "bind", "call_key", "without_batch_rows", "without_sizes"]
 
 
 def _is_strategy(e: Any) -> bool:
@@ -129,8 +129,10 @@ class BoundCall:
 
 
 def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwargs: dict,
-         world: int) -> BoundCall:
-    """Check a call's arguments against the config (local, every rank) and lay out what each tensor is."""
+         world: int, rows: dict[int, int] | None = None) -> BoundCall:
+    """Check a call's arguments against the config (local, every rank) and lay out what each tensor is.
+    ``rows``: data_parallel inputs' global rows by tensor number, where the slices are uneven (shardfn.uneven_batch);
+    else each is its slice's rows times the slices."""
     tensors, names, _ = split_arguments(args, kwargs, names=True, where=lambda: name)
     strategies = _strategies(config, fn, name, args, kwargs)
     bound = BoundCall([], [], [], [], [])
@@ -151,7 +153,7 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
                     f"{arg} = {s!r}: with dataset_strategy='data_parallel' each input arrives split on dim 0 only "
                     f"(this rank's batch slice); give the device axes that split dim 0 and no other dim (ranks "
                     f"along other axes pass equal slices), or None for all {world} ranks: use None or {dp!r}")
-            shape = (leaf.shape[0] * splits,) + tuple(leaf.shape[1:])
+            shape = ((rows or {}).get(len(bound.tensors), leaf.shape[0] * splits),) + tuple(leaf.shape[1:])
             held = normalize_strategy(dp if s is None else s, shape, world, f"{where} (data_parallel)")
             fixed = held
         else:
@@ -198,6 +200,16 @@ def without_sizes(key: Any) -> Any:
         return (key[0], len(key[1]), *key[2:])
     if isinstance(key, tuple):
         return tuple(without_sizes(k) for k in key)
+    return key
+
+
+def without_batch_rows(key: Any) -> Any:
+    """A signature with the rows of each plain tensor (a data_parallel batch slice) left out: what ranks passing
+    slices of other lengths share."""
+    if isinstance(key, _TensorKey):
+        return (key[0], (None, *key[1][1:]) if key[0] == "T" and key[1] else key[1], *key[2:])
+    if isinstance(key, tuple):
+        return tuple(without_batch_rows(k) for k in key)
     return key
 
 

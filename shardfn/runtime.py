@@ -37,7 +37,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -392,6 +392,25 @@ def is_simulated() -> bool:
     from torch.distributed._local_tensor import local_tensor_mode
 
     return local_tensor_mode() is not None
+
+
+def simulated_counts(size) -> list[int] | None:
+    """In a simulated world, each rank's value of a size that differs between ranks (a tensor made with
+    per-rank shapes), in rank order; None for a plain number."""
+    local = getattr(getattr(size, "node", None), "_local_ints", None)
+    return None if local is None else [int(local[r]) for r in sorted(local)]
+
+
+def simulated_map(t: torch.Tensor, fn: Callable[[int, dict[int, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    """In a simulated world, the tensor whose value on rank r is ``fn(r, every rank's value of t)`` (shapes may
+    differ between ranks)."""
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    values = getattr(t, "_local_tensors", None)
+    values = dict(values) if values is not None else {r: t for r in range(dist.get_world_size())}
+    with outside_simulation():
+        pieces = {r: fn(r, values) for r in values}
+    return local_tensor_mode().rank_map(lambda r: pieces[r])
 
 
 def outside_simulation():

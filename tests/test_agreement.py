@@ -60,11 +60,12 @@ def _different_dtype():
     sf.shard(lambda t: t * 2, in_strategy=((4, 1),))(_args(rank_dtype=_odd(torch.float64, torch.float32))[0])
 
 
-def _uneven_last_batch():
+def _data_parallel_slice_of_another_width():
+    # slices of other lengths are one uneven batch (shardfn.uneven_batch); of other widths, another call
     torch.manual_seed(0)  # the same model on every rank
     m = sf.shard(nn.Linear(16, 12), in_strategy=(None,), dataset_strategy="data_parallel")
     m(torch.randn(2, 16))
-    m(torch.randn(_odd(1, 2), 16))
+    m(torch.randn(_odd(1, 2), _odd(12, 16)))
 
 
 def _shapes_change_on_one_rank_later():
@@ -131,7 +132,8 @@ CASES = {
                                                   "ranks 0,1,2: ((4, 1), None, None)"]),
     "requires_grad differs": (_different_requires_grad, ["tensor inputs", "input 1 (16, 12) float32;"]),
     "dtype differs": (_different_dtype, ["rank 3: input 0 (8, 16) float64", "ranks 0,1,2: input 0 (8, 16) float32"]),
-    "uneven data_parallel batch": (_uneven_last_batch, ["rank 3: input 0 (1, 16)", "drop or pad an uneven last"]),
+    "data_parallel slice of another width": (_data_parallel_slice_of_another_width,
+                                              ["rank 3: input 0 (1, 12)", "only the batch slices' lengths"]),
     "shapes change on one rank later": (_shapes_change_on_one_rank_later, ["rank 3: input 0 (16, 16)"]),
     "sizes differ on one rank, one program for every size": (
         _sizes_differ_on_one_rank_with_a_program_for_every_size, ["rank 3: input 0 (24, 16)"]),
@@ -181,7 +183,7 @@ def test_an_error_on_one_rank_stops_every_rank_and_the_world_goes_on(ranks):
     assert len({total for _, total in results}) == 1  # the next call runs on every rank, the same
 
 
-@pytest.mark.parametrize("name", ["uneven data_parallel batch", "in_strategy differs"])
+@pytest.mark.parametrize("name", ["data_parallel slice of another width", "in_strategy differs"])
 def test_under_mpirun_every_rank_reports_the_error(name):
     from tests.launch import run_mpirun, succeeds
 

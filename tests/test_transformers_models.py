@@ -54,6 +54,22 @@ def _train_body(name, mode):
     return train_and_compare(name, mode, dist.get_world_size(), _real_slice)
 
 
+def _uneven_slice(t, counts=(3, 3, 2, 0)):
+    start = sum(counts[:dist.get_rank()])
+    return t[start: start + counts[dist.get_rank()]]
+
+
+def _uneven_body(names):
+    return [train_and_compare(name, "dp", dist.get_world_size(), _uneven_slice, steps=2) for name in names]
+
+
+def test_an_uneven_last_batch_trains_like_unsharded_on_real_ranks(gloo4):
+    # an epoch's last batch of 8 rows on 4 ranks as 3, 3, 2, 0 (shardfn.uneven_batch): a causal LM's loss over
+    # ignored labels, and batch norm's statistics, of the whole batch
+    losses = gloo4.run(_uneven_body, ["gpt2", "resnet"])
+    assert all(rank_losses == losses[0] for rank_losses in losses), losses
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_trains_like_unsharded_on_real_ranks(gloo4, name):
     for mode in MODES:

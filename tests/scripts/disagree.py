@@ -1,5 +1,5 @@
 """One case of tests/test_agreement.py on ranks started by a launcher (mpirun, torchrun): every rank prints what
-it saw.    mpirun -n 4 python tests/scripts/disagree.py "uneven data_parallel batch"
+it saw.    mpirun -n 4 python tests/scripts/disagree.py "data_parallel slice of another width"
 """
 
 import sys
