@@ -101,7 +101,7 @@ def worker(rank, args, port):
             dist.all_reduce(got)
             got /= args.world
         torch.testing.assert_close(got, ddp, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    engine = sharded._shardfn_engine
+    engine = sf.engine_of(sharded)
     made = {"shardfn": engine.captures, "DDP": 0,
             "DDP + torch.compile": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
     if rank == 0:

@@ -110,7 +110,7 @@ def worker(rank, args, port):
         out = _generate(model, ids, args, cache)
         want = out if want is None else want
         assert torch.equal(out, want), f"{name}: other tokens than the unsharded model's"
-        captures = model._shardfn_engine.captures if sharded else 0
+        captures = sf.engine_of(model).captures if sharded else 0
         rows.append((f"{name}" if sharded else f"unsharded ({cache} cache)", timed.times[0],
                      statistics.median(timed.times[2:]), captures))
         if sharded and cache == "static" and args.world > 1:

@@ -248,6 +248,7 @@ def compiled_for(block, x, grad: bool):
     """The cached _Compiled that ``block(x)`` runs in this grad mode, and what ``_Engine.__call__`` hands to its
     ``program(...)`` and the program to its AOT-compiled function ``program._run`` on that cached call (recorded,
     not rebuilt, so this follows the engine as it changes), and block(x)'s value."""
+    import shardfn as sf
     from shardfn.exec.lower import ParallelProgram
 
     rec = {}
@@ -275,7 +276,7 @@ def compiled_for(block, x, grad: bool):
             y = block(x)
     finally:
         ParallelProgram.__call__ = orig_call
-    cache = block.__dict__["_shardfn_engine"].cache
+    cache = sf.engine_of(block).programs
     (compiled,) = [c for c in cache.values() if c.program is rec["program"]]
     return compiled, rec["args"], rec["run_args"], y
 

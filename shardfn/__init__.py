@@ -4,7 +4,7 @@
     y = sf.shard(dense_relu, in_strategy=((4, 2), None, None))(x, weight, bias)
 """
 
-from .api import ShardedFunction, ShardedModule, explain, no_sync, shard, shard_optimizer
+from .api import ShardedFunction, ShardedModule, engine_of, explain, no_sync, shard, shard_optimizer
 from .capture import CaptureError
 from .checkpoint import load, save
 from .layout import Layout
@@ -15,6 +15,5 @@ from .show import show
 from .runtime import init
 from .strategy_search import Plan
 
-__all__ = ["CaptureError", "Layout", "Pipeline", "Plan", "ShardedFunction", "ShardedModule", "explain", "init", "load",
-           "materialize", "no_sync", "pipeline", "reshard", "save", "shard", "shard_optimizer",
-           "show"]
+__all__ = ["CaptureError", "Layout", "Pipeline", "Plan", "ShardedFunction", "ShardedModule", "engine_of", "explain",
+           "init", "load", "materialize", "no_sync", "pipeline", "reshard", "save", "shard", "shard_optimizer", "show"]

@@ -12,10 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-import warnings
-from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -29,7 +25,7 @@ from .optimizer import ShardedOptimizer
 from .optimizer import check_stage as optimizer_check_stage
 from .optimizer import gradient_targets as optimizer_gradient_targets
 from .agreement import Agreement, UnevenBatch, check_mode, digest, inputs_compared, tensor_digest
-from .arguments import BoundCall, bind, call_key, without_batch_rows, without_sizes
+from .arguments import BoundCall, bind, call_key, without_batch_rows
 from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.dynamic import planning_graph
 from .capture.graph import CapturedGraph
@@ -37,86 +33,14 @@ from .config import ShardConfig
 from .exec.lower import ParallelProgram, lower
 from .layout import Axis, Layout, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, \
     spec_of_dtensor, to_placements
+from .programs import Compiled, Programs
 from .reshard import outside_placeholder, reshard
 from .strategy_search import Plan, build_request, make_plan, profile_for
-from .strategy_search.lru import LRU
 from .strategy_search.plan import Collective
 
-__all__ = ["ShardedFunction", "ShardedModule", "explain", "no_sync", "shard", "shard_optimizer"]
+__all__ = ["ShardedFunction", "ShardedModule", "engine_of", "explain", "no_sync", "shard", "shard_optimizer"]
 
 _log = logging.getLogger("shardfn")
-
-
-def cache_limit() -> int:
-    """How many programs (call signatures) one sharded callable keeps: ``SHARDFN_CACHE_SIZE``, default 16."""
-    value = os.environ.get("SHARDFN_CACHE_SIZE", "16")
-    if not value.isdigit() or int(value) < 1:
-        raise ValueError(f"SHARDFN_CACHE_SIZE={value!r}: give a positive number of programs")
-    return int(value)
-
-
-class _Programs(OrderedDict):
-    """The programs of one sharded callable by call signature, the least recently used dropped past
-    :func:`cache_limit` (as torch.compile's cache size limit): every new signature costs a capture, a plan and a
-    trace, so a run whose shapes change on every call is said aloud, once."""
-
-    def __init__(self, name: str):
-        super().__init__()
-        self.name, self.warned = name, False
-
-    def get(self, key, default=None):
-        found = super().get(key, default)
-        if found is not default:
-            self.move_to_end(key)
-        return found
-
-    def __setitem__(self, key, value) -> None:
-        super().__setitem__(key, value)
-        limit = cache_limit()
-        while len(self) > limit:
-            self.popitem(last=False)
-            if not self.warned:
-                self.warned = True
-                message = (f"shardfn: {self.name} has been called with more than {limit} signatures (shapes, "
-                           "dtypes, layouts); the least recently used programs are dropped and made again when "
-                           "called again (a capture, a plan and a trace each). Keep shapes fixed (pad to a few "
-                           "lengths), or raise SHARDFN_CACHE_SIZE.")
-                _log.warning(message)
-                warnings.warn(message, stacklevel=4)
-
-
-@dataclass
-class _Compiled:
-    """Everything a repeat call with the same signature needs."""
-
-    captured: CapturedGraph
-    plan: Plan
-    mesh_spec: MeshSpec
-    agreement: Agreement
-    program: ParallelProgram | None = None
-    # (owning module, attribute) of each parameter and buffer: read per call without walking the module tree
-    param_slots: list = field(default_factory=list)
-    buffer_slots: list = field(default_factory=list)
-    plan_request_accumulates: bool = False  # planned without gradient sync (sf.no_sync)
-    # a program for every size of some dims (capture.dynamic): {argument tensor number: dims}, and the sizes of
-    # the call it was made for (its other dims hold only those)
-    dynamic: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    sizes: tuple = ()
-    verdicts: LRU = field(default_factory=lambda: LRU(4096))  # argument sizes -> why not served (None: served)
-    met: LRU = field(default_factory=lambda: LRU(4096))  # signature -> [calls of it served] (real ranks trace
-    # the second)
-
-    def rejects(self, sizes: tuple, tensors: list) -> str | None:
-        """Why the program for every size does not serve a call of these argument sizes (its capture's guards),
-        or None; remembered per sizes (a generation asks again for every token)."""
-        return self.verdicts.get(sizes, lambda: self.program.dynamic_rejects(tensors))
-
-    def takes(self, sizes: tuple) -> bool:
-        """Whether a call of these argument sizes differs from this program's only in its dynamic dims."""
-        return len(sizes) == len(self.sizes) and all(
-            len(now) == len(then) and all(a == b or d in self.dynamic.get(j, ()) for d, (a, b) in
-                                          enumerate(zip(now, then)))
-            for j, (now, then) in enumerate(zip(sizes, self.sizes)))
 
 
 class _Engine:
@@ -126,8 +50,8 @@ class _Engine:
         self.fn, self.config, self.module = fn, config, module
         target = module if module is not None else fn
         self.name = getattr(target, "__qualname__", type(target).__name__)  # before a module's class is swapped
-        self.cache = _Programs(self.name)
-        self.outside: dict[tuple, _Compiled] = {}  # plans of calls this rank is outside of (placeholders only)
+        self.programs = Programs(self.name)
+        self.outside: dict[tuple, Compiled] = {}  # plans of calls this rank is outside of (placeholders only)
         self.group = None  # the process group the cached programs were made for
         self.params_laid_out = False  # set by the first call's plan; later plans keep the layouts
         self.capturing_self = False
@@ -138,12 +62,7 @@ class _Engine:
         # into (sf.shard_optimizer), and its stage (the plan's memory model splits the states)
         self.grad_targets: dict[str, tuple] = {}
         self.optimizer_stage = 0
-        # dims whose size changes between calls (torch.compile's automatic dynamic shapes): by signature without
-        # sizes, the argument sizes first seen, and the program that serves every size of the dims that changed
-        self.sizes_seen: dict[tuple, tuple] = {}
-        self.dynamic: dict[tuple, _Compiled] = {}
         self.captures = 0  # captures (and plans) made: what a call of a new signature costs, counted
-        self.static_only: set[tuple] = set()  # structures whose symbolic capture failed: a program per size
         self.planning_error: Exception | None = None  # the last first call's own failure to capture or plan
         self.batch: dict[int, int] = {}  # inside an uneven call: its batch inputs' global rows, by tensor number
 
@@ -155,9 +74,8 @@ class _Engine:
         self._check_not_nested_or_transformed(tensors)
         group = dist.group.WORLD if dist.is_initialized() else None
         if group is not self.group:  # a new process group: programs made for the old one are void
-            self.cache.clear()
+            self.programs.clear()
             self.outside.clear()
-            self.dynamic.clear()
         if self.config.ranks is not None and not self._runs_here():
             return self._outside_call(key, args, kwargs, tensors, objects, arrived)
         if (rows := self._simulated_rows(tensors)) is not None:  # (real ranks learn it in the agreement)
@@ -169,9 +87,9 @@ class _Engine:
             compiled, outs = self._uneven_call(uneven.rows, args, kwargs, tensors, arrived)
         return compiled.captured.result(outs, tensors, objects)
 
-    def _run(self, key: tuple, args, kwargs, tensors: list, arrived: tuple) -> tuple[_Compiled, list]:
+    def _run(self, key: tuple, args, kwargs, tensors: list, arrived: tuple) -> tuple[Compiled, list]:
         """The program for this call's signature (made now if new), run: it and its outputs."""
-        compiled, made = self.cache.get(key), False
+        compiled, made = self.programs.get(key), False
         if compiled is None:
             if not self.batch:  # (an uneven call's global batch: a program of its own, see _uneven_call)
                 compiled, made = self._for_every_size(key, args, kwargs, tensors, arrived)
@@ -197,10 +115,10 @@ class _Engine:
         return {r: tuple(int(t.shape[0]) if c is None else c[r] for t, c in zip(batch, counts)) for r in range(world)}
 
     def _uneven_call(self, rows: dict[int, tuple[int, ...]], args, kwargs, tensors: list,
-                     arrived: tuple) -> tuple[_Compiled, list]:
+                     arrived: tuple) -> tuple[Compiled, list]:
         """A call whose ranks passed batch slices of other lengths (``rows``: per global rank of the call, its
-        batch inputs' row counts): run on their concatenation (see shardfn.uneven_batch). The program is the one for that
-        global batch, kept by the signature with the batch's rows."""
+        batch inputs' row counts): run on their concatenation (see shardfn.uneven_batch). The program is the one
+        for that global batch, kept by the signature with the batch's rows."""
         device = runtime.resolve_device(self.config.device)
         world = self._world(device)
         ranks = self._ranks() or tuple(range(world))
@@ -323,7 +241,7 @@ class _Engine:
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         return args, kwargs, (("arrived", tuple(arrived)),)
 
-    def _first_call(self, key: tuple, args, kwargs, arrived: tuple = (), dynamic: dict | None = None) -> _Compiled:
+    def _first_call(self, key: tuple, args, kwargs, arrived: tuple = (), dynamic: dict | None = None) -> Compiled:
         device = runtime.resolve_device(self.config.device)
         world = self._world(device)
         self.group = dist.group.WORLD
@@ -358,7 +276,7 @@ class _Engine:
         # ranks trace it at each size they meet (_at_these_sizes)
         compiled.program = self._lower(compiled, mesh, traced=not runtime.is_simulated() and not dynamic)
         if not dynamic:  # (a program for every size is kept by the signature without sizes: _for_every_size)
-            self.cache[key] = compiled
+            self.programs[key] = compiled
         return compiled
 
     def _agreement(self, key: tuple, args, kwargs) -> Agreement:
@@ -373,31 +291,25 @@ class _Engine:
         return Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs),
                          ranks=self._ranks(), rows=rows)
 
-    def _lower(self, compiled: _Compiled, mesh, traced: bool) -> ParallelProgram:
+    def _lower(self, compiled: Compiled, mesh, traced: bool) -> ParallelProgram:
         return lower(compiled.captured, compiled.plan, mesh, compiled=traced, name=self.name,
                      accumulate=compiled.plan_request_accumulates, precision=self.config.precision,
                      grad_targets=dict(self.grad_targets))
 
-    def _at_these_sizes(self, compiled: _Compiled, key: tuple, args, kwargs) -> _Compiled:
+    def _at_these_sizes(self, compiled: Compiled, key: tuple, args, kwargs) -> Compiled:
         """The program for every size, for a call of this signature. It runs interpreted over DTensors (no
-        capture, no plan, no trace: the symbolic graph's plan at the sizes its values take now). On real ranks a
-        signature met again is traced into per-rank graphs at its sizes and kept like any program, while the
-        programs kept stay below SHARDFN_CACHE_SIZE: a trace costs many interpreted steps, so sizes met once (a
-        generation's every token) are not traced, and sizes that recur (a few padded lengths) run traced. The
-        ranks compare this call's signature, its sizes included, as for any program."""
+        capture, no plan, no trace: the symbolic graph's plan at the sizes its values take now); on real ranks a
+        signature met again is traced into per-rank graphs at its sizes (Programs.trace_now). The ranks compare
+        this call's signature, its sizes included, as for any program."""
         here = dataclasses.replace(compiled, agreement=self._agreement(key, args, kwargs))
-        if runtime.is_simulated():
-            return here
-        met = compiled.met.get(key, lambda: [0])
-        met[0] += 1
-        if met[0] < 2 or len(self.cache) + 1 >= cache_limit():
+        if runtime.is_simulated() or not self.programs.trace_now(compiled, key):
             return here
         here.program = self._lower(compiled, compiled.program.mesh, traced=True)
-        self.cache[key] = here
+        self.programs[key] = here
         return here
 
     def _for_every_size(self, key: tuple, args, kwargs, tensors: list,
-                        arrived: tuple) -> tuple[_Compiled | None, bool]:
+                        arrived: tuple) -> tuple[Compiled | None, bool]:
         """A new signature whose structure was seen before with other sizes: the program that serves every size
         of the dims that changed (made now, once, traced with those dims as symbols), if its capture holds for
         these sizes, and whether it was made now. None: a program for this signature alone (the first sizes of a
@@ -405,23 +317,14 @@ class _Engine:
         logger)."""
         if self.config.dynamic is False or arrived:
             return None, False
-        free = without_sizes(key)
-        if free in self.static_only:
+        serving = self.programs.serving(key, tensors)
+        if isinstance(serving, str):
+            _log.info("shardfn: %s: a program for these sizes alone: %s", self.name, serving)
             return None, False
-        sizes = tuple(tuple(t.shape) for t in tensors)
-        compiled = self.dynamic.get(free)
-        if compiled is not None and compiled.takes(sizes):
-            reason = compiled.rejects(sizes, tensors)
-            if reason is None:
-                return self._at_these_sizes(compiled, key, args, kwargs), False
-            _log.info("shardfn: %s: a program for these sizes alone: %s", self.name, reason)
-            return None, False
-        seen = self.sizes_seen.setdefault(free, sizes)
+        if serving is not None:
+            return self._at_these_sizes(serving, key, args, kwargs), False
         given = self._given_dims(args, kwargs, tensors)
-        dims = {j: tuple(sorted({*(d for d, (a, b) in enumerate(zip(now, then)) if a != b), *given.get(j, ()),
-                                 *(compiled.dynamic.get(j, ()) if compiled is not None else ())}))
-                for j, (now, then) in enumerate(zip(sizes, seen))}
-        dims = {j: d for j, d in dims.items() if d}
+        dims = self.programs.dims_changed(key, tensors, given)
         if not dims:
             return None, False
         _log.info("shardfn: %s: dims %s are traced as symbols (one program for every size)%s", self.name, dims,
@@ -435,10 +338,9 @@ class _Engine:
                 raise
             _log.warning("shardfn: %s: its sizes changed, but tracing dims %s as symbols failed (%s: %s); one "
                          "program per size", self.name, dims, type(e).__name__, str(e).splitlines()[0])
-            self.static_only.add(free)
+            self.programs.no_symbols(key)
             return None, False
-        compiled.sizes = sizes
-        self.dynamic[free] = compiled
+        self.programs.keep_for_every_size(key, tensors, compiled)
         return self._at_these_sizes(compiled, key, args, kwargs), True
 
     def _given_dims(self, args, kwargs, tensors: list) -> dict[int, tuple[int, ...]]:
@@ -458,14 +360,6 @@ class _Engine:
                                      f"{tuple(tensors[j].shape)}); name dims below {tensors[j].dim()}")
                 dims[j] = wanted
         return dims
-
-    def serving(self, key: tuple, args, kwargs, tensors: list) -> _Compiled | None:
-        """The program for every size that would run a call of this signature, if one would."""
-        compiled = self.dynamic.get(without_sizes(key))
-        sizes = tuple(tuple(t.shape) for t in tensors)
-        if compiled is None or not compiled.takes(sizes) or compiled.rejects(sizes, tensors) is not None:
-            return None
-        return compiled
 
     def _check_materialized(self) -> None:
         """A module built on meta runs once its pieces exist: a clear error naming what is still meta."""
@@ -497,7 +391,7 @@ class _Engine:
         return compiled.captured.result(outs, tensors, objects)
 
     def plan(self, args, kwargs, world: int, mesh_of: Callable[[MeshSpec], Any], device: str,
-             arrived: tuple = (), dynamic: dict | None = None) -> _Compiled:
+             arrived: tuple = (), dynamic: dict | None = None) -> Compiled:
         """Bind, capture and plan one call signature (local: no communication). ``dynamic``: {argument tensor
         number: dims} traced as symbols; the search plans at this call's sizes."""
         with runtime.outside_simulation():
@@ -518,7 +412,7 @@ class _Engine:
             if self.config.precision is not None:
                 plan.notes.append(f"mixed precision: {self.config.precision}")
         params, buffers = self._state()
-        return _Compiled(captured, plan, mesh_spec, Agreement(self.name, 0),
+        return Compiled(captured, plan, mesh_spec, Agreement(self.name, 0),
                          param_slots=[parameters.slot(self.module, n) for n in params],
                          buffer_slots=[parameters.slot(self.module, n) for n in buffers],
                          plan_request_accumulates=accumulate, dynamic=dict(dynamic or {}))
@@ -571,7 +465,7 @@ class _Engine:
             if entry.kind == "param":
                 parameters.lay_out(self.module, entry.name, mesh, entry.planned, device)
 
-    def _state_tensors(self, compiled: _Compiled) -> list[torch.Tensor]:
+    def _state_tensors(self, compiled: Compiled) -> list[torch.Tensor]:
         return [owner._parameters[leaf] for owner, leaf in compiled.param_slots] + \
             [owner._buffers[leaf] for owner, leaf in compiled.buffer_slots]
 
@@ -675,7 +569,7 @@ def _record_arrivals(plan: Plan, arrived: tuple, name: str) -> None:
                               f"(sf.reshard) onto the call's ranks as {tensor_map} before the call")
 
 
-def _placeholders(compiled: _Compiled, mesh) -> Callable:
+def _placeholders(compiled: Compiled, mesh) -> Callable:
     """What a call returns on a rank outside its mesh: per output, a DTensor on the call's mesh holding nothing
     here (torch's convention for ranks outside a mesh) where the output is a DTensor, else zeros of the output's
     shape (an expanded scalar: no memory). Autograd connects them to the inputs that require grad; gradients
@@ -727,7 +621,7 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, *modules: nn.Module, stage
         if not isinstance(m, ShardedModule):
             raise TypeError(f"shard_optimizer: {type(m).__name__} is not a sharded module; pass the modules "
                             "sf.shard returned, whose parameters the optimizer steps")
-        engine = m.__dict__["_shardfn_engine"]
+        engine = engine_of(m)
         owners.update({id(p): (engine, n) for n, p in m.named_parameters()})
     strangers = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owners]
     if strangers:
@@ -751,7 +645,7 @@ def no_sync(*sharded):
         if not isinstance(s, ShardedModule):
             raise TypeError(f"no_sync takes sharded modules (sf.shard(module, ...)); got {type(s).__name__}: a "
                             "sharded function has no parameters whose gradients it reduces")
-        engines.append(s.__dict__["_shardfn_engine"])
+        engines.append(engine_of(s))
     return accumulation.accumulating(engines)
 
 
@@ -826,6 +720,17 @@ class ShardedModule:
         if engine.capturing_self:
             return super().forward(*args, **kwargs)
         return engine(*args, **kwargs)
+
+
+def engine_of(sharded: ShardedFunction | ShardedModule) -> _Engine:
+    """The engine behind a sharded function or module, for tools and tests to read: its ``config``, its
+    ``programs`` (by signature, and for every size: shardfn.programs), its ``captures`` (captures and plans made so
+    far). Read it; changing it is not supported."""
+    if isinstance(sharded, ShardedFunction):
+        return sharded._engine
+    if isinstance(sharded, ShardedModule):
+        return sharded.__dict__["_shardfn_engine"]
+    raise TypeError(f"engine_of takes what sf.shard returned, got {type(sharded).__name__}")
 
 
 _SHARDED_CLASSES: dict[type, type] = {}
@@ -928,7 +833,7 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
 def plan_stage(sharded: ShardedModule, *example_args) -> tuple[Plan, list[torch.Tensor]]:
     """The plan of ``sharded(*example_args)`` (made locally, running nothing) and its tensor outputs as meta
     tensors of the shapes this rank gets them (a batch-split output: this rank's slice)."""
-    engine = sharded.__dict__["_shardfn_engine"]
+    engine = engine_of(sharded)
     device = runtime.resolve_device(engine.config.device)
     compiled = engine.plan(list(example_args), {}, engine._world(device),
                            lambda spec: runtime.planning_mesh(spec, device), device)
@@ -950,10 +855,8 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
     be meta tensors; ``kwargs`` are fn's keyword arguments; ``device="cuda"`` plans with the GPU cost profile even
     where CUDA is absent.
     """
-    if isinstance(fn_or_sharded, ShardedFunction):
-        engine = fn_or_sharded._engine
-    elif isinstance(fn_or_sharded, ShardedModule):
-        engine = fn_or_sharded.__dict__["_shardfn_engine"]
+    if isinstance(fn_or_sharded, (ShardedFunction, ShardedModule)):
+        engine = engine_of(fn_or_sharded)
     else:
         known = ("in_strategy", "out_strategy", "parameter_plan", "level", "device", "dataset_strategy", "mp_policy")
         unknown = sorted(set(shard_kwargs) - set(known))
@@ -977,7 +880,8 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
     args, kwargs, arrived, key, tensors, _ = engine._signature(tuple(example_args), dict(kwargs or {}),
                                                                move=False, world=world_size)
     # this signature ran (or one program serves its sizes): that plan, with what running it found (compile times)
-    cached = engine.cache.get(key) or engine.serving(key, args, kwargs, tensors)
+    serving = engine.programs.serving(key, tensors)
+    cached = engine.programs.get(key) or (serving if isinstance(serving, Compiled) else None)
     if cached is not None and cached.plan.mesh.world_size == world_size:
         return cached.plan
     return engine.plan(list(args), kwargs, world_size, lambda spec: runtime.planning_mesh(spec, device), device,

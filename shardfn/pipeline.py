@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from . import runtime
 from .agreement import Agreement, digest, inputs_not_compared
-from .api import ShardedModule, plan_stage
+from .api import ShardedModule, engine_of, plan_stage
 from .arguments import batch_slices
 from .strategy_search import Plan
 from .strategy_search.cost_model import local_numel
@@ -114,7 +114,7 @@ class Pipeline:
                              "'interleaved_1f1b', or a newer torch")
         if loss_fn is None or not callable(loss_fn):
             raise TypeError("sf.pipeline: loss_fn(output, target) is required: the pipeline trains")
-        configs = [s.__dict__["_shardfn_engine"].config for s in stages]
+        configs = [engine_of(s).config for s in stages]
         sets: list[tuple[int, ...]] = []
         for i, c in enumerate(configs):
             if c.ranks is None:
@@ -209,14 +209,14 @@ class Pipeline:
         return tuple(sorted(x for r in self.rank_sets for x in r))
 
     def _ranks(self, i: int) -> tuple[int, ...]:
-        return self.stages[i].__dict__["_shardfn_engine"].config.ranks
+        return engine_of(self.stages[i]).config.ranks
 
     def _device(self) -> str:
-        return runtime.resolve_device(self.stages[0].__dict__["_shardfn_engine"].config.device)
+        return runtime.resolve_device(engine_of(self.stages[0]).config.device)
 
     def _slices(self) -> int:
         """The number of distinct batch slices the last stage's ranks hold (1 for full_batch)."""
-        engine = self.stages[-1].__dict__["_shardfn_engine"]
+        engine = engine_of(self.stages[-1])
         return batch_slices(engine.config, len(engine.config.ranks))
 
     def _schedule(self, mine: list[int]):

@@ -165,7 +165,7 @@ def test_explain_matches_the_plan_shard_runs():
         f = sf.shard(dense_relu, in_strategy=((4, 1), None, None))
         x, w, b = _args()
         f(x, w, b)
-        (compiled,) = f._engine.cache.values()
+        (compiled,) = sf.engine_of(f).programs.values()
         assert str(sf.explain(f, x, w, b)) == str(compiled.plan)
 
 
@@ -189,7 +189,7 @@ def test_the_programs_kept_per_callable_are_bounded_and_the_limit_is_said(monkey
         f = sf.shard(lambda x: x * 2, in_strategy=((2, 1),), dynamic=False)
         for rows in (2, 4, 6, 4):  # the 6-row program pushes out the 2-row one; 4 rows was used again
             f(torch.randn(rows, 3))
-        assert [c.captured.inputs[0].shape for c in f._engine.cache.values()] == [(6, 3), (4, 3)]
+        assert [c.captured.inputs[0].shape for c in sf.engine_of(f).programs.values()] == [(6, 3), (4, 3)]
     said = [w for w in recwarn if "more than 2 signatures" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in recwarn]
     monkeypatch.setenv("SHARDFN_CACHE_SIZE", "none")

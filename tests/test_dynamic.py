@@ -28,7 +28,7 @@ def _gpt2():
 
 
 def _captures(model) -> int:
-    return model._shardfn_engine.captures
+    return sf.engine_of(model).captures
 
 
 def _steps(model, reference, slice_of, loss_of, grads_of, rank_count: int, lengths=LENGTHS):
@@ -60,7 +60,7 @@ def test_tensor_parallel_steps_of_changing_length(caplog):
         _steps(model, reference, lambda ids: ids, lambda loss: [on_rank(loss, r) for r in range(WORLD)],
                lambda g: on_rank(g.full_tensor(), 0), WORLD, LENGTHS[:3])
         # the first length's capture, and one for every later length
-        assert _captures(model) == 2 and len(model._shardfn_engine.dynamic) == 1
+        assert _captures(model) == 2 and len(sf.engine_of(model).programs.for_every_size) == 1
     assert any("traced as symbols" in r.getMessage() for r in caplog.records)
 
 
@@ -75,8 +75,8 @@ def test_a_size_the_capture_assumed_otherwise_gets_a_program_of_its_own(caplog):
         for length in (16, 20, 24, 8):
             x = torch.randn(8, length)
             torch.testing.assert_close(on_rank(f(x), 0), _branchy(x))
-        engine = f._engine
-        assert len(engine.dynamic) == 1 and engine.captures == 3  # 16; 20 and 24 dynamic; 8 on its own
+        engine = sf.engine_of(f)
+        assert len(engine.programs.for_every_size) == 1 and engine.captures == 3  # 16; 20 and 24 dynamic; 8 on its own
     assert any("a program for these sizes alone" in r.getMessage() for r in caplog.records)
 
 
@@ -93,7 +93,7 @@ def test_a_structure_whose_symbolic_capture_fails_keeps_one_program_per_size(mon
             x = torch.randn(8, length)
             torch.testing.assert_close(on_rank(f(x), 0), x.cos())
         # 4; 6 tried as symbols once, then one program per size: 6, 8
-        assert f._engine.captures == 4 and not f._engine.dynamic
+        assert sf.engine_of(f).captures == 4 and not sf.engine_of(f).programs.for_every_size
     assert any("tracing dims" in r.getMessage() and "no symbolic shapes here" in r.getMessage()
                for r in caplog.records)
 
@@ -104,7 +104,7 @@ def test_dynamic_false_keeps_one_program_per_size():
         for length in (4, 6, 8):
             x = torch.randn(8, length)
             torch.testing.assert_close(on_rank(f(x), 0), x.sin())
-        assert f._engine.captures == 3 and not f._engine.dynamic
+        assert sf.engine_of(f).captures == 3 and not sf.engine_of(f).programs.for_every_size
 
 
 def test_explain_says_which_dims_are_dynamic():
@@ -127,7 +127,7 @@ def test_dims_named_up_front_are_dynamic_from_the_first_call():
         for length in (6, 10, 7):
             x, mask = torch.randn(8, length), torch.rand(8, length)
             torch.testing.assert_close(on_rank(g(x, mask=mask), 0), f(x, mask))
-        assert len(g._engine.dynamic) == 1 and g._engine.captures == 1
+        assert len(sf.engine_of(g).programs.for_every_size) == 1 and sf.engine_of(g).captures == 1
         with pytest.raises(ValueError, match=r"dynamic\['mask'\] = \(1,\): mask has 1 dims"):
             g(torch.randn(8, 5), mask=torch.rand(5))
 
@@ -145,7 +145,7 @@ def _data_parallel_body():
     # 13 makes the program for every length (run interpreted); met again, it runs traced from that program
     _steps(model, reference, lambda ids: ids[2 * rank: 2 * rank + 2], lambda loss: [loss.detach()],
            lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1, LENGTHS[:2] + (13,))
-    return _captures(model), len(model._shardfn_engine.cache)
+    return _captures(model), len(sf.engine_of(model).programs)
 
 
 def test_data_parallel_steps_of_changing_length_on_real_ranks(gloo4):

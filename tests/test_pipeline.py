@@ -62,11 +62,11 @@ def _train(schedule, mode, steps=3):
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.detach())
     loss_ok = losses[0] is None if me < 2 else torch.allclose(torch.stack(losses), torch.stack(ref_losses), atol=1e-5)
-    params = [(p.full_tensor(), q) for m, r in zip(mods, refs) if me in m._shardfn_engine.config.ranks
+    params = [(p.full_tensor(), q) for m, r in zip(mods, refs) if me in sf.engine_of(m).config.ranks
               for p, q in zip(m.parameters(), r.parameters())]
     params_ok = bool(params) and all(torch.allclose(p, q, atol=1e-4) for p, q in params)
     outside = all(p.grad is None and p.to_local().numel() == 0 for m in mods
-                  if me not in m._shardfn_engine.config.ranks for p in m.parameters())
+                  if me not in sf.engine_of(m).config.ranks for p in m.parameters())
     return loss_ok, params_ok, outside
 
 

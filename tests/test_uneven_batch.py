@@ -76,7 +76,7 @@ def _uneven_steps(counts_per_step, tensor_parallel=False):
         model.zero_grad()
         reference.zero_grad()
         results.append(bool(same))
-    return results, model.__dict__["_shardfn_engine"].captures
+    return results, sf.engine_of(model).captures
 
 
 def test_an_epochs_last_batch_and_an_empty_slice_match_eager(gloo4):

@@ -207,11 +207,11 @@ def generate_and_compare(way: str, cache: str, world: int) -> list[int]:
     if way == "whole":  # generate() calls the model with keyword arguments only
         plan = {k: v for i in range(len(layers)) for k, v in megatron(spec, world, f"{spec.layers}.{i}.").items()}
         model = sf.shard(model, in_strategy={}, parameter_plan=plan)
-        engines = [model._shardfn_engine]
+        engines = [sf.engine_of(model)]
     else:
         for i in range(len(layers)):
             layers[i] = sf.shard(layers[i], in_strategy={}, parameter_plan=megatron(spec, world))
-        engines = [layer._shardfn_engine for layer in layers]
+        engines = [sf.engine_of(layer) for layer in layers]
     with warnings.catch_warnings():
         if not has_dtensor_rule(torch.ops.aten.index.Tensor):  # torch 2.11's DTensor: the logits' pick runs whole
             warnings.filterwarnings("ignore", ".*aten.index.Tensor", ReplicatedFallbackWarning)

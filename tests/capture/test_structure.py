@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 
+import shardfn as sf
 from shardfn.capture.structure import split
 from tests.parity import check_parity
 
@@ -104,9 +105,9 @@ def test_an_argument_object_fn_changes_gets_its_new_state_after_each_call():
             assert len(cache.layers) == 1 and cache.layers[0].cache is cache
             torch.testing.assert_close(cache.layers[0].keys, ref_cache.layers[0].keys)
         # an empty cache, then caches of 8 and 16 rows: three signatures, no recapture for a repeated one
-        assert len(f._engine.cache) == 3
+        assert len(sf.engine_of(f).programs) == 3
         f(torch.randn(8, 6), Cache())
-        assert len(f._engine.cache) == 3
+        assert len(sf.engine_of(f).programs) == 3
 
 
 def test_an_object_compared_by_identity_is_shown_by_name():

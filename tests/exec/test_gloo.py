@@ -33,7 +33,7 @@ def _parity_body(strategy):
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(w.grad, rw.grad)
     torch.testing.assert_close(b.grad, rb.grad)
-    (compiled,) = f._engine.cache.values()
+    (compiled,) = sf.engine_of(f).programs.values()
     return sorted(compiled.program.graphs)  # the AOT-compiled local graphs
 
 
@@ -78,7 +78,7 @@ def _rank_ordered_body():
     ref.backward()
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(w.grad, rw.grad)
-    (compiled,) = f._engine.cache.values()
+    (compiled,) = sf.engine_of(f).programs.values()
     return compiled.captured.gm.code
 
 
@@ -137,7 +137,7 @@ def _checkpointed_body(checkpointed):
     torch.testing.assert_close(y, ref)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
-    (compiled,) = model._shardfn_engine.cache.values()
+    (compiled,) = sf.engine_of(model).programs.values()
     fw, bw = compiled.program.graphs["forward"], compiled.program.graphs["backward"]
     def an_input(n):  # a graph input (parameters, x), or a view of one: held anyway
         while n.op == "call_function" and getattr(n.target, "is_view", False):
@@ -260,7 +260,7 @@ def _buckets_body(limit_mb):
     plan = sf.explain(model, x)
     model(x).sum().backward()
     del os.environ["SHARDFN_BUCKET_MB"]
-    (compiled,) = model._shardfn_engine.cache.values()
+    (compiled,) = sf.engine_of(model).programs.values()
     backward = compiled.program.graphs["backward"]
     traced = sorted(n.args[0].meta["val"].numel() * 4 for n in backward.graph.nodes
                     if str(n.target).startswith("_c10d_functional.all_reduce"))
@@ -363,7 +363,7 @@ def _regather_body():
         torch.testing.assert_close(mean / 4, ref, rtol=1e-5, atol=2e-5)
     for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
         torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=2e-5, msg=lambda m: f"{name}: {m}")
-    (compiled,) = model._shardfn_engine.cache.values()
+    (compiled,) = sf.engine_of(model).programs.values()
     graphs = compiled.program.graphs
 
     def gathers(name):
@@ -421,7 +421,7 @@ def _kept_buckets_body():
     same_grads("set to none")
     for g, v in zip(held, values):
         torch.testing.assert_close(g.full_tensor(), v, rtol=0, atol=0)
-    (compiled,) = model._shardfn_engine.cache.values()
+    (compiled,) = sf.engine_of(model).programs.values()
     backward = compiled.program.graphs["backward"]
     return sum(getattr(n.target, "__name__", "") == "kept_buffer" for n in backward.graph.nodes)
 
@@ -517,7 +517,7 @@ def _no_sync_body():
         accumulation.reduce_pending = real
     for name, q in reference.named_parameters():
         torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
-    (no_sync,) = [c for c in model._shardfn_engine.cache.values() if c.program.accumulate]
+    (no_sync,) = [c for c in sf.engine_of(model).programs.values() if c.program.accumulate]
     in_backward = sum("all_reduce" in str(n.target) for n in no_sync.program.graphs["backward"].graph.nodes)
     # and a rank that accumulates while the others sync: told, on every rank, before any collective
     try:
@@ -547,7 +547,7 @@ def _mixed_precision_body(how):
     (model(x[2 * rank: 2 * rank + 2] if dp else x).square().mean() / (world if dp else 1)).backward()
     for name, p in model.named_parameters():
         close(p.grad.full_tensor(), ref_grads[name], name)
-    (compiled,) = model._shardfn_engine.cache.values()
+    (compiled,) = sf.engine_of(model).programs.values()
 
     def dtypes(graph, kind):
         return sorted({str(n.args[0].meta["val"].dtype) for n in compiled.program.graphs[graph].graph.nodes

@@ -49,7 +49,7 @@ def _compiled_body(name):
     y.sum().backward()
     ref.sum().backward()
     torch.testing.assert_close(xt.grad, rxt.grad, rtol=1e-5, atol=1e-5)
-    (compiled,) = model._shardfn_engine.cache.values()
+    (compiled,) = sf.engine_of(model).programs.values()
     return sorted(compiled.program.compile_s)
 
 
@@ -74,7 +74,7 @@ def test_world_of_one_compiles_the_whole_graph(monkeypatch):
         model = sf.shard(copy.deepcopy(reference), in_strategy=(None,))
         torch.testing.assert_close(model(x), reference(x))
         plan = sf.explain(model, x)  # of the signature that ran: the plan that ran, with its compile times
-    (compiled,) = model._shardfn_engine.cache.values()
+    (compiled,) = sf.engine_of(model).programs.values()
     assert "forward" in compiled.program.compile_s  # Inductor's code ran, not the traced graph
     assert plan is compiled.plan and any(n.startswith("Inductor compiled the forward graph in") or
                                          n.startswith("Inductor loaded the forward graph from its cache in")

@@ -1,0 +1,176 @@
+"""The programs of one sharded callable: one per call signature, and per structure one for every size.
+
+A call's signature (shapes, dtypes, layouts, structure, modes) picks its program. Programs are kept by signature
+in a bounded LRU (``SHARDFN_CACHE_SIZE``, as torch.compile's cache size limit). Once a structure is called with
+other sizes, the dims whose size changed are traced as symbols and one program serves every size of them
+(capture.dynamic): :class:`Programs` remembers, per structure (the signature without sizes), the sizes first seen,
+that program, and structures whose symbolic capture failed (one program per size for them). What to capture,
+plan and lower is the engine's (api.py); which program a call takes is decided here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from .agreement import Agreement
+from .arguments import without_sizes
+from .capture.graph import CapturedGraph
+from .exec.lower import ParallelProgram
+from .layout import MeshSpec
+from .strategy_search import Plan
+from .strategy_search.lru import LRU
+
+__all__ = ["Compiled", "Programs", "cache_limit"]
+
+_log = logging.getLogger("shardfn")
+
+
+def cache_limit() -> int:
+    """How many programs (call signatures) one sharded callable keeps: ``SHARDFN_CACHE_SIZE``, default 16."""
+    value = os.environ.get("SHARDFN_CACHE_SIZE", "16")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"SHARDFN_CACHE_SIZE={value!r}: give a positive number of programs")
+    return int(value)
+
+
+class _BySignature(OrderedDict):
+    """The programs of one sharded callable by call signature, the least recently used dropped past
+    :func:`cache_limit` (as torch.compile's cache size limit): every new signature costs a capture, a plan and a
+    trace, so a run whose shapes change on every call is said aloud, once."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name, self.warned = name, False
+
+    def get(self, key, default=None):
+        found = super().get(key, default)
+        if found is not default:
+            self.move_to_end(key)
+        return found
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        limit = cache_limit()
+        while len(self) > limit:
+            self.popitem(last=False)
+            if not self.warned:
+                self.warned = True
+                message = (f"shardfn: {self.name} has been called with more than {limit} signatures (shapes, "
+                           "dtypes, layouts); the least recently used programs are dropped and made again when "
+                           "called again (a capture, a plan and a trace each). Keep shapes fixed (pad to a few "
+                           "lengths), or raise SHARDFN_CACHE_SIZE.")
+                _log.warning(message)
+                warnings.warn(message, stacklevel=4)
+
+
+@dataclass
+class Compiled:
+    """Everything a repeat call with the same signature needs."""
+
+    captured: CapturedGraph
+    plan: Plan
+    mesh_spec: MeshSpec
+    agreement: Agreement
+    program: ParallelProgram | None = None
+    # (owning module, attribute) of each parameter and buffer: read per call without walking the module tree
+    param_slots: list = field(default_factory=list)
+    buffer_slots: list = field(default_factory=list)
+    plan_request_accumulates: bool = False  # planned without gradient sync (sf.no_sync)
+    # a program for every size of some dims (capture.dynamic): {argument tensor number: dims}, and the sizes of
+    # the call it was made for (its other dims hold only those)
+    dynamic: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    sizes: tuple = ()
+    verdicts: LRU = field(default_factory=lambda: LRU(4096))  # argument sizes -> why not served (None: served)
+    met: LRU = field(default_factory=lambda: LRU(4096))  # signature -> [calls of it served] (real ranks trace
+    # the second)
+
+    def rejects(self, sizes: tuple, tensors: list) -> str | None:
+        """Why the program for every size does not serve a call of these argument sizes (its capture's guards),
+        or None; remembered per sizes (a generation asks again for every token)."""
+        return self.verdicts.get(sizes, lambda: self.program.dynamic_rejects(tensors))
+
+    def takes(self, sizes: tuple) -> bool:
+        """Whether a call of these argument sizes differs from this program's only in its dynamic dims."""
+        return len(sizes) == len(self.sizes) and all(
+            len(now) == len(then) and all(a == b or d in self.dynamic.get(j, ()) for d, (a, b) in
+                                          enumerate(zip(now, then)))
+            for j, (now, then) in enumerate(zip(sizes, self.sizes)))
+
+
+class Programs:
+    """What one sharded callable has made: programs by signature, and by structure the program for every size."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.by_signature = _BySignature(name)
+        self.for_every_size: dict[tuple, Compiled] = {}  # structure (signature without sizes) -> its program
+        self.sizes_seen: dict[tuple, tuple] = {}  # structure -> the argument sizes it was first called with
+        self.static_only: set[tuple] = set()  # structures whose symbolic capture failed: a program per size
+
+    def clear(self) -> None:
+        """Forget every program (made for a process group that is gone)."""
+        self.by_signature.clear()
+        self.for_every_size.clear()
+
+    def get(self, key: tuple) -> Compiled | None:
+        return self.by_signature.get(key)
+
+    def __setitem__(self, key: tuple, compiled: Compiled) -> None:
+        self.by_signature[key] = compiled
+
+    def __len__(self) -> int:
+        return len(self.by_signature)
+
+    def values(self):
+        return self.by_signature.values()
+
+    def serving(self, key: tuple, tensors: list) -> Compiled | str | None:
+        """The program for every size that serves a call of this signature and these tensors; or why none does
+        though one takes these sizes (its capture's guards reject them: a program for these sizes alone); or
+        None where none takes them (no program for every size yet, or other dims changed)."""
+        compiled = self.for_every_size.get(without_sizes(key))
+        sizes = _sizes(tensors)
+        if compiled is None or not compiled.takes(sizes):
+            return None
+        return compiled.rejects(sizes, tensors) or compiled
+
+    def dims_changed(self, key: tuple, tensors: list,
+                     given: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+        """The dims to trace as symbols for a call of a structure met before: those whose size differs from its
+        first call's, those given (shard(dynamic=...)), and those an earlier program for every size had; {} for
+        a structure met first (its sizes are remembered) or one whose symbolic capture failed."""
+        free = without_sizes(key)
+        if free in self.static_only:
+            return {}
+        sizes = _sizes(tensors)
+        seen = self.sizes_seen.setdefault(free, sizes)
+        earlier = self.for_every_size.get(free)
+        dims = {j: tuple(sorted({*(d for d, (a, b) in enumerate(zip(now, then)) if a != b), *given.get(j, ()),
+                                 *(earlier.dynamic.get(j, ()) if earlier is not None else ())}))
+                for j, (now, then) in enumerate(zip(sizes, seen))}
+        return {j: d for j, d in dims.items() if d}
+
+    def keep_for_every_size(self, key: tuple, tensors: list, compiled: Compiled) -> None:
+        compiled.sizes = _sizes(tensors)
+        self.for_every_size[without_sizes(key)] = compiled
+
+    def no_symbols(self, key: tuple) -> None:
+        """This structure's symbolic capture failed: a program per size from now on."""
+        self.static_only.add(without_sizes(key))
+
+    def trace_now(self, compiled: Compiled, key: tuple) -> bool:
+        """Whether a call of this signature, served by the program for every size, is to be traced into per-rank
+        graphs at its sizes: when the signature is met a second time, while the programs kept stay below
+        SHARDFN_CACHE_SIZE (a trace costs many interpreted steps: sizes met once, a generation's every token,
+        are not traced; sizes that recur, a few padded lengths, are)."""
+        met = compiled.met.get(key, lambda: [0])
+        met[0] += 1
+        return met[0] >= 2 and len(self.by_signature) + 1 < cache_limit()
+
+
+def _sizes(tensors: list) -> tuple:
+    return tuple(tuple(t.shape) for t in tensors)
