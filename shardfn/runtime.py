@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import _simulation_internals as _simulation
 from . import rendezvous
 from .layout import MeshSpec
 
@@ -367,16 +368,12 @@ def simulated_world(world_size: int, local_tensors: bool = True) -> Iterator[Non
     value per rank (torch's LocalTensorMode) and collectives compute their true result, so a sharded program's
     numerics can be checked in one process. Without it, collectives are no-ops: enough for planning.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         raise RuntimeError("simulated_world: a process group is already initialised in this process")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    _simulation.init_fake_world(world_size)
     try:
         if local_tensors:
-            from torch.distributed._local_tensor import LocalTensorMode
-
-            with LocalTensorMode(world_size):
+            with _simulation.LocalTensorMode(world_size):
                 yield
         else:
             yield
@@ -389,32 +386,25 @@ def simulated_world(world_size: int, local_tensors: bool = True) -> Iterator[Non
 
 def is_simulated() -> bool:
     """True inside :func:`simulated_world` with per-rank local tensors."""
-    from torch.distributed._local_tensor import local_tensor_mode
-
-    return local_tensor_mode() is not None
+    return _simulation.local_tensor_mode() is not None
 
 
 def simulated_counts(size) -> list[int] | None:
     """In a simulated world, each rank's value of a size that differs between ranks (a tensor made with
     per-rank shapes), in rank order; None for a plain number."""
-    local = getattr(getattr(size, "node", None), "_local_ints", None)
+    local = _simulation.per_rank_ints(size)
     return None if local is None else [int(local[r]) for r in sorted(local)]
 
 
 def simulated_map(t: torch.Tensor, fn: Callable[[int, dict[int, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
     """In a simulated world, the tensor whose value on rank r is ``fn(r, every rank's value of t)`` (shapes may
     differ between ranks)."""
-    from torch.distributed._local_tensor import local_tensor_mode
-
-    values = getattr(t, "_local_tensors", None)
-    values = dict(values) if values is not None else {r: t for r in range(dist.get_world_size())}
+    values = _simulation.local_values(t) or {r: t for r in range(dist.get_world_size())}
     with outside_simulation():
         pieces = {r: fn(r, values) for r in values}
-    return local_tensor_mode().rank_map(lambda r: pieces[r])
+    return _simulation.local_tensor_mode().rank_map(lambda r: pieces[r])
 
 
 def outside_simulation():
     """A context where tensors are ordinary again (capture and planning work on fake tensors, not per-rank ones)."""
-    from torch.distributed._local_tensor import maybe_disable_local_tensor_mode
-
-    return maybe_disable_local_tensor_mode()
+    return _simulation.not_simulated()
