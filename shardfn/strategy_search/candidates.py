@@ -253,5 +253,3 @@ def replicated_candidates(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candida
     """The replicated rule alone: every input and output whole, the op run on whole tensors by every rank."""
     return _replicated(node, mesh)
 
-
-from . import rules  # noqa: E402,F401 - registers shardfn's own rules and checks

@@ -9,6 +9,11 @@ a handler of its own that takes only its eager propagation rule (shardfn's own r
 Registered only where DTensor has no rule of its own (never overriding one), each proven by ground truth in
 tests/strategy_search/test_rule_truth.py. Each rule lists, per mesh dim, (output placements, input placements),
 None for non-tensor arguments.
+
+DTensor's registry is process-wide and shardfn's programs run through DTensor's dispatch, so the rules must be
+there while shardfn plans and runs: they are registered by :func:`register`, which the search calls the first
+time it builds a problem (not at import: importing shardfn leaves DTensor as it is), and they stay registered
+(they only add rules for ops DTensor would refuse or run whole; other code's DTensors then take them too).
 """
 
 from __future__ import annotations
@@ -22,22 +27,30 @@ from ._dtensor_adapter import has_dtensor_rule
 aten = torch.ops.aten
 R = Replicate()
 
-__all__ = ["REGISTERED"]
+__all__ = ["REGISTERED", "register"]
 
-REGISTERED: list = []
+REGISTERED: list = []  # the ops registered so far
+_PENDING: list = []  # (ops, rule) not yet registered
 
 
 def _lacking(*ops):
-    """Register the decorated rule for those of ``ops`` DTensor has no rule for."""
-    missing = [op for op in ops if not has_dtensor_rule(op)]
+    """The decorated rule, for those of ``ops`` DTensor has no rule for (registered by :func:`register`)."""
 
     def deco(fn):
-        if missing:
-            register_sharding(missing)(fn)
-            REGISTERED.extend(missing)
+        _PENDING.append((ops, fn))
         return fn
 
     return deco
+
+
+def register() -> None:
+    """Put the rules in DTensor's registry, once, for the ops it lacks."""
+    while _PENDING:
+        ops, fn = _PENDING.pop(0)
+        missing = [op for op in ops if not has_dtensor_rule(op)]
+        if missing:
+            register_sharding(missing)(fn)
+            REGISTERED.extend(missing)
 
 
 def _ndim(x) -> int:

@@ -20,6 +20,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ..capture.graph import CapturedGraph, checkpoint_region
 from . import cost_model as cm
+from . import dtensor_rules
 from .candidates import (
     Candidate,
     input_candidates,
@@ -85,6 +86,7 @@ class CandidateLists:
 
 def build_problem(captured: CapturedGraph, mesh: DeviceMesh, request: PlanRequest,
                   lists: CandidateLists) -> StrategyProblem:
+    dtensor_rules.register()  # (the first time: DTensor's own registry, which the programs' dispatch reads too)
     mesh_shape = tuple(mesh.shape)
     fixed_inputs = request.fixed()
     decisions: list[Decision] = []

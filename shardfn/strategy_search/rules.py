@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from ..capture.functions import FunctionCall
-from . import dtensor_rules  # noqa: F401 - rules in DTensor's form, for ops DTensor lacks
 from ._dtensor_adapter import has_dtensor_rule, local_shapes, valid_placements
 from .candidates import RANDOM_FILLS, Candidate, _per_mesh_dim, register_check, register_rule, tensor_inputs
 

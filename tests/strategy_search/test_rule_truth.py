@@ -268,8 +268,9 @@ def _dtensor_form_cases():
 
 @pytest.mark.parametrize("case", list(_dtensor_form_cases()), ids=lambda c: str(c[0]))
 def test_rules_registered_in_dtensor_form(case):
-    from shardfn.strategy_search.dtensor_rules import REGISTERED
+    from shardfn.strategy_search.dtensor_rules import REGISTERED, register
 
+    register()
     op, args = case
     sp = DTensor._op_dispatcher.sharding_propagator
     # ours where this torch lacks one (newer releases have tril_/triu_, squeeze.dims, cumprod themselves): either is
