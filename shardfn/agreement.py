@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -37,11 +38,14 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
 
 from . import runtime
+from .capture import split_arguments
 
-__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "check_mode", "digest", "inputs_compared",
-           "inputs_not_compared", "tensor_digest"]
+__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "check_mode", "describe_call", "digest", "digests_of_alike",
+           "inputs_compared", "inputs_not_compared", "tensor_digest"]
 
 CHECK_MODES = ("signature", "values", "first")
 
@@ -229,3 +233,34 @@ def _group(ranks: tuple[int, ...] | None):
             (ranks is not None and len(ranks) == 1):
         return None
     return runtime.call_control_group(ranks)
+
+
+# -- what a call is, as the ranks compare it ----------------------------------------------------------------------
+
+
+def describe_call(identity: str, config, args, kwargs, mode: str) -> dict[str, str]:
+    """A call as every rank describes it (read only where ranks differ): the callable (``identity``: its name and
+    where it is defined, then its config), each config field, the tensor inputs' names, shapes, dtypes and layouts,
+    the other arguments, and ``mode`` (grad, train or eval, accumulation)."""
+    tensors, names, _ = split_arguments(args, kwargs, names=True)
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    described = "; ".join(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                          + (" requires_grad" if t.requires_grad else "")
+                          + (f" {tuple(t.placements)}" if isinstance(t, DTensor) else "")
+                          for n, t in zip(names, tensors))
+    others = [_short(a) for a in leaves if not isinstance(a, torch.Tensor)]
+    fields = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    return {"callable": identity.split("|")[0], **fields, "tensor inputs": described,
+            "other arguments": f"{others} in {spec}", "mode": mode}
+
+
+def _short(a: Any) -> str:
+    """A constant argument as ranks compare it: its value, or for an object its type."""
+    return repr(a) if isinstance(a, (int, float, str, bool, type(None), torch.dtype)) else type(a).__name__
+
+
+def digests_of_alike(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """Digests of what of ``tensors`` must be equal on every rank: plain tensors, and replicated DTensors' local
+    tensors (a split one holds another piece on each rank)."""
+    return {name: tensor_digest(t if not isinstance(t, DTensor) else t.to_local()) for name, t in tensors.items()
+            if not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements)}

@@ -17,26 +17,23 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
-from . import accumulation, parameters, runtime, uneven_batch
+from . import accumulation, parameters, runtime, submesh, uneven_batch
 from .optimizer import ShardedOptimizer
 from .optimizer import check_stage as optimizer_check_stage
 from .optimizer import gradient_targets as optimizer_gradient_targets
-from .agreement import Agreement, UnevenBatch, check_mode, digest, inputs_compared, tensor_digest
+from .agreement import Agreement, UnevenBatch, check_mode, describe_call, digest, digests_of_alike, inputs_compared
 from .arguments import BoundCall, bind, call_key, without_batch_rows
 from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.dynamic import planning_graph
 from .capture.graph import CapturedGraph
 from .config import ShardConfig
 from .exec.lower import ParallelProgram, lower
-from .layout import Axis, Layout, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, \
+from .layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, \
     spec_of_dtensor, to_placements
 from .programs import Compiled, Programs
-from .reshard import outside_placeholder, reshard
 from .strategy_search import Plan, build_request, make_plan, profile_for
-from .strategy_search.plan import Collective
 
 __all__ = ["ShardedFunction", "ShardedModule", "engine_of", "explain", "no_sync", "shard", "shard_optimizer"]
 
@@ -176,7 +173,7 @@ class _Engine:
         tensors and its argument objects."""
         arrived = ()
         if kwargs or not all(type(a) is torch.Tensor for a in args):
-            args, kwargs, arrived = self._arrive(args, kwargs, move=move, world=world)
+            args, kwargs, arrived = submesh.arrive(self.config, args, kwargs, move=move, world=world)
         key, tensors, objects = self._key(args, kwargs, arrived, with_tensors=True)
         return args, kwargs, arrived, key, tensors, objects
 
@@ -218,28 +215,6 @@ class _Engine:
     def _world(self, device: str) -> int:
         ranks = self._ranks()
         return runtime.init(device=device).size() if ranks is None else len(ranks)
-
-    def _arrive(self, args, kwargs, move: bool, world: int | None = None):
-        """DTensor arguments that live on other ranks than the call's are moved onto its ranks first, by
-        point-to-point sends (sf.reshard, with autograd), in the same placements where the two meshes have one
-        shape (else replicated); the call then takes them as any DTensor input. Without ``move`` (explain) a
-        stand-in on a planning mesh takes their place. Returns the arguments and what moved (for the key and the
-        plan's send_recv records)."""
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        device = runtime.resolve_device(self.config.device)
-        ranks = self.config.ranks or tuple(range(world or runtime.init(device=device).size()))
-        arrived = []
-        for i, t in enumerate(leaves):
-            if not isinstance(t, DTensor) or not ranks or tuple(t.device_mesh.mesh.flatten().tolist()) == ranks:
-                continue
-            layout = _arrival_layout(t, ranks)
-            arrived.append((i, tuple(t.device_mesh.mesh.flatten().tolist()), layout.tensor_map,
-                            t.numel() * t.element_size(), t.requires_grad))
-            leaves[i] = reshard(t, layout) if move else _stand_in(t, layout, device)
-        if not arrived:
-            return args, kwargs, ()
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
-        return args, kwargs, (("arrived", tuple(arrived)),)
 
     def _first_call(self, key: tuple, args, kwargs, arrived: tuple = (), dynamic: dict | None = None) -> Compiled:
         device = runtime.resolve_device(self.config.device)
@@ -384,7 +359,7 @@ class _Engine:
             self.group = dist.group.WORLD
             compiled = self.plan(args, kwargs, self._world(device), lambda spec: runtime.planning_mesh(spec, device),
                                  device, arrived)
-            compiled.program = _placeholders(compiled, runtime.device_mesh(compiled.mesh_spec, device,
+            compiled.program = submesh.placeholders(compiled, runtime.device_mesh(compiled.mesh_spec, device,
                                                                            self.config.ranks))
             self.outside[key] = compiled
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
@@ -408,7 +383,7 @@ class _Engine:
             plan = make_plan(planned, mesh_of(mesh_spec), mesh_spec, request)
             if dynamic:
                 plan.notes.append(_dynamic_note(captured, dynamic))
-            _record_arrivals(plan, arrived, self.name)
+            submesh.record_arrivals(plan, arrived, self.name)
             if self.config.precision is not None:
                 plan.notes.append(f"mixed precision: {self.config.precision}")
         params, buffers = self._state()
@@ -478,34 +453,25 @@ class _Engine:
         return f"{self.name} ({where})|{self.config!r}"
 
     def _describe(self, args, kwargs) -> dict[str, str]:
-        tensors, names, _ = split_arguments(args, kwargs, names=True)
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        described = "; ".join(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
-                              + (" requires_grad" if t.requires_grad else "")
-                              + (f" {tuple(t.placements)}" if isinstance(t, DTensor) else "")
-                              for n, t in zip(names, tensors))
-        others = [_short(a) for a in leaves if not isinstance(a, torch.Tensor)]
         mode = f"grad {'on' if torch.is_grad_enabled() else 'off'}"
         if self.module is not None:
             mode += ", train" if self.module.training else ", eval"
             if self._accumulating() and torch.is_grad_enabled():
                 mode += ", no sync (gradients accumulated unreduced: sf.no_sync)"
-        config = {f.name: repr(getattr(self.config, f.name)) for f in dataclasses.fields(self.config)}
-        return {"callable": self._identity().split("|")[0], **config, "tensor inputs": described,
-                "other arguments": f"{others} in {spec}", "mode": mode}
+        return describe_call(self._identity(), self.config, args, kwargs, mode)
 
     def _values(self, args, kwargs) -> dict[str, int]:
         """Digests of the tensor inputs that every rank holds alike: whole full-batch inputs, replicated DTensors."""
         if not inputs_compared():
             return {}
         tensors, names, _ = split_arguments(args, kwargs, names=True)
-        return _digests_of_alike({name: t for name, t in zip(names, tensors)
+        return digests_of_alike({name: t for name, t in zip(names, tensors)
                                   if self.config.dataset_strategy == "full_batch" or isinstance(t, DTensor)})
 
     def _replicated_state(self) -> dict[str, int]:
         """Digests of the parameters and buffers that every rank holds alike (replicated, or plain tensors)."""
         params, buffers = self._state()
-        return _digests_of_alike({**params, **buffers})
+        return digests_of_alike({**params, **buffers})
 
     # -- module state ------------------------------------------------------------------------------------------
 
@@ -528,69 +494,6 @@ def _dynamic_note(captured: CapturedGraph, dynamic: dict) -> str:
     dims = "; ".join(f"{inputs[j].name} dims {list(d)} (planned at {[inputs[j].shape[k] for k in d]})"
                      for j, d in sorted(dynamic.items()))
     return f"dynamic: {dims}; the program holds for {captured.dynamic.described()}"
-
-
-def _arrival_layout(t: DTensor, ranks: tuple[int, ...]) -> TensorLayout:
-    """Where a DTensor from other ranks lands on a call's ranks: its own placements on a mesh of the same shape,
-    else (another shape, pending sums, uneven pieces) replicated."""
-    shape, placements = tuple(t.device_mesh.shape), tuple(t.placements)
-    names = tuple(f"m{i}" for i in range(len(shape)))
-    if math.prod(shape) == len(ranks) and all(p.is_replicate() or type(p) is Shard for p in placements):
-        dims = [tuple(n for n, p in zip(names, placements) if p == Shard(d)) for d in range(t.ndim)]
-        layout = Layout(shape, names, ranks=ranks)(*[d if d else "None" for d in dims])
-        if all(t.shape[d] % math.prod(shape[names.index(n)] for n in dims[d]) == 0 for d in range(t.ndim)):
-            return layout
-    return Layout((len(ranks),), ("all",), ranks=ranks)(*["None"] * t.ndim)
-
-
-def _stand_in(t: DTensor, layout: TensorLayout, device: str) -> DTensor:
-    """For planning (explain): a DTensor as the move would leave it, on a mesh of the call's ranks, no data."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    n = len(layout.ranks)
-    spec = normalize_strategy(layout, tuple(t.shape), n, "arrival")
-    mesh_spec = common_mesh([spec], n, {layout.axis(a): a for a in layout.alias_name})
-    mesh = DeviceMesh(device, torch.tensor(layout.ranks).reshape(mesh_spec.shape), mesh_dim_names=mesh_spec.names,
-                      _init_backend=False, _rank=layout.ranks[0])
-    return DTensor.from_local(torch.empty(0, dtype=t.dtype, device="meta"), mesh, to_placements(spec, mesh_spec),
-                              run_check=False, shape=t.shape, stride=t.stride()).requires_grad_(t.requires_grad)
-
-
-def _record_arrivals(plan: Plan, arrived: tuple, name: str) -> None:
-    """The point-to-point moves of inputs from other ranks, in the plan's collectives (forward; backward for
-    the gradients sent back)."""
-    for _, moves in arrived:
-        for i, ranks, tensor_map, nbytes, requires_grad in moves:
-            where = f"argument {i} from ranks {list(ranks)} -> {name}"
-            plan.collectives.append(Collective("send_recv", "forward", (), nbytes, where))
-            if requires_grad:
-                plan.collectives.append(Collective("send_recv", "backward", (), nbytes, where))
-            plan.notes.append(f"argument {i} arrives on ranks {list(ranks)}, another mesh: moved point-to-point "
-                              f"(sf.reshard) onto the call's ranks as {tensor_map} before the call")
-
-
-def _placeholders(compiled: Compiled, mesh) -> Callable:
-    """What a call returns on a rank outside its mesh: per output, a DTensor on the call's mesh holding nothing
-    here (torch's convention for ranks outside a mesh) where the output is a DTensor, else zeros of the output's
-    shape (an expanded scalar: no memory). Autograd connects them to the inputs that require grad; gradients
-    flowing back are placeholders too."""
-    plan, captured = compiled.plan, compiled.captured
-    vals = [n.meta["val"] for n in captured.output_nodes]
-
-    def make(j: int) -> torch.Tensor:
-        v, placements = vals[j], plan.outputs[j]
-        if plan.returns_dtensor[j]:
-            return outside_placeholder(v.shape, v.dtype, mesh, placements)
-        shape = tuple(v.shape)
-        if shape and placements is not None:  # a batch-split output (data_parallel): this rank's slice's shape
-            slices = math.prod(n for n, p in zip(mesh.shape, placements) if p == Shard(0))
-            shape = (shape[0] // slices,) + shape[1:]
-        return torch.zeros((), dtype=v.dtype, device=runtime.mesh_device(mesh)).expand(shape)
-
-    def run(*inputs):
-        return list(_Outside.apply(make, len(vals), *inputs))
-
-    return run
 
 
 class _AtBackwardEnd(torch.autograd.Function):
@@ -649,32 +552,6 @@ def no_sync(*sharded):
     return accumulation.accumulating(engines)
 
 
-class _Outside(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, make, n, *inputs):
-        ctx.specs = [(t.shape, t.dtype, getattr(t, "device_mesh", None), getattr(t, "placements", None), t.device)
-                     for t in inputs]
-        ctx.needs = [t.requires_grad and not isinstance(t, nn.Parameter) for t in inputs]  # params: no grad here
-        return tuple(make(j) for j in range(n))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        out = []
-        for (shape, dtype, mesh, placements, device), needs in zip(ctx.specs, ctx.needs):
-            if not needs:
-                out.append(None)
-            elif mesh is not None:
-                out.append(outside_placeholder(shape, dtype, mesh, placements))
-            else:
-                out.append(torch.zeros((), dtype=dtype, device=device).expand(shape))
-        return (None, None, *out)
-
-
-def _short(a: Any) -> str:
-    """A constant argument as ranks compare it: its value, or for an object its type."""
-    return repr(a) if isinstance(a, (int, float, str, bool, type(None), torch.dtype)) else type(a).__name__
-
-
 def _alias_names(strategies) -> dict:
     """Mesh-dim names from the user's Layout aliases (used when a user axis is exactly one mesh dim)."""
     names = {}
@@ -683,13 +560,6 @@ def _alias_names(strategies) -> dict:
             for i, n in enumerate(s.alias_name):
                 names[Axis(s.device_matrix[i], math.prod(s.device_matrix[i + 1 :]))] = n
     return names
-
-
-def _digests_of_alike(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Digests of what of ``tensors`` must be equal on every rank: plain tensors, and replicated DTensors' local
-    tensors (a split one holds another piece on each rank)."""
-    return {name: tensor_digest(t if not isinstance(t, DTensor) else t.to_local()) for name, t in tensors.items()
-            if not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements)}
 
 
 # --- public objects -----------------------------------------------------------------------------------------
