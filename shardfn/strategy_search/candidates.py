@@ -244,7 +244,7 @@ def warn_fallbacks(fallbacks: set[str]) -> None:
         )
 
 
-def is_alias(node: torch.fx.Node) -> bool:
+def is_getitem(node: torch.fx.Node) -> bool:
     """getitem on a multi-output node: takes its producer's placement, no decision of its own."""
     return node.op == "call_function" and node.target is operator.getitem
 

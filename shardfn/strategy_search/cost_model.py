@@ -298,6 +298,6 @@ def compute_seconds(flops: int, nbytes: int, split: int, profile: DeviceProfile,
         + profile.op_s
 
 
-def is_alias_op(node) -> bool:
+def is_view_op(node) -> bool:
     """Ops whose result is a view of an input: they hold no memory of their own."""
     return is_view(getattr(node, "target", None))

@@ -132,13 +132,13 @@ class Pricing:
             # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose
             # only to gather it back for its reader)
             flops = cm.node_flops(d.node)
-            nbytes = 0 if cm.is_alias_op(d.node) else cm.node_bytes(d.node)
+            nbytes = 0 if cm.is_view_op(d.node) else cm.node_bytes(d.node)
             # backward's work, and a checkpointed value's forward once more
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
-            keep = 1 if grad and d.node not in p.recomputed and not cm.is_alias_op(d.node) else 0
+            keep = 1 if grad and d.node not in p.recomputed and not cm.is_view_op(d.node) else 0
         dtype = vals[0].dtype if vals else torch.float32
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
-               cm.is_alias_op(d.node), tuple((tuple(v.shape), v.dtype) for v in vals))
+               cm.is_view_op(d.node), tuple((tuple(v.shape), v.dtype) for v in vals))
         hit = self._unaries.get(key)
         if hit is not None and hit[0] is d.candidates:
             return hit[1]
@@ -146,7 +146,7 @@ class Pricing:
             compute = savings = np.zeros(n)
         else:
             whole = factor * cm.compute_seconds(flops, nbytes, 1, profile, dtype)
-            compute = np.array([factor * cm.compute_seconds(flops, nbytes, _split(c, mesh_shape), profile, dtype)
+            compute = np.array([factor * cm.compute_seconds(flops, nbytes, _split_ways(c, mesh_shape), profile, dtype)
                                 for c in d.candidates])
             savings = whole - compute
         memory = np.array([
@@ -171,9 +171,9 @@ class Pricing:
                 grad = value_node in p.needs_grad
                 handed_back = grad and gradient_handed_back(value_node) is not None
                 src_cands = p.decisions[u].candidates
-                from_view = grad and cm.is_alias_op(p.decisions[u].node)
+                from_view = grad and cm.is_view_op(p.decisions[u].node)
                 key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, grad,
-                       cm.is_alias_op(d.node), handed_back, from_view)
+                       cm.is_view_op(d.node), handed_back, from_view)
 
                 def build(d=d, slot=slot, src_cands=src_cands, out_idx=out_idx, val=val, grad=grad,
                           handed_back=handed_back, from_view=from_view):
@@ -239,7 +239,7 @@ def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: lis
     return hit[2]
 
 
-def _split(c: Candidate, mesh_shape: Sequence[int]) -> int:
+def _split_ways(c: Candidate, mesh_shape: Sequence[int]) -> int:
     """How many ways a candidate splits its work: the mesh dims where some operand is sharded. (A pending-sum
     operand alone splits nothing: every rank still runs the whole op on its piece.)"""
     dims = set()
@@ -269,7 +269,7 @@ def passes_on(d: Decision, c: Candidate) -> bool:
     """Does ``d``, a view, hand its readers' pending gradient sums on to its input (the accumulating variant of a
     view), where the value it views sums and resolves them? Exec does so at every view; a view's other variant
     is for readers that leave it no pending sum (:func:`_left_to_view`)."""
-    return c.accumulate and d.node is not None and cm.is_alias_op(d.node)
+    return c.accumulate and d.node is not None and cm.is_view_op(d.node)
 
 
 def _left_to_view(view_cands: list[Candidate], pend: list[tuple[bool, ...]], mesh_shape) -> np.ndarray | None:

@@ -24,7 +24,7 @@ from . import dtensor_rules
 from .candidates import (
     Candidate,
     input_candidates,
-    is_alias,
+    is_getitem,
     node_candidates,
     replicated_candidates,
     tensor_inputs,
@@ -121,7 +121,7 @@ def build_problem(captured: CapturedGraph, mesh: DeviceMesh, request: PlanReques
             continue
         if all(a in constant for a in node.all_input_nodes):
             constant.add(node)
-        if is_alias(node):
+        if is_getitem(node):
             src, idx = node.args
             producer[node] = (producer[src][0], idx)
             continue
@@ -241,7 +241,7 @@ def _offer_accumulation(decisions: list[Decision], needs_grad: set, lists: Candi
                 readers[u] = readers.get(u, 0) + 1
     for u, d in enumerate(decisions):
         n = readers.get(u, 0)
-        if (n > 1 or n and cm.is_alias_op(d.node)) and len(d.candidates[0].outputs) == 1 \
+        if (n > 1 or n and cm.is_view_op(d.node)) and len(d.candidates[0].outputs) == 1 \
                 and d.candidates[0].outputs[0] is not None:
             d.candidates = lists.with_accumulation(d.candidates)
 

@@ -14,7 +14,7 @@ from ..capture.graph import module_path
 from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
-from .candidates import is_alias, tensor_inputs
+from .candidates import is_getitem, tensor_inputs
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
 from .pricing import (
     Pricing,
@@ -141,9 +141,9 @@ def _read_in_backward(node: torch.fx.Node | None, slot: int, needs_grad: set) ->
     nothing itself, but what its readers' backward reads of the view is its input, seen through it."""
     if node is None or node.op != "call_function":
         return False
-    if cm.is_alias_op(node) or is_alias(node):
+    if cm.is_view_op(node) or is_getitem(node):
         return any(_read_in_backward(user, k, needs_grad) for user in node.users
-                   for k, a in enumerate([node] if is_alias(user) else tensor_inputs(user)) if a is node)
+                   for k, a in enumerate([node] if is_getitem(user) else tensor_inputs(user)) if a is node)
     if slot in _ADDED.get(node.target, ()):
         return False
     return any(a in needs_grad for k, a in enumerate(tensor_inputs(node)) if k != slot)
@@ -229,7 +229,7 @@ def _peak_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
                 if node in trainable else 1
             live += local_bytes(node) * copies
         elif node.op == "call_function":
-            nbytes = 0 if cm.is_alias_op(node) else local_bytes(node)
+            nbytes = 0 if cm.is_view_op(node) else local_bytes(node)
             live += nbytes
             if node not in kept:
                 transient[node] = nbytes
