@@ -193,7 +193,7 @@ def _from_local(t: torch.Tensor, mesh: DeviceMesh, placements, like: torch.Tenso
 
 # make_fx records `view` where eager's tensor allowed it; a piece laid out otherwise (a redistributed operand, an
 # elementwise result following it) may not. Every view is valid on a contiguous tensor.
-_VIEWS = (aten.view.default, aten._unsafe_view.default)
+_VIEW_CALLS = (aten.view.default, aten._unsafe_view.default)
 
 
 def _contiguous(x: Any) -> Any:
@@ -263,7 +263,7 @@ class ParallelProgram:
     def _settled_result(self, node: torch.fx.Node, out: Any) -> Any:
         # a view hands its gradient's pending sum on to the value it views, which sums it with its other readers'
         # and resolves it once; a result a later op writes into stays as autograd made it
-        if node.target in _VIEWS or is_view(node.target) or node in self._written:
+        if node.target in _VIEW_CALLS or is_view(node.target) or node in self._written:
             return out
         return type(out)(_settled(o) for o in out) if isinstance(out, (tuple, list)) else _settled(out)
 
@@ -277,8 +277,8 @@ class ParallelProgram:
                 leaves[i] = _to(leaf, np_.inputs[slot], self.mesh)
                 slot += 1
         args, kwargs = pytree.tree_unflatten(leaves, spec)
-        val = self._val(node.meta.get("val"))
-        if node.target in _VIEWS:
+        val = self._at_sizes(node.meta.get("val"))
+        if node.target in _VIEW_CALLS:
             args = (_contiguous(args[0]), *args[1:])
 
         if np_.rule == "factory":
@@ -346,7 +346,7 @@ class ParallelProgram:
 
     # --- sizes that change (capture.dynamic) ------------------------------------------------------------
 
-    def _val(self, val: Any) -> Any:
+    def _at_sizes(self, val: Any) -> Any:
         """A node's value as at this call's sizes."""
         return val if self.dynamic is None else self.dynamic.concrete(val, self._bindings)
 
@@ -509,7 +509,7 @@ class ParallelProgram:
         if self._graph_step and torch.is_grad_enabled() and not any(
                 isinstance(a, DTensor) for a in args[n_params:]):
             outs = GraphStep.apply(self, *args)
-            return [_from_local(o, self.mesh, self.plan.outputs[k], self._val(v)) if self.as_dtensor[k] else o
+            return [_from_local(o, self.mesh, self.plan.outputs[k], self._at_sizes(v)) if self.as_dtensor[k] else o
                     for k, (o, v) in enumerate(zip(outs, self.out_vals))]
         locals_ = list(args)
         if n_params and torch.is_grad_enabled():
@@ -527,7 +527,7 @@ class ParallelProgram:
         with implicit_replication():
             outs = self._run(*locals_, *self.constants)
         return [
-            _from_local(o, self.mesh, self.plan.outputs[k], self._val(v)) if self.as_dtensor[k] else o
+            _from_local(o, self.mesh, self.plan.outputs[k], self._at_sizes(v)) if self.as_dtensor[k] else o
             for k, (o, v) in enumerate(zip(outs, self.out_vals))
         ]
 

@@ -33,15 +33,15 @@ __all__ = ["recompute_checkpointed", "regather_in_backward", "simplify"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.alias.default)
+_DROPPABLE_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.alias.default)
 
 
-def _val(node):
+def _node_value(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _same_shape(node: torch.fx.Node) -> bool:
-    a, b = _val(node.args[0]), _val(node)
+    a, b = _node_value(node.args[0]), _node_value(node)
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
         and a.stride() == b.stride()
 
@@ -69,7 +69,7 @@ def _drop_identities(graph: torch.fx.Graph, outputs: set) -> None:
     # what lost its readers; only views and the like (pure, no random state), so nothing else changes
     for node in reversed(list(graph.nodes)):
         if node.op == "call_function" and not node.users and node not in outputs and (
-                node.target in _VIEWS or node.target in (aten.detach.default, aten.t.default)):
+                node.target in _DROPPABLE_VIEWS or node.target in (aten.detach.default, aten.t.default)):
             graph.erase_node(node)
 
 
@@ -106,9 +106,9 @@ def _accumulate_in_place(graph: torch.fx.Graph) -> None:
     for node in graph.nodes:
         if node.target is not aten.add.Tensor or node.kwargs or len(node.args) != 2:
             continue
-        out = _val(node)
+        out = _node_value(node)
         for i, into in enumerate(node.args):  # a + b == b + a exactly, so either operand can take the sum
-            val = _val(into)
+            val = _node_value(into)
             if isinstance(val, torch.Tensor) and isinstance(out, torch.Tensor) and val.shape == out.shape \
                     and val.dtype == out.dtype and val.stride() == out.stride() and val.is_contiguous() \
                     and _owned(into):
@@ -120,7 +120,7 @@ def _reduce_in_place(graph: torch.fx.Graph) -> None:
     for node in graph.nodes:
         if node.target is _c10d.all_reduce.default:
             buf = node.args[0]
-            val = _val(buf)
+            val = _node_value(buf)
             if isinstance(val, torch.Tensor) and val.is_contiguous() and _owned(buf):
                 node.target = _c10d.all_reduce_.default
 
@@ -219,7 +219,7 @@ def _reduced_for_output(node: torch.fx.Node, out: torch.fx.Node) -> torch.fx.Nod
     (wait,) = node.users
     if wait.target is not _c10d.wait_tensor.default or set(wait.users) != {out}:
         return None
-    val = _val(node.args[0])
+    val = _node_value(node.args[0])
     return node if isinstance(val, torch.Tensor) else None
 
 
@@ -232,7 +232,7 @@ def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -
     returned = list(out.args[0])
     found = [n for n in graph.nodes if _reduced_for_output(n, out) is not None]
     found.sort(key=lambda n: -returned.index(next(iter(n.users))))  # the input whose gradient it is, last first
-    vals = [_val(n.args[0]) for n in found]
+    vals = [_node_value(n.args[0]) for n in found]
     numbers = assign_buckets([((n.args[2], v.dtype), v.numel() * v.element_size()) for n, v in zip(found, vals)],
                              limit)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -270,7 +270,7 @@ def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool) ->
     """One all-reduce for the gradients of ``bucket``: concatenated, reduced, each gradient a view of its piece.
     ``in_place``: concatenated into a :class:`_KeptBuffer` and reduced there (functional, for Inductor: into a
     new buffer)."""
-    vals = [_val(n.args[0]) for n in bucket]
+    vals = [_node_value(n.args[0]) for n in bucket]
     dtype, group = vals[0].dtype, bucket[0].args[2]
     sizes = [v.numel() for v in vals]
 

@@ -156,7 +156,7 @@ def _key(node: torch.fx.Node, mesh: DeviceMesh):
     return (node.target, repr(args), tuple(mesh.shape))
 
 
-def _val(x):
+def _meta_value(x):
     return x.meta["val"] if isinstance(x, torch.fx.Node) else x
 
 
@@ -169,7 +169,7 @@ def _plannable(p: Placement) -> bool:
 
 
 def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
-    args, kwargs = pytree.tree_map(_val, (node.args, node.kwargs))
+    args, kwargs = pytree.tree_map(_meta_value, (node.args, node.kwargs))
     found = dtensor_strategies(node.target, args, kwargs, mesh)
     if found is None:
         return None

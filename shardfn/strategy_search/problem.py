@@ -101,7 +101,7 @@ def build_problem(captured: CapturedGraph, mesh: DeviceMesh, request: PlanReques
     for i, node in enumerate(captured.placeholders):
         fixed = written.get(i, fixed_inputs.get(i))
         cands = [Candidate((fixed,), (), "input")] if fixed is not None else \
-            _without_unit_dims(input_candidates(_val(node).shape, mesh), mesh_shape)
+            _without_unit_dims(input_candidates(_tensor_value(node).shape, mesh), mesh_shape)
         producer[node] = (len(decisions), 0)
         decisions.append(Decision(node, captured.inputs[i].name, cands, []))
         if captured.inputs[i].kind == "buffer" and node not in needs_grad and fixed is not None \
@@ -161,7 +161,7 @@ def build_problem(captured: CapturedGraph, mesh: DeviceMesh, request: PlanReques
                            fallbacks)
 
 
-def _val(node: torch.fx.Node) -> torch.Tensor:
+def _tensor_value(node: torch.fx.Node) -> torch.Tensor:
     return node.meta["val"]
 
 

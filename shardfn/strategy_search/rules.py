@@ -133,10 +133,10 @@ def _cuda_attention_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate
 
 # --- views --------------------------------------------------------------------------------------------------
 
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
 
 
-@register_check(*_VIEWS)
+@register_check(*_RESHAPES)
 def _view_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     # DTensor's view rule maps a split dim to the merged or split dim it becomes, but with uneven or nested shards
     # a rank's piece may not hold the elements of its piece of the result (view (6, 5) -> (2, 3, 5) split (S0, S0)
