@@ -1,5 +1,6 @@
 """A plan read per layer: the parameters' layouts and the collectives of each layer of the module, repeated layers
-folded into one line with a count. What ``str(plan)`` shows first; ``plan.table()`` lists every op."""
+folded into one line with a count. What ``str(plan)`` shows first (and the plan page folds its tree alike);
+``plan.table()`` lists every op."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .plan import Plan
 
-__all__ = ["layer_of", "summary_lines"]
+__all__ = ["collective_module", "folded_layers", "layer_of", "summary_lines"]
 
 _TOP = "(top level)"
 
@@ -60,46 +61,55 @@ def _layers(plan: Plan, fmt) -> list[_Layer]:
         layer(layer_of(n.module))
     params = {i.name for i in plan.inputs if i.kind == "param"}
     for c in plan.collectives:
-        producer, _, consumer = c.where.partition(" -> ")
-        if producer in params:
-            where = layer_of(producer.rpartition(".")[0])
-        else:
-            node = plan.nodes.get(producer) or plan.nodes.get(consumer)
-            where = layer_of(node.module) if node is not None else _TOP
-        count = layer(where).collectives.setdefault(c.phase, {}).setdefault(c.kind, [0, 0])
+        count = layer(layer_of(collective_module(plan, c, params))).collectives.setdefault(c.phase, {}) \
+            .setdefault(c.kind, [0, 0])
         count[0] += 1
         count[1] += c.nbytes
     return list(layers.values())
+
+
+def collective_module(plan: Plan, c, params: set[str]) -> str:
+    """The submodule path a collective is charged to: the parameter's module where it moves a parameter, else
+    the module of the op that made the tensor (or of the op reading it, where no op made it)."""
+    producer, _, consumer = c.where.partition(" -> ")
+    if producer in params:
+        return producer.rpartition(".")[0]
+    node = plan.nodes.get(producer) or plan.nodes.get(consumer)
+    return node.module if node is not None else ""
 
 
 def _index_free(name: str) -> str:
     return re.sub(r"\.\d+(\.|$)", r".#\1", name)
 
 
-def _folded(layers: list[_Layer]) -> list[tuple[str, _Layer]]:
-    """Runs of consecutive layers that differ only in their index and plan alike, as one: (label, first layer)."""
-    out: list[tuple[list[_Layer], _Layer]] = []
+def _folded(layers: list[_Layer]) -> list[tuple[str, list[_Layer]]]:
+    """Runs of consecutive layers that differ only in their index and plan alike, as one: (label, the run)."""
+    runs: list[list[_Layer]] = []
     for lay in layers:
-        if out and _index_free(out[-1][1].name) == _index_free(lay.name) != lay.name \
-                and out[-1][1].signature() == lay.signature():
-            out[-1][0].append(lay)
+        if runs and _index_free(runs[-1][0].name) == _index_free(lay.name) != lay.name \
+                and runs[-1][0].signature() == lay.signature():
+            runs[-1].append(lay)
             continue
-        out.append(([lay], lay))
+        runs.append([lay])
     labels = []
-    for run, first in out:
-        if len(run) == 1:
-            labels.append((first.name, first))
-            continue
-        last = run[-1].name.rpartition(".")[2]
-        labels.append((f"{first.name}-{last} (x{len(run)})", first))
+    for run in runs:
+        label = run[0].name if len(run) == 1 else \
+            f"{run[0].name}-{run[-1].name.rpartition('.')[2]} (x{len(run)})"
+        labels.append((label, run))
     return labels
+
+
+def folded_layers(plan: Plan, fmt) -> list[tuple[str, list[str]]]:
+    """Every layer of the plan in order, repeated ones folded: (label, the names of the layers it stands for),
+    the label ``model.layers.0-31 (x32)`` for a run of 32 layers planned alike."""
+    return [(label, [lay.name for lay in run]) for label, run in _folded(_layers(plan, fmt))]
 
 
 def summary_lines(plan: Plan, fmt) -> list[str]:
     """Per layer (repeated ones folded): the parameters grouped by layout, then each phase's collectives by kind
     (count and bytes, per layer)."""
     lines = []
-    for label, lay in _folded(_layers(plan, fmt)):
+    for label, (lay, *_) in _folded(_layers(plan, fmt)):
         if not lay.params and not any(lay.collectives.values()):
             continue
         lines.append(label)

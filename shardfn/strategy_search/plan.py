@@ -1,19 +1,26 @@
-"""Plan: the chosen placements, the collectives they imply, and their estimated cost."""
+"""Plan: the chosen placements, the collectives they imply, and their estimated cost; its JSON file (written by
+``to_json``, read back by ``from_json``/``load``, versioned so a file from another format is refused by name)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from ..layout import MeshSpec
+from ..layout import Axis, MeshSpec
 from ._summary import summary_lines
 
-__all__ = ["Collective", "Cost", "InputPlan", "NodePlan", "Plan"]
+__all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "parse_placement", "placements_text"]
 
 Placements = tuple[Placement, ...]
+
+# The version of to_json's layout; from_json reads this one only (a file of another version is refused by name,
+# never half read). Raise it whenever a field changes meaning or goes away.
+PLAN_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class Collective:
     nbytes: int
     where: str  # the tensor it moves: "producer -> consumer"
     bucket: int | None = None  # a gradient's all-reduce fused with others: the number of its bucket
+    seconds: float | None = None  # the cost model's estimate (its share of a bucket's latency); None: not priced
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,9 @@ class NodePlan:
     inputs: tuple[Placements, ...]
     outputs: tuple[Placements | None, ...]
     module: str = ""  # the path of the submodule that computed it ("" for the module's own code, a function's)
+    shapes: tuple[tuple[int, ...] | None, ...] = ()  # each output's global shape (None: not a tensor)
+    compute_s: float | None = None  # the cost model's per-rank seconds at the chosen split (backward included)
+    live_bytes: int | None = None  # per-rank bytes alive once it has run (the forward's memory over the program)
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,9 @@ class InputPlan:
     shape: tuple[int, ...]
     held: Placements
     planned: Placements
+    # where ``planned`` came from: "in_strategy", "dtensor" (the argument's own layout), "data_parallel",
+    # "parameter_plan", "laid out" (by an earlier call), "buffer" (kept whole) or "search"; "" where not recorded
+    origin: str = ""
 
 
 @dataclass
@@ -84,7 +98,8 @@ class Plan:
     whether each comes back as a DTensor. ``collectives`` lists forward and backward collectives in program order.
     ``reshard_after_forward``: the program frees each parameter's gathered copy after forward and gathers it again
     for backward (the backward all-gathers are in ``collectives``), as FSDP does, trading one all-gather per
-    parameter for the memory of the whole parameters.
+    parameter for the memory of the whole parameters. ``to_json`` writes it as a file (versioned: PLAN_FORMAT) that
+    ``from_json`` and ``load`` read back, ``to_html`` as a page.
     """
 
     mesh: MeshSpec
@@ -101,6 +116,8 @@ class Plan:
     reshard_after_forward: bool = False
     gap: float = 0.0  # relative distance of the objective to the search's best bound (0: proven optimal)
     search: dict = field(default_factory=dict)  # the search's sizes and seconds (decisions, ILP residue, ...)
+    output_shapes: list[tuple[int, ...]] = field(default_factory=list)  # each output's global shape
+    measured_s: float | None = None  # a measured step time, where whoever ran the plan recorded one
 
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
         return sum((kind is None or c.kind == kind) and (phase is None or c.phase == phase) for c in self.collectives)
@@ -116,10 +133,10 @@ class Plan:
     def __str__(self) -> str:
         """The plan per layer (repeated layers folded): each layer's parameters by layout and its collectives by
         kind; then what is returned and the notes. ``table()`` lists every op and every collective."""
-        lines = [self._header(), *summary_lines(self, _fmt)]
+        lines = [self._header(), *summary_lines(self, placements_text)]
         if not self.collectives:
             lines.append("no collectives")
-        lines.append(f"returns {', '.join(_fmt(p) for p in self.outputs)}  "
+        lines.append(f"returns {', '.join(placements_text(p) for p in self.outputs)}  "
                      f"({len(self.nodes)} ops and {len(self.collectives)} collectives: plan.table())")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -128,10 +145,10 @@ class Plan:
         """Every op (its rule, input and output placements) and every collective, in program order."""
         lines = [self._header(), f"{'node':<28} {'op':<36} {'inputs':<40} outputs"]
         for n in self.nodes.values():
-            ins = ", ".join(_fmt(p) for p in n.inputs) or "-"
-            outs = ", ".join(_fmt(p) for p in n.outputs)
+            ins = ", ".join(placements_text(p) for p in n.inputs) or "-"
+            outs = ", ".join(placements_text(p) for p in n.outputs)
             lines.append(f"{n.name:<28} {n.op:<36} {ins:<40} {outs}")
-        lines.append(f"returns {', '.join(_fmt(p) for p in self.outputs)}")
+        lines.append(f"returns {', '.join(placements_text(p) for p in self.outputs)}")
         if self.collectives:
             lines.append(f"{'collective':<16} {'phase':<9} {'mesh dims':<10} {'bytes':>12}  {'bucket':<7} tensor")
             for c in self.collectives:
@@ -149,7 +166,50 @@ class Plan:
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
+    def to_html(self, path: str) -> str:
+        """Write the plan as one self-contained HTML page (no network needed to view it) and return ``path``: the
+        module tree with repeated layers folded, every tensor's pieces on the device mesh, the collectives, the
+        costs per layer. ``python -m shardfn.show plan.json`` writes the same page from a saved plan."""
+        from ..plan_page import write_page
+
+        return write_page(self, path)
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        """The plan saved in the file at ``path`` (``to_json``'s text); a ValueError naming the file where it is
+        not one, or was written in another plan format."""
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}: not a shardfn plan file (not UTF-8 text: {e})") from e
+        return cls.from_json(text, source=path)
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "plan JSON") -> Plan:
+        """The plan ``to_json`` wrote. Placements come back as DTensor's placement objects where they are
+        Shard, Replicate, Partial or a strided shard, else as their text. ``source`` names the text in errors."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"{source}: not a shardfn plan file (not JSON: {e})") from None
+        if not isinstance(data, dict) or "shardfn_plan_format" not in data:
+            raise ValueError(f"{source}: not a shardfn plan file (no 'shardfn_plan_format' field; plan.to_json() "
+                             "writes one)")
+        version = data["shardfn_plan_format"]
+        if version != PLAN_FORMAT:
+            raise ValueError(f"{source}: written by plan format {version}, this shardfn reads {PLAN_FORMAT}; "
+                             "write it again with this shardfn (sf.explain(...).to_json())")
+        try:
+            return _decode(data)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{source}: not a shardfn plan file (a field is missing or malformed: "
+                             f"{type(e).__name__}: {e})") from e
+
     def to_json(self) -> str:
+        """The plan as JSON text, placements as their text; ``from_json`` reads it back."""
+
         def enc(x: Any):
             if isinstance(x, Placement):
                 return str(x)
@@ -161,10 +221,11 @@ class Plan:
 
         return json.dumps(
             {
+                "shardfn_plan_format": PLAN_FORMAT,
                 "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
                 "level": self.level,
-                "nodes": [enc(asdict(n)) for n in self.nodes.values()],
-                "inputs": [enc(asdict(i)) for i in self.inputs],
+                "nodes": [{"key": key, **enc(_fields(n))} for key, n in self.nodes.items()],  # key: the fx node
+                "inputs": [enc(_fields(i)) for i in self.inputs],
                 "outputs": enc(self.outputs),
                 "returns_dtensor": self.returns_dtensor,
                 "collectives": [asdict(c) for c in self.collectives],
@@ -174,12 +235,89 @@ class Plan:
                 "search": self.search,
                 "notes": self.notes,
                 "reshard_after_forward": self.reshard_after_forward,
+                "output_shapes": enc(self.output_shapes),
+                "measured_s": self.measured_s,
             },
             default=str,
         )
 
 
-def _fmt(p: Placements | None) -> str:
+def _fields(record) -> dict:
+    # one level only: asdict would also take apart placements where a torch release makes them dataclasses
+    return {f.name: getattr(record, f.name) for f in fields(record)}
+
+
+# placement text as str() writes it, in torch releases' two spellings ("S(1)" or "Shard(dim=1)", ...)
+_SHARD = re.compile(r"(?:S|Shard)\((?:dim=)?(-?\d+)\)")
+_STRIDED = re.compile(r"(?:_S|_StridedShard)\((?:dim=)?(-?\d+), (?:sf=)?(\d+)\)")
+_PARTIAL = re.compile(r"(?:P|Partial)\((\w+)\)")
+
+
+def parse_placement(text: str) -> Placement | str:
+    """The placement object a placement's text names; the text itself where it names another kind (a
+    masked partial: the plan's text shows it, the page draws no pieces for it)."""
+    if text in ("R", "Replicate()"):
+        return Replicate()
+    if m := _SHARD.fullmatch(text):
+        return Shard(int(m[1]))
+    if m := _PARTIAL.fullmatch(text):
+        return Partial(m[1])
+    if text == "P":  # placements_text's shorthand of a sum
+        return Partial()
+    if m := _STRIDED.fullmatch(text):
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        return _StridedShard(int(m[1]), split_factor=int(m[2]))
+    return text
+
+
+def _placements(items) -> Placements | None:
+    if items is None:
+        return None
+    if isinstance(items, str):
+        raise ValueError(f"placements {items!r}: expected a list")
+    return tuple(parse_placement(p) for p in items)
+
+
+def _shape(items) -> tuple[int, ...] | None:
+    return None if items is None else tuple(int(n) for n in items)
+
+
+def _decode(data: dict) -> Plan:
+    shape = [int(n) for n in data["mesh"]["shape"]]
+    # shardfn's meshes are row-major over the call's ranks: each axis' stride is the size of the axes inside it
+    axes = tuple(Axis(n, math.prod(shape[i + 1:])) for i, n in enumerate(shape))
+    nodes = {}
+    for n in data["nodes"]:
+        nodes[n["key"]] = NodePlan(
+            n["name"], n["op"], n["rule"], tuple(_placements(p) for p in n["inputs"]),
+            tuple(_placements(p) for p in n["outputs"]), n.get("module", ""),
+            tuple(_shape(s) for s in n.get("shapes", ())), n.get("compute_s"), n.get("live_bytes"))
+    inputs = [InputPlan(i["kind"], i["name"], _shape(i["shape"]), _placements(i["held"]), _placements(i["planned"]),
+                        i.get("origin", "")) for i in data["inputs"]]
+    collectives = [Collective(c["kind"], c["phase"], tuple(c["mesh_dims"]), int(c["nbytes"]), c["where"],
+                              c.get("bucket"), c.get("seconds")) for c in data["collectives"]]
+    return Plan(
+        mesh=MeshSpec(axes, tuple(data["mesh"]["names"])),
+        level=int(data["level"]),
+        nodes=nodes,
+        inputs=inputs,
+        outputs=[_placements(p) for p in data["outputs"]],
+        returns_dtensor=[bool(b) for b in data["returns_dtensor"]],
+        collectives=collectives,
+        cost=Cost(**data["cost"]),
+        optimal=bool(data["optimal"]),
+        notes=[str(n) for n in data["notes"]],
+        reshard_after_forward=bool(data["reshard_after_forward"]),
+        gap=float(data["gap"]),
+        search=dict(data["search"]),
+        output_shapes=[_shape(s) for s in data.get("output_shapes", [])],
+        measured_s=data.get("measured_s"),
+    )
+
+
+def placements_text(p: Placements | None) -> str:
+    """A layout as the plan's text writes it: ``(S(0),R)``."""
     if p is None:
         return "-"
     short = []

@@ -40,11 +40,20 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     captured, decisions, mesh_shape = problem.captured, problem.decisions, problem.mesh_shape
     needs_grad, held, level = problem.needs_grad, request.held(), request.level
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
+    live = _live_bytes(problem, chosen, needs_grad - problem.recomputed, request.optimizer_stage)
     nodes = {}
-    for d, c in zip(decisions, chosen):
+    for v, (d, c) in enumerate(zip(decisions, chosen)):
         if d.node is not None:
             op = "input" if d.node.op == "placeholder" else str(d.node.target)
-            nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node))
+            nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node),
+                                          _shapes(d.node), float(terms.compute[v][solution.choice[v]]),
+                                          live.get(d.node))
+    profile, share = request.profile, pricing.share
+
+    def priced(o: cm.CommOp, phase: str, where: str, handed_back: bool = False) -> Collective:
+        # as the search priced it: a gradient handed back bears its share of its bucket's latency
+        seconds = cm.collective_seconds(o, mesh_shape, profile, share(o) if handed_back else 1.0)
+        return Collective(o.kind, phase, (o.mesh_dim,), o.nbytes, where, seconds=seconds)
     fwd_colls, bwd_colls, regathers, regather_s = [], [], [], 0.0
     # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy from
     # forward to backward (FSDP's reshard_after_forward): one more all-gather per gathered parameter
@@ -76,34 +85,34 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
             fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], pending(c, slot, passes_on(d, c)),
                                       value_node in needs_grad, chosen[u].accumulate)
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
-            fwd_colls += [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, where) for o in fwd]
+            fwd_colls += [priced(o, "forward", where) for o in fwd]
             if reshard and value_node in from_params and _read_in_backward(d.node, slot, needs_grad):
-                again = [o for o in fwd if o.kind == "all_gather"]
-                regathers += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where + " (again)")
-                              for o in again]
-                regather_s += sum(cm.collective_seconds(o, mesh_shape, request.profile) for o in again)
+                again = [priced(o, "backward", where + " (again)") for o in fwd if o.kind == "all_gather"]
+                regathers += again
+                regather_s += sum(c.seconds for c in again)
             handed_back = gradient_handed_back(value_node)
             bwd = synced(bwd, handed_back)
             if handed_back is not None:
                 gradients += [(len(bwd_colls) + k, (o.mesh_dim, val.dtype), position[handed_back])
                               for k, o in enumerate(bwd) if o.kind == "all_reduce"]
-            bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, where) for o in bwd]
+            bwd_colls += [priced(o, "backward", where, handed_back is not None) for o in bwd]
     for i, (d, c) in enumerate(zip(decisions, chosen)):
         fwd, bwd = node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None else False,
                                     mesh_shape)
         bwd = synced(bwd, d.node)
         entry = held.get(i) is not None and held[i] != c.outputs[0]  # else its readers' gradients summed
         what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
-        if d.node is not None and d.node.op == "placeholder":  # a graph input's gradient, handed back
+        placeholder = d.node is not None and d.node.op == "placeholder"
+        if placeholder:  # a graph input's gradient, handed back
             gradients += [(len(bwd_colls) + k, (o.mesh_dim, d.node.meta["val"].dtype), position[d.node])
                           for k, o in enumerate(bwd) if o.kind == "all_reduce"]
-        fwd_colls = [Collective(o.kind, "forward", (o.mesh_dim,), o.nbytes, what) for o in fwd] + fwd_colls
-        bwd_colls += [Collective(o.kind, "backward", (o.mesh_dim,), o.nbytes, what) for o in bwd]
+        fwd_colls = [priced(o, "forward", what) for o in fwd] + fwd_colls
+        bwd_colls += [priced(o, "backward", what, placeholder) for o in bwd]
     bwd_colls = _with_buckets(bwd_colls, gradients)
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + regather_s
     bwd_colls += regathers
-    peak = _peak_bytes(problem, chosen, needs_grad - problem.recomputed, request.optimizer_stage)
+    peak = max(live.values(), default=0)
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     if solution.timed_out:
         notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
@@ -111,7 +120,8 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     notes += _why_gathered(problem, request, pricing, terms, solution)
     if problem.fallbacks:
         notes.append("replicated fallback for: " + ", ".join(sorted(problem.fallbacks)))
-    inputs = tuple(InputPlan(gi.kind, gi.name, gi.shape, held.get(i, chosen[i].outputs[0]), chosen[i].outputs[0])
+    inputs = tuple(InputPlan(gi.kind, gi.name, gi.shape, held.get(i, chosen[i].outputs[0]), chosen[i].outputs[0],
+                             request.inputs[i].origin)
                    for i, gi in enumerate(captured.inputs))
     return Plan(
         mesh=mesh_spec,
@@ -127,7 +137,15 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
         reshard_after_forward=bool(regathers),
         gap=solution.gap,
         search=dict(solution.stats),
+        output_shapes=[_shapes(n)[0] for n in captured.output_nodes],
     )
+
+
+def _shapes(node: torch.fx.Node) -> tuple[tuple[int, ...] | None, ...]:
+    """The global shape of each of ``node``'s outputs (None where one is not a tensor), for the plan page."""
+    vals = node.meta.get("val")
+    return tuple(tuple(int(n) for n in v.shape) if isinstance(v, torch.Tensor) else None
+                 for v in (vals if isinstance(vals, (list, tuple)) else [vals]))
 
 
 # inputs an op's backward does not read: terms it only adds (a bias, either side of a sum)
@@ -198,12 +216,12 @@ def _with_buckets(bwd_colls: list[Collective], gradients: list[tuple[int, tuple,
     return out
 
 
-def _peak_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0) -> int:
-    """Per-rank peak bytes of the chosen plan, with liveness.
+def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0) -> dict[torch.fx.Node, int]:
+    """Per-rank bytes alive as each node of the chosen plan runs, with liveness; the peak is the largest.
 
     Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
     optimizer states) are alive throughout; a value ``kept`` for backward stays alive once made; any other value
-    lives until its last reader. The peak is the largest total seen.
+    lives until its last reader.
     """
     by_node = {d.node: c for d, c in zip(problem.decisions, chosen) if d.node is not None}
     mesh_shape, trainable = problem.mesh_shape, problem.trainable
@@ -221,7 +239,7 @@ def _peak_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
         return sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
                    for v, pl in zip(vals, c.outputs) if pl is not None)
 
-    live, peak = 0, 0
+    live, at = 0, {}
     transient: dict[torch.fx.Node, int] = {}
     for i, node in enumerate(order):
         if node.op == "placeholder":
@@ -233,8 +251,8 @@ def _peak_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
             live += nbytes
             if node not in kept:
                 transient[node] = nbytes
-        peak = max(peak, live)
+        at[node] = int(live)
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a in transient:
                 live -= transient.pop(a)
-    return int(peak)
+    return at

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ..arguments import BoundCall
@@ -40,6 +41,9 @@ class InputRequest:
 
     held: Placements | None = None
     fixed: Placements | None = None
+    # who gave ``fixed`` (the plan shows it): "in_strategy", "dtensor" (the argument's own layout), "data_parallel",
+    # "parameter_plan", "laid out" (by an earlier call), "buffer"; "search" where nobody did
+    origin: str = "search"
 
 
 @dataclass(frozen=True)
@@ -98,17 +102,29 @@ def _input_requests(config: ShardConfig, captured: CapturedGraph, call: BoundCal
     for gi in captured.inputs:
         if gi.kind == "param":
             spec = param_specs.get(gi.name)
+            origin = "search" if spec is None else \
+                "parameter_plan" if config.parameter_plan.get(gi.name) is not None else "laid out"
             if spec is None and config.dataset_strategy == "data_parallel" and config.level != 1:
-                spec = TensorSpec.replicated(len(gi.shape))  # data parallelism: every rank holds it whole
-            requests.append(InputRequest(None, None if spec is None else to_placements(spec, mesh_spec)))
+                spec, origin = TensorSpec.replicated(len(gi.shape)), "data_parallel"  # every rank holds it whole
+            requests.append(InputRequest(None, None if spec is None else to_placements(spec, mesh_spec), origin))
         elif gi.kind == "buffer":
-            requests.append(InputRequest(whole, whole))  # buffers stay whole
+            requests.append(InputRequest(whole, whole, "buffer"))  # buffers stay whole
         else:
             j = next(tensor_inputs)
             fixed = call.fixed[j]
             requests.append(InputRequest(to_placements(call.held[j], mesh_spec),
-                                         None if fixed is None else to_placements(fixed, mesh_spec)))
+                                         None if fixed is None else to_placements(fixed, mesh_spec),
+                                         _argument_origin(config, call, j)))
     return requests
+
+
+def _argument_origin(config: ShardConfig, call: BoundCall, j: int) -> str:
+    """Who gave argument tensor ``j``'s layout (InputRequest.origin)."""
+    if call.fixed[j] is None:
+        return "search"
+    if isinstance(call.tensors[j], DTensor) and call.fixed[j] == call.held[j]:
+        return "dtensor"
+    return "data_parallel" if config.dataset_strategy == "data_parallel" else "in_strategy"
 
 
 def _data_parallel_dims(config: ShardConfig, call: BoundCall, mesh_spec: MeshSpec) -> tuple[int, ...]:

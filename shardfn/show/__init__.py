@@ -1,5 +1,8 @@
 """show(): a tensor's layout in the terminal, as a grid of which ranks hold which block (JAX's
-visualize_array_sharding, DTensor's visualize_sharding), and each rank's piece: offset and shape, uneven ones too."""
+visualize_array_sharding, DTensor's visualize_sharding), and each rank's piece: offset and shape, uneven ones too.
+
+A package so that ``python -m shardfn.show plan.json`` (``__main__``) runs without importing itself twice: it
+writes a saved plan's page (shardfn.plan_page)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from .strategy_search._dtensor_adapter import local_pieces
+from ..strategy_search._dtensor_adapter import local_pieces
 
 __all__ = ["show"]
 
