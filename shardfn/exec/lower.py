@@ -203,6 +203,53 @@ def _contiguous(x: Any) -> Any:
     return x
 
 
+# ops DTensor runs on its operands' pieces as they are, given the placements its strategy asks for (besides the
+# pointwise ones; their list arguments are dims or operands, not sizes): the interpreter runs them so itself,
+# without DTensor's sharding propagation on every call. Not views: a view hands the pending sum of its gradient
+# on as it is (DTensor's view rules), where a piece's view would resolve it first
+_ON_PIECES = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten._softmax.default,
+              aten._log_softmax.default, aten._softmax_backward_data.default,
+              aten._log_softmax_backward_data.default, aten.clone.default, aten._to_copy.default,
+              aten.cat.default, aten.sum.dim_IntList, aten.native_layer_norm.default,
+              aten.native_layer_norm_backward.default}
+_PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
+
+
+def _on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
+    """Whether ``node`` (run by DTensor's rule at these planned placements) computes each rank's piece of its
+    results from its operands' pieces alone, so the interpreter may run it on them directly: a pointwise op, or
+    one of those above, on tensors and plain values, no pending sum in or out (whose gradient the pieces would not
+    give)."""
+    op = node.target
+    if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable:
+        return False
+    listed = op in _ON_PIECES
+    if not (listed or torch.Tag.pointwise in op.tags) or is_view(op):
+        return False
+    if not outputs or any(pl is None for pl in outputs) or \
+            any(p.is_partial() for pl in (*inputs, *outputs) for p in pl):
+        return False
+
+    def plain(a) -> bool:
+        if isinstance(a, (list, tuple)):
+            return listed and all(plain(x) for x in a)
+        return isinstance(a, (torch.fx.Node, *_PLAIN))
+
+    return all(plain(a) for a in (*node.args, *node.kwargs.values()))
+
+
+def _piece_shape(shape: torch.Size, placements, mesh: DeviceMesh) -> list[int] | None:
+    """Every rank's piece of a tensor of ``shape`` in ``placements``, where the splits are even (else None)."""
+    local = list(shape)
+    for d, p in enumerate(placements):
+        if isinstance(p, Shard):
+            n = mesh.size(d)
+            if local[p.dim] % n:
+                return None
+            local[p.dim] //= n
+    return local
+
+
 class ParallelProgram:
     """Callable on the graph inputs as the caller holds them (DTensor parameters, whole tensors, batch slices,
     DTensors, in the order of ``plan.inputs``); returns the flat tensor outputs: DTensors where
@@ -250,6 +297,9 @@ class ParallelProgram:
         self._locals: list[torch.Tensor] = []
         self._layouts: list = []
         self._locals_of: list[DTensor] = []
+        self._piecewise = {n for n in captured.gm.graph.nodes if n.name in plan.nodes and
+                           plan.nodes[n.name].rule == "dtensor" and
+                           _on_pieces(n, plan.nodes[n.name].inputs, plan.nodes[n.name].outputs)}
 
     # --- interpretation -----------------------------------------------------------------------------------
 
@@ -287,7 +337,12 @@ class ParallelProgram:
             shape_of = args[0]
             whole = torch.empty(shape_of.shape, dtype=shape_of.dtype, device=self.mesh.device_type)
             return _to(node.target(whole, *args[1:], **kwargs), np_.outputs[0], self.mesh)
-        if np_.rule == "local":
+        # on the pieces where they are even (uneven ones: DTensor's way, which keeps each rank's shapes apart)
+        on_pieces = node in self._piecewise and all(
+            _piece_shape(t.shape, t.placements, self.mesh) is not None for t in leaves if isinstance(t, DTensor)) \
+            and all(_piece_shape(v.shape, p, self.mesh) is not None
+                    for v, p in zip(val if isinstance(val, (tuple, list)) else [val], np_.outputs))
+        if np_.rule == "local" or on_pieces:
             local_args, local_kwargs = pytree.tree_map_only(DTensor, _local_piece(np_.outputs), (args, kwargs))
             out = node.target(*local_args, **local_kwargs)
             if isinstance(out, torch.Tensor):
