@@ -242,6 +242,119 @@ def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -
             _fuse(graph, bucket, in_place)
 
 
+def _gathered_input(node: torch.fx.Node) -> bool:
+    """Is ``node`` an all-gather of a graph input (a split parameter's, through views, copies, casts) whose
+    result is read?"""
+    return node.target is _c10d.all_gather_into_tensor.default and _of_an_input(node) and len(node.users) == 1 \
+        and next(iter(node.users)).target is _c10d.wait_tensor.default and bool(next(iter(node.users)).users)
+
+
+def _fuse_gathers(graph: torch.fx.Graph, limit: int) -> None:
+    """Split parameters' all-gathers into buckets of up to ``limit`` bytes (gathered), in the order they are first
+    read: one all-gather each, of the pieces concatenated, launched where the bucket's first result is read (the
+    overlap pass then starts it as early as its inputs allow), each parameter then cut out of the gathered rows.
+    FSDP2 gathers a block's parameters so, in one collective: one per parameter costs a collective's latency
+    each (on gloo, milliseconds)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    found = sorted((n for n in graph.nodes if _gathered_input(n)), key=lambda n: order[next(iter(n.users))])
+    vals = [_node_value(n) for n in found]
+    numbers = assign_buckets([((n.args[1], n.args[2], v.dtype), v.numel() * v.element_size())
+                              for n, v in zip(found, vals)], limit)
+    for number in set(numbers):
+        bucket = [n for n, k in zip(found, numbers) if k == number]
+        first_read = next(iter(bucket[0].users))
+        bucket = [n for n in bucket if order[n.args[0]] < order[first_read]]  # (inputs computed by then)
+        if len(bucket) > 1:
+            _fuse_gather(graph, bucket, first_read)
+
+
+def _fuse_gather(graph: torch.fx.Graph, bucket: list[torch.fx.Node], before: torch.fx.Node) -> None:
+    """One all-gather for ``bucket``: each rank's pieces concatenated, gathered as rows of ranks, each gathered
+    parameter the rows of its columns (the all-gather's dim-0 concatenation of the ranks' pieces)."""
+    pieces = [_node_value(n.args[0]) for n in bucket]
+    ranks, group, dtype = bucket[0].args[1], bucket[0].args[2], pieces[0].dtype
+    sizes = [p.numel() for p in pieces]
+    total = sum(sizes)
+
+    def add(target, args, val, kwargs=None):
+        node = graph.call_function(target, args, kwargs)
+        node.meta["val"] = val
+        return node
+
+    with graph.inserting_before(before):
+        flat = [add(aten.reshape.default, (n.args[0], [-1]), _meta((k,), dtype)) for n, k in zip(bucket, sizes)]
+        joined = add(aten.cat.default, (flat,), _meta((total,), dtype))
+        gathered = add(_c10d.all_gather_into_tensor.default, (joined, ranks, group), _meta((ranks * total,), dtype))
+        waited = add(_c10d.wait_tensor.default, (gathered,), _meta((ranks * total,), dtype))
+        rows = add(aten.view.default, (waited, [ranks, total]), _meta((ranks, total), dtype))
+        parts = add(aten.split_with_sizes.default, (rows, sizes, 1), [_meta((ranks, k), dtype) for k in sizes])
+        for i, (n, p) in enumerate(zip(bucket, pieces)):
+            columns = add(operator.getitem, (parts, i), parts.meta["val"][i])
+            shape = [ranks * p.shape[0], *p.shape[1:]] if p.dim() else [ranks]
+            (old_wait,) = n.users
+            old_wait.replace_all_uses_with(add(aten.reshape.default, (columns, shape), _meta(tuple(shape), dtype)))
+    for n in bucket:
+        (old_wait,) = n.users
+        graph.erase_node(old_wait)
+        graph.erase_node(n)
+
+
+def _scattered_for_output(node: torch.fx.Node, out: torch.fx.Node) -> bool:
+    """Is ``node`` a sum reduce-scatter whose result only leaves the graph (a split parameter's gradient)?"""
+    if node.target is not _c10d.reduce_scatter_tensor.default or node.args[1] != "sum" or len(node.users) != 1:
+        return False
+    (wait,) = node.users
+    return wait.target is _c10d.wait_tensor.default and set(wait.users) == {out} and \
+        isinstance(_node_value(node.args[0]), torch.Tensor) and _node_value(node.args[0]).dim() > 0
+
+
+def _fuse_reduce_scatters(graph: torch.fx.Graph, limit: int) -> None:
+    """Split parameters' gradient reduce-scatters into buckets of up to ``limit`` bytes (before scattering), in
+    the order the gradients are ready: one each, launched where the bucket's last gradient is ready, each
+    gradient a view of its piece of the result (as FSDP2 reduce-scatters a block's gradients at once)."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    found = [n for n in graph.nodes if _scattered_for_output(n, out)]
+    vals = [_node_value(n.args[0]) for n in found]
+    numbers = assign_buckets([((n.args[2], n.args[3], v.dtype), v.numel() * v.element_size())
+                              for n, v in zip(found, vals)], limit)
+    for number in set(numbers):
+        bucket = [n for n, k in zip(found, numbers) if k == number]
+        if len(bucket) > 1:
+            _fuse_reduce_scatter(graph, bucket)
+
+
+def _fuse_reduce_scatter(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> None:
+    """One reduce-scatter for ``bucket``: each gradient as rows of ranks (a rank's piece a row), the rows put side
+    by side, scattered; each rank's result holds its piece of every gradient, one after the other."""
+    grads = [_node_value(n.args[0]) for n in bucket]
+    ranks, group, dtype = bucket[0].args[2], bucket[0].args[3], grads[0].dtype
+    sizes = [g.numel() // ranks for g in grads]
+    total = sum(sizes)
+
+    def add(target, args, val, kwargs=None):
+        node = graph.call_function(target, args, kwargs)
+        node.meta["val"] = val
+        return node
+
+    with graph.inserting_before(bucket[-1]):
+        rows = [add(aten.reshape.default, (n.args[0], [ranks, k]), _meta((ranks, k), dtype))
+                for n, k in zip(bucket, sizes)]
+        joined = add(aten.cat.default, (rows, 1), _meta((ranks, total), dtype))
+        flat = add(aten.view.default, (joined, [-1]), _meta((ranks * total,), dtype))
+        scattered = add(_c10d.reduce_scatter_tensor.default, (flat, "sum", ranks, group), _meta((total,), dtype))
+        waited = add(_c10d.wait_tensor.default, (scattered,), _meta((total,), dtype))
+        parts = add(aten.split_with_sizes.default, (waited, sizes), [_meta((k,), dtype) for k in sizes])
+        for i, n in enumerate(bucket):
+            (old_wait,) = n.users
+            shape = list(_node_value(old_wait).shape)
+            piece = add(operator.getitem, (parts, i), parts.meta["val"][i])
+            old_wait.replace_all_uses_with(add(aten.view.default, (piece, shape), _meta(tuple(shape), dtype)))
+    for n in bucket:
+        (old_wait,) = n.users
+        graph.erase_node(old_wait)
+        graph.erase_node(n)
+
+
 def _meta(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
@@ -311,6 +424,8 @@ def simplify(gm: torch.fx.GraphModule, in_place: bool = True, one_in_flight: boo
     _drop_identities(graph, set(out.all_input_nodes))
     if bucket_bytes() > 0:
         _fuse_reductions(graph, bucket_bytes(), in_place)
+        _fuse_gathers(graph, bucket_bytes())
+        _fuse_reduce_scatters(graph, bucket_bytes())
     if in_place:
         _reduce_in_place(graph)
         _accumulate_in_place(graph)

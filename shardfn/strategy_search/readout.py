@@ -55,6 +55,9 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
         seconds = cm.collective_seconds(o, mesh_shape, profile, share(o) if handed_back else 1.0)
         return Collective(o.kind, phase, (o.mesh_dim,), o.nbytes, where, seconds=seconds)
     fwd_colls, bwd_colls, regathers, regather_s = [], [], [], 0.0
+    # split parameters' all-gathers (forward, and again in backward), with their kind: exec fuses them in buckets
+    gathered: list[tuple[Collective, tuple]] = []
+    regathered: list[tuple[Collective, tuple]] = []
     # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy from
     # forward to backward (FSDP's reshard_after_forward): one more all-gather per gathered parameter
     reshard = level == 1 and request.grad
@@ -85,16 +88,24 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
             fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], pending(c, slot, passes_on(d, c)),
                                       value_node in needs_grad, chosen[u].accumulate)
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
-            fwd_colls += [priced(o, "forward", where) for o in fwd]
+            handed_back = gradient_handed_back(value_node)
+            # a split parameter's all-gathers: exec fuses them into buckets too (forward, and again in backward)
+            gathers = [priced(o, "forward", where) for o in fwd]
+            fwd_colls += gathers
+            if handed_back is not None:
+                gathered += [(g, ("all_gather", o.mesh_dim, val.dtype)) for g, o in zip(gathers, fwd)
+                             if o.kind == "all_gather"]
             if reshard and value_node in from_params and _read_in_backward(d.node, slot, needs_grad):
                 again = [priced(o, "backward", where + " (again)") for o in fwd if o.kind == "all_gather"]
                 regathers += again
+                if handed_back is not None:
+                    regathered += [(g, ("all_gather", o.mesh_dim, val.dtype))
+                                   for g, o in zip(again, [o for o in fwd if o.kind == "all_gather"])]
                 regather_s += sum(c.seconds for c in again)
-            handed_back = gradient_handed_back(value_node)
             bwd = synced(bwd, handed_back)
             if handed_back is not None:
-                gradients += [(len(bwd_colls) + k, (o.mesh_dim, val.dtype), position[handed_back])
-                              for k, o in enumerate(bwd) if o.kind == "all_reduce"]
+                gradients += [(len(bwd_colls) + k, (o.kind, o.mesh_dim, val.dtype), position[handed_back])
+                              for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
             bwd_colls += [priced(o, "backward", where, handed_back is not None) for o in bwd]
     for i, (d, c) in enumerate(zip(decisions, chosen)):
         fwd, bwd = node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None else False,
@@ -104,13 +115,16 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
         what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
         placeholder = d.node is not None and d.node.op == "placeholder"
         if placeholder:  # a graph input's gradient, handed back
-            gradients += [(len(bwd_colls) + k, (o.mesh_dim, d.node.meta["val"].dtype), position[d.node])
-                          for k, o in enumerate(bwd) if o.kind == "all_reduce"]
+            gradients += [(len(bwd_colls) + k, (o.kind, o.mesh_dim, d.node.meta["val"].dtype), position[d.node])
+                          for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
         fwd_colls = [priced(o, "forward", what) for o in fwd] + fwd_colls
         bwd_colls += [priced(o, "backward", what, placeholder) for o in bwd]
     bwd_colls = _with_buckets(bwd_colls, gradients)
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + regather_s
+    first = max((c.bucket for c in bwd_colls if c.bucket is not None), default=-1) + 1
+    fwd_colls, first = _gathers_in_buckets(fwd_colls, gathered, first)
+    regathers, _ = _gathers_in_buckets(regathers, regathered, first)
     bwd_colls += regathers
     peak = max(live.values(), default=0)
     notes = [solution.message] if solution.message not in ("optimal", "") else []
@@ -214,6 +228,23 @@ def _with_buckets(bwd_colls: list[Collective], gradients: list[tuple[int, tuple,
         if n in renumber:
             out[i] = dataclasses.replace(out[i], bucket=renumber[n])
     return out
+
+
+def _gathers_in_buckets(colls: list[Collective], gathered: list[tuple[Collective, tuple]],
+                        first: int) -> tuple[list[Collective], int]:
+    """``colls`` with the buckets of the split parameters' all-gathers among them (``gathered``: each gather and
+    its kind), where a bucket fuses two or more, numbered from ``first``; and the next free number. Gathers are
+    taken in program order, as exec fuses them (strategy_search.buckets' rule)."""
+    at = {id(c): i for i, c in enumerate(colls)}
+    ready = sorted((at[id(c)], kind) for c, kind in gathered if id(c) in at)
+    numbers = assign_buckets([(kind, colls[i].nbytes) for i, kind in ready], bucket_bytes())
+    sizes = collections.Counter(numbers)
+    renumber = {n: first + k for k, n in enumerate(n for n in dict.fromkeys(numbers) if sizes[n] > 1)}
+    out = list(colls)
+    for (i, _), n in zip(ready, numbers):
+        if n in renumber:
+            out[i] = dataclasses.replace(out[i], bucket=renumber[n])
+    return out, first + len(renumber)
 
 
 def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0) -> dict[torch.fx.Node, int]:

@@ -373,14 +373,21 @@ def _regather_body():
     params = {tuple(p.shape) for p in model.parameters() if p.dim() == 2 and p.to_local().shape != p.shape}
     saved_whole = [n.name for n in fw_out[len(compiled.program.out_vals):]
                    if n.op != "placeholder" and tuple(n.meta["val"].shape) in params | {s[::-1] for s in params}]
-    return (plan.reshard_after_forward, plan.count("all_gather", "backward"), gathers("backward"),
-            plan.count("all_gather", "forward"), gathers("forward"), saved_whole)
+    def planned(phase):  # one collective per bucket of parameters' gathers, one per gather outside buckets
+        found = [c for c in plan.collectives if c.kind == "all_gather" and c.phase == phase]
+        return len({c.bucket for c in found if c.bucket is not None}) + sum(c.bucket is None for c in found), \
+            len(found)
+
+    return (plan.reshard_after_forward, planned("backward"), gathers("backward"), planned("forward"),
+            gathers("forward"), saved_whole)
 
 
 def test_level_1_gathers_parameters_again_in_backward_and_trains_like_eager(gloo4):
-    # FSDP's memory: no whole parameter is saved from forward to backward; backward gathers the ones it reads
+    # FSDP's memory: no whole parameter is saved from forward to backward; backward gathers the ones it reads,
+    # and both gather the parameters in buckets (as FSDP2 gathers a block's at once), as the plan says
     for reshard, planned_bw, traced_bw, planned_fw, traced_fw, saved_whole in gloo4.run(_regather_body):
-        assert reshard and planned_fw == traced_fw > 0 and 0 < traced_bw == planned_bw < traced_fw
+        assert reshard and planned_fw[0] == traced_fw > 0 and 0 < traced_bw == planned_bw[0]
+        assert 0 < planned_bw[1] < planned_fw[1] and traced_fw < planned_fw[1]  # fewer gathers than parameters
         assert saved_whole == [], saved_whole
 
 

@@ -227,9 +227,80 @@ def _identity_collectives(g):
     return g
 
 
-def test_gathers_of_inputs_start_one_ahead_of_their_readers():
+def _gathered_chain(n_params: int = 3):
+    """x @ w0 @ w1 @ ... with each w gathered from this rank's (2, 4) piece: graph, gathers, waits."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    shards = [g.placeholder(f"w{k}") for k in range(n_params)]
+    h, gathers, waits = x, [], []
+    for w in shards:
+        w.meta["val"] = torch.empty(2, 4)
+        gathered = _node(g, c10d.all_gather_into_tensor.default, (w, 2, "0"), torch.empty(4, 4))
+        waited = _node(g, c10d.wait_tensor.default, (gathered,), torch.empty(4, 4))
+        h = _node(g, aten.mm.default, (h, waited), torch.empty(4, 4))
+        gathers.append(gathered)
+        waits.append(waited)
+    g.output((h,))
+    return g, gathers, waits
+
+
+def test_gathers_of_parameters_fuse_into_buckets_and_run_as_one():
+    # one all-gather for the bucket: the pieces concatenated, each parameter cut from the gathered rows; run with
+    # the gather as a stand-in that stacks two ranks' pieces, every parameter is the one its own gather gave
+    g, _, _ = _gathered_chain()
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert len(gathers) == 1 and gathers[0].meta["val"].shape == (2 * 3 * 8,)
+    x, ws = torch.randn(4, 4), [torch.randn(2, 4) for _ in range(3)]
+    other = [w + 1 for w in ws]  # the other rank's pieces
+
+    def gather(t, ranks, group):  # this rank's flat pieces, then the other rank's
+        return torch.cat([t, torch.cat([o.reshape(-1) for o in other])])
+
+    for n in gm.graph.nodes:
+        if n.target is gathers[0].target:
+            n.target = gather
+        elif n.target is c10d.wait_tensor.default:
+            n.target = torch.ops.aten.alias.default
+    gm.recompile()
+    (got,) = gm(x, *ws)
+    want = x
+    for w, o in zip(ws, other):
+        want = want @ torch.cat([w, o])
+    torch.testing.assert_close(got, want)
+
+
+def test_gradient_reduce_scatters_fuse_into_buckets():
+    # split parameters' gradients leaving the graph: one reduce-scatter for the bucket, each gradient a view
+    g = torch.fx.Graph()
+    grads = []
+    for k in range(3):
+        t = g.placeholder(f"g{k}")
+        t.meta["val"] = torch.empty(4, 3)
+        rs = _node(g, c10d.reduce_scatter_tensor.default, (t, "sum", 2, "0"), torch.empty(2, 3))
+        grads.append(_node(g, c10d.wait_tensor.default, (rs,), torch.empty(2, 3)))
+    g.output(tuple(grads))
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    scatters = [n for n in gm.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
+    assert len(scatters) == 1 and scatters[0].meta["val"].shape == (3 * 6,)
+    # each rank's result holds its rows of every gradient, one after the other
+    inputs = [torch.randn(4, 3) for _ in range(3)]
+    for n in gm.graph.nodes:
+        if n.target is c10d.reduce_scatter_tensor.default:
+            n.target = lambda t, op, ranks, group: t.view(ranks, -1)[0] * 2  # rank 0's piece, summed over 2
+        elif n.target is c10d.wait_tensor.default:
+            n.target = torch.ops.aten.alias.default
+    gm.recompile()
+    for got, t in zip(gm(*inputs), inputs):
+        torch.testing.assert_close(got, t[:2] * 2)
+
+
+def test_gathers_of_inputs_start_one_ahead_of_their_readers(monkeypatch):
     # a split parameter's all-gather reads a graph input and could start at the top of the graph; then every whole
-    # parameter would be held from there. Each starts just before the previous one's wait instead.
+    # parameter would be held from there. Each starts just before the previous one's wait instead (buckets off:
+    # each parameter gathered alone).
+    monkeypatch.setenv("SHARDFN_BUCKET_MB", "0")
     g = torch.fx.Graph()
     x = g.placeholder("x")
     x.meta["val"] = torch.empty(4, 4)
