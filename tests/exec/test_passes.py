@@ -301,21 +301,7 @@ def test_gathers_of_inputs_start_one_ahead_of_their_readers(monkeypatch):
     # parameter would be held from there. Each starts just before the previous one's wait instead (buckets off:
     # each parameter gathered alone).
     monkeypatch.setenv("SHARDFN_BUCKET_MB", "0")
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    x.meta["val"] = torch.empty(4, 4)
-    shards = []
-    for k in range(3):
-        shards.append(g.placeholder(f"w{k}"))
-        shards[-1].meta["val"] = torch.empty(2, 4)
-    h, gathers, waits = x, [], []
-    for w in shards:
-        gathered = _node(g, c10d.all_gather_into_tensor.default, (w, 2, "0"), torch.empty(4, 4))
-        waited = _node(g, c10d.wait_tensor.default, (gathered,), torch.empty(4, 4))
-        h = _node(g, aten.mm.default, (h, waited), torch.empty(4, 4))
-        gathers.append(gathered)
-        waits.append(waited)
-    g.output((h,))
+    g, gathers, waits = _gathered_chain()
     simplify(torch.fx.GraphModule(torch.nn.Module(), g))
     pos = list(g.nodes).index
     assert pos(gathers[0]) < pos(gathers[1]) < pos(waits[0])  # the next is in flight while the first is read
