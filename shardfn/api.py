@@ -119,7 +119,7 @@ class _Engine:
         device = runtime.resolve_device(self.config.device)
         world = self._world(device)
         ranks = self._ranks() or tuple(range(world))
-        me = ranks.index(dist.get_rank())
+        me = 0 if runtime.is_simulated() else ranks.index(dist.get_rank())  # (simulated: every rank's, at once)
         batch = [j for j, t in enumerate(tensors) if self._in_batch(t)]
         with runtime.outside_simulation():  # (the held splits; the rows are the slices')
             call = bind(self.config, self.fn, self.name, args, kwargs, world, rows=dict.fromkeys(batch, 0))
