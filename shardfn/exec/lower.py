@@ -297,6 +297,7 @@ class ParallelProgram:
         self._locals: list[torch.Tensor] = []
         self._layouts: list = []
         self._locals_of: list[DTensor] = []
+        self._on_pieces = True  # (off while AOTAutograd traces the per-rank graphs: _compile)
         self._piecewise = {n for n in captured.gm.graph.nodes if n.name in plan.nodes and
                            plan.nodes[n.name].rule == "dtensor" and
                            _on_pieces(n, plan.nodes[n.name].inputs, plan.nodes[n.name].outputs)}
@@ -338,7 +339,7 @@ class ParallelProgram:
             whole = torch.empty(shape_of.shape, dtype=shape_of.dtype, device=self.mesh.device_type)
             return _to(node.target(whole, *args[1:], **kwargs), np_.outputs[0], self.mesh)
         # on the pieces where they are even (uneven ones: DTensor's way, which keeps each rank's shapes apart)
-        on_pieces = node in self._piecewise and all(
+        on_pieces = self._on_pieces and node in self._piecewise and all(
             _piece_shape(t.shape, t.placements, self.mesh) is not None for t in leaves if isinstance(t, DTensor)) \
             and all(_piece_shape(v.shape, p, self.mesh) is not None
                     for v, p in zip(val if isinstance(val, (tuple, list)) else [val], np_.outputs))
@@ -503,7 +504,17 @@ class ParallelProgram:
             with keeping_annotations():
                 return step(*args)
 
-        return aot_function(traced if self._checkpointed else step, fw_compiler=keep("forward"),
+        def through_dtensor(*args):
+            # the traced per-rank graphs are DTensor's dispatch as traced (their collectives and strides as
+            # proven on every release); ops on pieces are for the interpreted calls, which pay DTensor's
+            # propagation on every call
+            self._on_pieces = False
+            try:
+                return (traced if self._checkpointed else step)(*args)
+            finally:
+                self._on_pieces = True
+
+        return aot_function(through_dtensor, fw_compiler=keep("forward"),
                             bw_compiler=keep("backward"), inference_compiler=keep("forward"),
                             partition_fn=partition, decompositions=decompositions)
 
