@@ -20,6 +20,7 @@ unchanged.
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -276,10 +277,7 @@ def _fuse_gather(graph: torch.fx.Graph, bucket: list[torch.fx.Node], before: tor
     sizes = [p.numel() for p in pieces]
     total = sum(sizes)
 
-    def add(target, args, val, kwargs=None):
-        node = graph.call_function(target, args, kwargs)
-        node.meta["val"] = val
-        return node
+    add = functools.partial(_add, graph)
 
     with graph.inserting_before(before):
         flat = [add(aten.reshape.default, (n.args[0], [-1]), _meta((k,), dtype)) for n, k in zip(bucket, sizes)]
@@ -331,10 +329,7 @@ def _fuse_reduce_scatter(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> 
     sizes = [g.numel() // ranks for g in grads]
     total = sum(sizes)
 
-    def add(target, args, val, kwargs=None):
-        node = graph.call_function(target, args, kwargs)
-        node.meta["val"] = val
-        return node
+    add = functools.partial(_add, graph)
 
     with graph.inserting_before(bucket[-1]):
         rows = [add(aten.reshape.default, (n.args[0], [ranks, k]), _meta((ranks, k), dtype))
@@ -353,6 +348,13 @@ def _fuse_reduce_scatter(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> 
         (old_wait,) = n.users
         graph.erase_node(old_wait)
         graph.erase_node(n)
+
+
+def _add(graph: torch.fx.Graph, target, args, val, kwargs=None) -> torch.fx.Node:
+    """A call of ``target`` at the graph's insertion point, with its value's description."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = val
+    return node
 
 
 def _meta(shape, dtype) -> torch.Tensor:
@@ -387,10 +389,7 @@ def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool) ->
     dtype, group = vals[0].dtype, bucket[0].args[2]
     sizes = [v.numel() for v in vals]
 
-    def add(target, args, val, kwargs=None):
-        node = graph.call_function(target, args, kwargs)
-        node.meta["val"] = val
-        return node
+    add = functools.partial(_add, graph)
 
     whole = _meta((sum(sizes),), dtype)
     with graph.inserting_before(bucket[-1]):

@@ -219,24 +219,24 @@ def _why_gathered(problem: StrategyProblem, request: PlanRequest, pricing: Prici
 def _with_buckets(bwd_colls: list[Collective], gradients: list[tuple[int, tuple, int]]) -> list[Collective]:
     """The backward collectives with the buckets of the gradients' reductions, where a bucket fuses two or
     more; gradients taken by input number, last first (DDP's reverse parameter order, exec's too)."""
-    ready = sorted(gradients, key=lambda g: -g[2])
-    numbers = assign_buckets([(kind, bwd_colls[i].nbytes) for i, kind, _ in ready], bucket_bytes())
-    sizes = collections.Counter(numbers)
-    renumber = {n: k for k, n in enumerate(n for n in dict.fromkeys(numbers) if sizes[n] > 1)}
-    out = list(bwd_colls)
-    for (i, _, _), n in zip(ready, numbers):
-        if n in renumber:
-            out[i] = dataclasses.replace(out[i], bucket=renumber[n])
-    return out
+    ready = [(i, kind) for i, kind, _ in sorted(gradients, key=lambda g: -g[2])]
+    return _in_buckets(bwd_colls, ready, 0)[0]
 
 
 def _gathers_in_buckets(colls: list[Collective], gathered: list[tuple[Collective, tuple]],
                         first: int) -> tuple[list[Collective], int]:
     """``colls`` with the buckets of the split parameters' all-gathers among them (``gathered``: each gather and
-    its kind), where a bucket fuses two or more, numbered from ``first``; and the next free number. Gathers are
-    taken in program order, as exec fuses them (strategy_search.buckets' rule)."""
+    its kind), numbered from ``first``; and the next free number. Gathers are taken in program order, as exec
+    fuses them."""
     at = {id(c): i for i, c in enumerate(colls)}
-    ready = sorted((at[id(c)], kind) for c, kind in gathered if id(c) in at)
+    return _in_buckets(colls, sorted(((at[id(c)], kind) for c, kind in gathered if id(c) in at),
+                                     key=lambda r: r[0]), first)
+
+
+def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: int) -> tuple[list[Collective], int]:
+    """``colls`` with the collectives at ``ready``'s positions (in the order they are ready, with their kind) in
+    buckets (strategy_search.buckets' rule), where a bucket fuses two or more, numbered from ``first``; and the
+    next free number."""
     numbers = assign_buckets([(kind, colls[i].nbytes) for i, kind in ready], bucket_bytes())
     sizes = collections.Counter(numbers)
     renumber = {n: first + k for k, n in enumerate(n for n in dict.fromkeys(numbers) if sizes[n] > 1)}
