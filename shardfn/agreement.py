@@ -139,9 +139,7 @@ class Agreement:
                 error = e
         mine = [self.signature, sequence, 0 if error is None else 1, int(first),
                 digest(repr(sorted(digests.items()))), digest(repr(self.rows))]
-        both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        top, low = both[: len(mine)].tolist(), [-v for v in both[len(mine):].tolist()]
+        top, low = _highest_and_lowest(mine, group)
         if top == low and error is None:
             return
         if top[:3] == low[:3] == mine[:3] and top[5] != low[5]:
@@ -161,9 +159,8 @@ class Agreement:
                 raise error
             return
         mine = [digest(graph or ""), digest(plan or ""), 0 if error is None else 1]
-        both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        if both[:3].tolist() != mine or [-v for v in both[3:].tolist()] != mine or error is not None:
+        top, low = _highest_and_lowest(mine, group)
+        if top != mine or low != mine or error is not None:
             if error is None:
                 self.describe = {**self.describe, "traced graph": graph, "plan": plan}
             self._disagree(group, error, {})
@@ -196,6 +193,13 @@ class Agreement:
                    "of the same shapes, dtypes and layouts (with dataset_strategy='data_parallel' only the batch "
                    "slices' lengths may differ).")
         raise ValueError(message) from error
+
+
+def _highest_and_lowest(mine: list[int], group) -> tuple[list[int], list[int]]:
+    """Every rank's highest and lowest value of each of ``mine`` (one all-reduce): all agree where they meet."""
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return both[: len(mine)].tolist(), [-v for v in both[len(mine):].tolist()]
 
 
 _VALUES_OF = "values of "  # the description's key of a digest, before the tensor's name
