@@ -1,9 +1,11 @@
 """shard_optimizer(): optimizer states kept only by the rank that owns their piece (ZeRO stages 1 and 2).
 
-A parameter whole over some mesh dims (data parallelism: replicated over the batch's ranks) gets a *piece*: its
-dim 0 split over the first of those dims (torch.chunk's pieces, as DTensor cuts them). The wrapped torch optimizer
-steps the pieces, so its states (AdamW's two moments) hold one piece each, as DTensors torch.distributed.checkpoint
-reshards. After each step every piece is all-gathered into its parameter, whole again for the next forward.
+A parameter whole over some mesh dims (data parallelism: replicated over the batch's ranks) gets a *piece*: a
+dim no mesh dim splits yet (dim 0 under plain data parallelism, dim 1 of a Megatron column-parallel weight) split
+over the first of those mesh dims (torch.chunk's pieces, as DTensor cuts them), so the piece is a slice of what the
+rank holds. The wrapped torch optimizer steps the pieces, so its states (AdamW's two moments) hold one piece each,
+as DTensors torch.distributed.checkpoint reshards. After each step every piece is all-gathered into its parameter,
+whole again for the next forward.
 
 * stage 1: the program all-reduces gradients as ever; the step takes each rank's piece of them (no collective).
 * stage 2: the program leaves each such gradient pending, and as autograd hands it over, a hook reduce-scatters it
@@ -11,7 +13,8 @@ reshards. After each step every piece is all-gathered into its parameter, whole 
   same bytes on the wire as one all-reduce: a reduce-scatter and, after the step, an all-gather. Inside
   ``sf.no_sync`` the hook waits: the pending sums accumulate, and the synced step reduce-scatters them once.
 
-Parameters already split over every mesh dim (level 1) keep their own layout: their states are already pieces.
+Parameters already split over every mesh dim (level 1) keep their own layout: their states are already pieces;
+so do those split on every tensor dim already (a tensor-parallel bias).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from collections import OrderedDict
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from ._functional_collectives import all_gather_tensor, reduce_scatter_tensor
 
@@ -31,13 +35,21 @@ STAGES = (1, 2)
 
 
 def piece_placements(p: DTensor) -> tuple | None:
-    """Where parameter ``p``'s optimizer state lives: its dim 0 split over the first mesh dim it is whole on (its
-    own placements elsewhere), or None where it is whole nowhere (or has no dim 0 to split)."""
+    """Where parameter ``p``'s optimizer state lives: split over the first mesh dim ``p`` is whole on, along a
+    tensor dim no mesh dim splits yet (the first with as many entries as that mesh dim has ranks, else the first),
+    its own placements elsewhere. So the piece is a slice of what this rank holds, taken with no collective: plain
+    data parallelism splits dim 0; a Megatron column-parallel weight, dim 0 split over tp, dim 1 over dp. None
+    where ``p`` is whole nowhere, or where every dim is split already (a tensor-parallel bias: a second split of
+    its dim 0 over dp would be another rank's rows, not a slice of this rank's)."""
     placements = tuple(p.placements)
     whole = [d for d, q in enumerate(placements) if q.is_replicate()]
-    if not whole or p.dim() == 0 or any(isinstance(q, Shard) and q.dim == 0 for q in placements):
+    split = {q.dim for q in placements if isinstance(q, Shard)}
+    free = [t for t in range(p.dim()) if t not in split]
+    if not whole or not free or p.numel() == 0:
         return None
-    return tuple(Shard(0) if d == whole[0] else q for d, q in enumerate(placements))
+    n = p.device_mesh.size(whole[0])
+    t = min(free, key=lambda t: (p.shape[t] < n, t))
+    return tuple(Shard(t) if d == whole[0] else q for d, q in enumerate(placements))
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -126,27 +138,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return f"ShardedOptimizer(stage={self.stage}, {self.inner!r})"
 
 
-def _bucketable(p: DTensor, piece: DTensor) -> int | None:
-    """The mesh dim of ``piece``'s split when ``p`` is whole everywhere else (plain data parallelism: its pieces
-    can share one collective with others'), else None (moved alone, through DTensor)."""
-    dims = [d for d, (a, b) in enumerate(zip(p.placements, piece.placements)) if a != b]
-    return dims[0] if len(dims) == 1 and all(q.is_replicate() for q in p.placements) else None
+def _split(p: DTensor, piece: DTensor) -> tuple[int, int]:
+    """(mesh dim, tensor dim) of ``piece``'s split of ``p``: the one mesh dim where ``p`` is whole and the piece is
+    Shard(t). t is split by no other mesh dim, so the piece is the torch.chunk piece of ``p``'s local tensor along
+    t: the collectives below work on local tensors, over that mesh dim's ranks (who hold alike local shapes)."""
+    (d,) = [d for d, (a, b) in enumerate(zip(p.placements, piece.placements)) if a != b]
+    return d, piece.placements[d].dim
 
 
-def _by_bucket(pairs):
+def _by_bucket(pairs, together=lambda p, d: True):
     """(parameter, piece) pairs grouped for one collective each: mesh, mesh dim, dtype, up to a bucket's bytes;
-    the others alone."""
+    those ``together`` refuses alone (mesh dim None). Yields (mesh dim, [(parameter, piece, tensor dim)])."""
     from .strategy_search.buckets import bucket_bytes, in_buckets
 
-    together, alone = [], []
+    fused, alone = [], []
     for p, piece in pairs:
-        d = _bucketable(p, piece)
-        (alone if d is None else together).append((p, piece, d))
-    for bucket in in_buckets(together, lambda e: (id(e[0].device_mesh), e[2], e[0].dtype),
+        d, t = _split(p, piece)
+        (fused if together(p, d) else alone).append((p, piece, d, t))
+    for bucket in in_buckets(fused, lambda e: (id(e[0].device_mesh), e[2], e[0].dtype),
                              lambda e: e[0].numel() * e[0].element_size(), max(bucket_bytes(), 1)):
-        yield bucket[0][2], [(p, piece) for p, piece, _ in bucket]
-    for p, piece, _ in alone:
-        yield None, [(p, piece)]
+        yield bucket[0][2], [(p, piece, t) for p, piece, _, t in bucket]
+    for p, piece, _, t in alone:
+        yield None, [(p, piece, t)]
 
 
 def _rows(n: int, k: int) -> int:
@@ -154,56 +167,58 @@ def _rows(n: int, k: int) -> int:
     return -(-n // k)
 
 
+def _padded(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """``rows`` (split dim first) padded with zeros to ``n`` rows. F.pad, not a slice assignment: in a simulated
+    world a piece's row count differs per rank (1, 0, 0, 0 for a 1-element bias on 4 ranks), which an op takes
+    but indexing into a slice cannot (LocalTensorMode compares that count with a plain int and fails)."""
+    return F.pad(rows, [0, 0] * (rows.dim() - 1) + [0, n - rows.shape[0]])
+
+
 def _gather_pieces(pairs) -> None:
-    """Every piece all-gathered into its parameter, in buckets: each rank's pieces padded to torch.chunk's size,
-    concatenated, one all-gather, cut back."""
+    """Every piece all-gathered into its parameter, in buckets: each rank's pieces (split dim first) padded to
+    torch.chunk's size, concatenated, one all-gather over the split's mesh dim, cut back."""
     for d, bucket in _by_bucket(pairs):
-        if d is None:
-            ((p, piece),) = bucket
-            p.to_local().copy_(piece.redistribute(p.device_mesh, p.placements).to_local())
-            continue
         mesh = bucket[0][0].device_mesh
         k = mesh.size(d)
-        flat = []
-        for p, piece in bucket:
-            c, local = _rows(p.shape[0], k), piece.to_local()
-            padded = local.new_zeros((c,) + tuple(p.shape[1:]))
-            padded[:local.shape[0]] = local
-            flat.append(padded.reshape(-1))
+        flat = [_padded(piece.to_local().movedim(t, 0), _rows(p.shape[t], k)).reshape(-1) for p, piece, t in bucket]
         gathered = all_gather_tensor(torch.cat(flat), 0, (mesh, d)).reshape(k, -1)
         offset = 0
-        for p, _ in bucket:
-            c, row = _rows(p.shape[0], k), math.prod(p.shape[1:])
-            rows = gathered[:, offset:offset + c * row].reshape(k * c, *p.shape[1:])
-            p.to_local().copy_(rows[:p.shape[0]])
-            offset += c * row
+        for p, _, t in bucket:
+            local = p.to_local()
+            rest = local.movedim(t, 0).shape[1:]
+            size = _rows(p.shape[t], k) * math.prod(rest)
+            rows = gathered[:, offset:offset + size].reshape(-1, *rest)[:p.shape[t]]
+            local.copy_(rows.movedim(0, t))
+            offset += size
 
 
 def _scatter_gradients(pairs) -> None:
     """Stage 2: every parameter's summed (pending) gradient reduce-scattered into its piece's, in buckets: each
-    padded to torch.chunk's size, rank-major, one reduce-scatter, cut back; the whole gradients dropped."""
-    for d, bucket in _by_bucket(pairs):
+    (split dim first) padded to torch.chunk's size, rank-major, one reduce-scatter over the split's mesh dim, cut
+    back; the whole gradients dropped. A gradient not pending over that mesh dim goes through DTensor alone."""
+    for d, bucket in _by_bucket(pairs, lambda p, d: p.grad.placements[d] == Partial()):
         if d is None:
-            ((p, piece),) = bucket
-            part = p.grad.redistribute(p.device_mesh, piece.placements)
+            ((p, piece, _),) = bucket
+            piece_grads = [p.grad.redistribute(p.device_mesh, piece.placements)]
         else:
             mesh = bucket[0][0].device_mesh
             k = mesh.size(d)
             blocks = []
-            for p, _ in bucket:
-                c, g = _rows(p.shape[0], k), p.grad.to_local()
-                padded = g.new_zeros((k * c,) + tuple(p.shape[1:]))
-                padded[:p.shape[0]] = g
-                blocks.append(padded.reshape(k, -1))
+            for p, _, t in bucket:
+                # pending over other mesh dims too (a parameter whole on both dp and tp): summed there first
+                g = p.grad.redistribute(p.device_mesh, [q if e == d else r for e, (q, r) in
+                                                        enumerate(zip(p.grad.placements, p.placements))])
+                blocks.append(_padded(g.to_local().movedim(t, 0), k * _rows(p.shape[t], k)).reshape(k, -1))
             mine = reduce_scatter_tensor(torch.cat(blocks, dim=1).reshape(-1), "sum", 0, (mesh, d))
-            offset = 0
-        for p, piece in bucket:
-            if d is not None:
-                c, row, rows = _rows(p.shape[0], k), math.prod(p.shape[1:]), piece.to_local().shape[0]
-                local = mine[offset:offset + c * row].reshape(c, *p.shape[1:])[:rows]
-                offset += c * row
-                part = DTensor.from_local(local, piece.device_mesh, piece.placements, run_check=False,
-                                          shape=piece.shape, stride=piece.stride())
+            piece_grads, offset = [], 0
+            for p, piece, t in bucket:
+                local = piece.to_local().movedim(t, 0)
+                size = _rows(p.shape[t], k) * math.prod(local.shape[1:])
+                rows = mine[offset:offset + size].reshape(-1, *local.shape[1:])[:local.shape[0]]
+                offset += size
+                piece_grads.append(DTensor.from_local(rows.movedim(0, t), mesh, piece.placements, run_check=False,
+                                                      shape=piece.shape, stride=piece.stride()))
+        for (p, piece, _), part in zip(bucket, piece_grads):
             piece.grad = part if piece.grad is None else piece.grad + part
             p.grad = None
 

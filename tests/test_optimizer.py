@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard
 
 import shardfn as sf
 from shardfn.runtime import simulated_world
+from tests.exec.test_modules import GPT_PLANS, L
 from tests.harness import on_rank
 from tests.models import GPTBlock
 
@@ -25,11 +26,12 @@ def _slice(t):
 
 def train_both(stage, world, slice_of, steps=3, micro=1, **shard_kwargs):
     """A data-parallel GPT block with a sharded AdamW against the unsharded one; the sharded model and optimizer.
-    ``micro`` > 1: that many micro-batches a step, all but the last inside sf.no_sync."""
+    ``world``: the number of batch slices; ``micro`` > 1: that many micro-batches a step, all but the last inside
+    sf.no_sync; ``shard_kwargs`` go to sf.shard (in_strategy too)."""
     torch.manual_seed(0)
     reference = GPTBlock(16, 4)
-    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel",
-                     **shard_kwargs)
+    model = sf.shard(copy.deepcopy(reference), **{"in_strategy": (None,), "dataset_strategy": "data_parallel",
+                                                  **shard_kwargs})
     opt = sf.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, stage=stage)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for step in range(steps):
@@ -103,3 +105,37 @@ def test_misuse_is_a_clear_error():
         sharded = sf.shard_optimizer(opt, model)
         with pytest.raises(TypeError, match="not already sharded"):
             sf.shard_optimizer(sharded, model)
+
+
+# data x tensor parallelism (Megatron) on a 2 x 2 (dp, tp) mesh: rank r holds batch row r // 2
+MEGATRON = dict(in_strategy=(L("dp", "None", "None"),), parameter_plan=GPT_PLANS["dp_tp"]["parameter_plan"])
+# each parameter's states on a rank: column-parallel weights (dim 0 split over tp) split on dim 1 over dp, the
+# row-parallel ones (dim 1 over tp) on dim 0; a tensor-parallel bias, split on its only dim already, whole over dp
+MEGATRON_STATES = {"attn.q.weight": (8, 8), "attn.k.weight": (8, 8), "attn.v.weight": (8, 8),
+                   "fc.weight": (32, 8), "fc.bias": (32,), "out.weight": (8, 32), "attn.proj.weight": (8, 8),
+                   "attn.q.bias": (8,), "ln1.weight": (8,), "out.bias": (8,)}
+
+
+def _dp_row(t):
+    return local_tensor_mode().rank_map(lambda r: on_rank(t, r)[4 * (r // 2): 4 * (r // 2) + 4].clone())
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_megatron_column_parallel_states_are_split_over_data_parallel_ranks(stage):
+    with simulated_world(WORLD):
+        model, opt, reference, ref_opt = train_both(stage, 2, _dp_row, steps=2, **MEGATRON)
+        _assert_trained_alike(model, reference, WORLD)
+        names = {id(p): n for n, p in model.named_parameters()}
+        for p, piece, q in zip(opt.params, opt.pieces, reference.parameters()):
+            name = names[id(p)]
+            assert (piece is p) == (name == "fc.bias"), name
+            for key in ("exp_avg", "exp_avg_sq"):
+                state = opt.state[piece][key]
+                assert tuple(state.placements) == tuple(piece.placements), name
+                if name in MEGATRON_STATES:
+                    assert all(tuple(on_rank(state, r).shape) == MEGATRON_STATES[name] for r in range(WORLD)), name
+                torch.testing.assert_close(on_rank(state.full_tensor(), 3), ref_opt.state[q][key], rtol=1e-4,
+                                           atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
+        assert tuple(opt.pieces[list(names.values()).index("attn.q.weight")].placements) == (Shard(1), Shard(0))
+
+

@@ -610,3 +610,33 @@ def test_a_sharded_optimizer_trains_and_its_states_load_into_one_process(gloo4, 
             got = opt.state[piece][name]
             got = got.full_tensor() if hasattr(got, "full_tensor") else got
             torch.testing.assert_close(got, ref_opt.state[q][name], rtol=1e-4, atol=1e-6)
+
+
+def _megatron_optimizer_body(path):
+    from tests.test_optimizer import MEGATRON, MEGATRON_STATES, _assert_trained_alike, train_both
+
+    row = dist.get_rank() // 2  # rank r holds batch row r // 2 of the (dp, tp) mesh
+    model, opt, reference, _ = train_both(2, 2, lambda t: t[4 * row: 4 * row + 4], **MEGATRON)
+    _assert_trained_alike(model, reference, 1)
+    sf.save({"optim": opt.state_dict()}, path)  # each rank writes its pieces of the states
+    return {n: tuple(opt.state[piece]["exp_avg"].to_local().shape)
+            for (n, p), piece in zip(model.named_parameters(), opt.pieces) if n in MEGATRON_STATES}
+
+
+def test_a_megatron_sharded_optimizer_trains_and_its_states_load_into_one_process(gloo4, tmp_path):
+    from tests.test_optimizer import MEGATRON_STATES, train_both
+
+    path = str(tmp_path / "ckpt")
+    assert gloo4.run(_megatron_optimizer_body, path) == [MEGATRON_STATES] * 4  # column-parallel states split too
+    # another world size and layout: one rank, the states whole, read from the four ranks' pieces split over both
+    # mesh dims (data x tensor parallel)
+    with simulated_world(1):
+        _, opt, reference, ref_opt = train_both(2, 1, lambda t: t)  # (the states exist, in this layout)
+        state = opt.state_dict()
+        sf.load({"optim": state}, path)
+        opt.load_state_dict(state)
+    for piece, q in zip(opt.pieces, reference.parameters()):
+        for name in ("exp_avg", "exp_avg_sq"):
+            got = opt.state[piece][name]
+            torch.testing.assert_close(got.full_tensor() if hasattr(got, "full_tensor") else got,
+                                       ref_opt.state[q][name], rtol=1e-4, atol=1e-6)
