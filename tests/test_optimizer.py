@@ -139,3 +139,26 @@ def test_megatron_column_parallel_states_are_split_over_data_parallel_ranks(stag
         assert tuple(opt.pieces[list(names.values()).index("attn.q.weight")].placements) == (Shard(1), Shard(0))
 
 
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_smaller_than_the_world_in_a_simulated_world(stage):
+    # nn.Linear(8, 1)'s bias has pieces of 1, 0, 0, 0 elements on 4 ranks: in a simulated world a piece's size
+    # differs per rank, which the step's gather once wrote through a slice assignment that LocalTensorMode refuses
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        reference = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+        model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
+        opt = sf.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, stage=stage)
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        for _ in range(3):
+            x = torch.randn(8, 16)
+            (model(_slice(x)).square().mean() / WORLD).backward()
+            reference(x).square().mean().backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        _assert_trained_alike(model, reference, WORLD)
+        bias = opt.pieces[-1]
+        assert [on_rank(opt.state[bias]["exp_avg"], r).numel() for r in range(WORLD)] == [1, 0, 0, 0]
+        torch.testing.assert_close(on_rank(opt.state[bias]["exp_avg"].full_tensor(), 2),
+                                   ref_opt.state[reference[2].bias]["exp_avg"], rtol=1e-4, atol=1e-6)
