@@ -12,6 +12,7 @@ from torch.distributed.tensor import Shard
 
 import shardfn as sf
 from shardfn.runtime import simulated_world
+from shardfn.strategy_search.pricing import parameter_copies
 from tests.exec.test_modules import GPT_PLANS, L
 from tests.harness import on_rank
 from tests.models import GPTBlock
@@ -137,6 +138,9 @@ def test_megatron_column_parallel_states_are_split_over_data_parallel_ranks(stag
                 torch.testing.assert_close(on_rank(state.full_tensor(), 3), ref_opt.state[q][key], rtol=1e-4,
                                            atol=1e-6, msg=lambda m: f"{name} {key}: {m}")
         assert tuple(opt.pieces[list(names.values()).index("attn.q.weight")].placements) == (Shard(1), Shard(0))
+        # the plan's memory model splits the states of the parameters the optimizer splits, and only those
+        for p, piece in zip(opt.params, opt.pieces):
+            assert (parameter_copies(p.placements, (2, 2), stage, p.dim()) == 4.0) == (piece is p), names[id(p)]
 
 
 

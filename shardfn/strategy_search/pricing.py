@@ -150,7 +150,7 @@ class Pricing:
                                 for c in d.candidates])
             savings = whole - compute
         memory = np.array([
-            (parameter_copies(c.outputs[0], mesh_shape, self.optimizer_stage) if keep < 0 else keep)
+            (parameter_copies(c.outputs[0], mesh_shape, self.optimizer_stage, vals[0].dim()) if keep < 0 else keep)
             * sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
                   for v, pl in zip(vals, c.outputs) if pl is not None)
             for c in d.candidates], dtype=float) if keep else np.zeros(n)
@@ -219,12 +219,15 @@ class Pricing:
         return found
 
 
-def parameter_copies(placements: Placements, mesh_shape: Sequence[int], optimizer_stage: int = 0) -> float:
+def parameter_copies(placements: Placements, mesh_shape: Sequence[int], optimizer_stage: int = 0,
+                     ndim: int | None = None) -> float:
     """How many times a trained parameter's local bytes a rank holds: its value, its gradient, two optimizer
     states (AdamW's); a sharded optimizer splits the states (stage 1) and the gradient too (stage 2) over the first
-    mesh dim the parameter is whole on."""
+    mesh dim the parameter is whole on, unless each of its ``ndim`` dims is split already (as
+    shardfn.optimizer.piece_placements)."""
     whole = [d for d, q in enumerate(placements) if q.is_replicate()]
-    if not optimizer_stage or not whole:
+    split = {q.dim for q in placements if q.is_shard()}
+    if not optimizer_stage or not whole or (ndim is not None and len(split) >= ndim):
         return 4.0
     n = mesh_shape[whole[0]]
     return 1.0 + (1.0 if optimizer_stage == 1 else 1.0 / n) + 2.0 / n

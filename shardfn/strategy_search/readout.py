@@ -274,8 +274,8 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     transient: dict[torch.fx.Node, int] = {}
     for i, node in enumerate(order):
         if node.op == "placeholder":
-            copies = parameter_copies(by_node[node].outputs[0], mesh_shape, optimizer_stage) \
-                if node in trainable else 1
+            copies = parameter_copies(by_node[node].outputs[0], mesh_shape, optimizer_stage,
+                                      node.meta["val"].dim()) if node in trainable else 1
             live += local_bytes(node) * copies
         elif node.op == "call_function":
             nbytes = 0 if cm.is_view_op(node) else local_bytes(node)
