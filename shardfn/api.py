@@ -519,11 +519,13 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, *modules: nn.Module, stage
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ShardedOptimizer):
         raise TypeError(f"shard_optimizer takes a torch.optim optimizer (not already sharded); got "
                         f"{type(optimizer).__name__}")
+    from .pipeline import Pipeline  # (which imports this module)
+
     owners = {}
-    for m in modules:
+    for m in [s for m in modules for s in (m.stages if isinstance(m, Pipeline) else (m,))]:  # a pipeline: its stages
         if not isinstance(m, ShardedModule):
             raise TypeError(f"shard_optimizer: {type(m).__name__} is not a sharded module; pass the modules "
-                            "sf.shard returned, whose parameters the optimizer steps")
+                            "sf.shard returned (or an sf.pipeline of them), whose parameters the optimizer steps")
         engine = engine_of(m)
         owners.update({id(p): (engine, n) for n, p in m.named_parameters()})
     strangers = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owners]

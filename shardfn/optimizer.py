@@ -97,7 +97,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 g = g.redistribute(p.device_mesh, piece.placements)
             piece.grad = g if piece.grad is None else piece.grad + g
         self.inner.step()
-        _gather_pieces([(p, q) for p, q in zip(self.params, self.pieces) if q is not p])  # whole again
+        # whole again; a rank outside a parameter's mesh (another pipeline stage's) holds nothing of it
+        _gather_pieces([(p, q) for p, q in zip(self.params, self.pieces)
+                        if q is not p and p.device_mesh.get_coordinate() is not None])
         return loss
 
     def _hook(self, piece: nn.Parameter, syncing):

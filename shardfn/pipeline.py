@@ -38,6 +38,7 @@ from .api import ShardedModule, engine_of, plan_stage
 from .arguments import batch_slices
 from .strategy_search import Plan
 from .strategy_search.cost_model import local_numel
+from .strategy_search.pricing import parameter_copies
 
 __all__ = ["Pipeline", "PipelinePlan", "StagePlan", "pipeline"]
 
@@ -231,21 +232,23 @@ class Pipeline:
         wrap = _Unviewed if self.schedule == "zero_bubble" else (lambda m: m)
         stages = [pp.PipelineStage(wrap(self.stages[i]), i, len(self.stages), torch_device, group=group)
                   for i in mine]
-        slices, loss_fn = self._slices(), self.loss_fn
+        share, loss_fn = self._slices() * self.microbatches, self.loss_fn
 
-        def scaled_loss(output, target):  # the mean over data-parallel slices folds into each micro-batch's loss
-            return loss_fn(output, target) / slices
+        def scaled_loss(output, target):
+            # the mean over data-parallel slices and micro-batches folds into each micro-batch's loss; not torch's
+            # scale_grads, which divides each parameter's .grad after the schedule and so misses the gradients a
+            # stage-2 sharded optimizer has moved into its pieces by then
+            return loss_fn(output, target) / share
 
         cls = getattr(pp, SCHEDULES[self.schedule])
-        if self.schedule in _SINGLE:
-            self._runner = cls(stages[0], self.microbatches, loss_fn=scaled_loss)
-        else:
-            self._runner = cls(stages, self.microbatches, loss_fn=scaled_loss)
+        first = stages[0] if self.schedule in _SINGLE else stages
+        self._runner = cls(first, self.microbatches, loss_fn=scaled_loss, scale_grads=False)
         return self._runner
 
     def _batch_loss(self, losses: list) -> torch.Tensor:
-        """The whole batch's loss from this rank's micro-batch losses (each already divided by the slices)."""
-        mean = torch.stack([loss.detach() for loss in losses]).sum() / self.microbatches
+        """The whole batch's loss from this rank's micro-batch losses (each already divided by the slices and the
+        micro-batches)."""
+        mean = torch.stack([loss.detach() for loss in losses]).sum()
         ranks = self._ranks(len(self.stages) - 1)
         if len(ranks) > 1:
             mean = mean.clone()
@@ -303,15 +306,18 @@ class _Unviewed(nn.Module):
 
 
 def _state_bytes(stage: nn.Module, plan: Plan) -> int:
-    """Per-rank bytes of the stage's parameters as planned (x4 for a trainable one: gradient and Adam's two states)
-    and buffers, as the plan's peak counts them."""
+    """Per-rank bytes of the stage's parameters as planned (a trainable one with its gradient and Adam's two
+    states, split as a sharded optimizer splits them) and buffers, as the plan's peak counts them."""
     tensors = {**dict(stage.named_parameters()), **dict(stage.named_buffers())}
+    zero = engine_of(stage).optimizer_stage
     total = 0
     for entry in plan.inputs:
         t = tensors.get(entry.name)
         if entry.kind in ("param", "buffer") and t is not None:
             n = local_numel(entry.shape, entry.planned, plan.mesh.shape) * t.element_size()
-            total += n * (4 if entry.kind == "param" and t.requires_grad else 1)
+            trained = entry.kind == "param" and t.requires_grad
+            copies = parameter_copies(entry.planned, plan.mesh.shape, zero, len(entry.shape)) if trained else 1
+            total += int(n * copies)
     return total
 
 
