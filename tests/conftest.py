@@ -24,12 +24,30 @@ def _no_real_world_left_behind(request):
                     "simulated_world(n) or in the rank pool")
 
 
-@pytest.fixture(scope="module")
-def gloo4():
-    """Four real gloo ranks for this test module."""
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Marks a test whose setup or call failed (for :func:`gloo4`'s fresh ranks after a failure)."""
+    report = (yield).get_result()
+    if report.failed:
+        item.shardfn_failed = True
+
+
+@pytest.fixture(scope="session")
+def _gloo4_pool():
     pool = RankPool(4)
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def gloo4(_gloo4_pool, request):
+    """Four real gloo ranks, started once for the whole session (a start of four ranks costs about 14 s of the
+    suite's 2 cores; every module that used its own paid it again). A test that failed leaves nothing behind:
+    its ranks are ended, and the next test's body runs on fresh ones (RankPool restarts a pool whose ranks are
+    gone), as a pool per module did for the next module."""
+    yield _gloo4_pool
+    if getattr(request.node, "shardfn_failed", False):
+        _gloo4_pool.close()
 
 
 def pytest_terminal_summary(terminalreporter):
