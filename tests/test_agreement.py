@@ -10,14 +10,15 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import shardfn as sf
-from tests.harness import RankPool
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    pool = RankPool(4, timeout_s=120)  # a regression that hangs fails here instead of holding CI
-    yield pool
-    pool.close()
+@pytest.fixture
+def ranks(gloo4):
+    """The session's four gloo ranks (tests/conftest.py), under a shorter time limit: a regression that hangs
+    fails here instead of holding CI (a timeout ends the ranks; the next test gets fresh ones)."""
+    limit, gloo4.timeout_s = gloo4.timeout_s, 120
+    yield gloo4
+    gloo4.timeout_s = limit
 
 
 def dense_relu(x, w, b):

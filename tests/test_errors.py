@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 import shardfn as sf
 from tests.functions import AddOneInPlace, ThroughNumpy
-from tests.harness import RankPool
 from tests.models import BasicBlock, TiedLM
 
 
@@ -265,13 +264,18 @@ def _matrix():
 
 
 @pytest.fixture(scope="module")
-def seen():
-    pool = RankPool(4, timeout_s=120)
+def seen(_gloo4_pool):
+    # the session's four gloo ranks (tests/conftest.py), under a shorter time limit; a failed run ends them, so
+    # the next test gets fresh ones
+    limit, _gloo4_pool.timeout_s = _gloo4_pool.timeout_s, 120
     try:
-        per_rank = pool.run(_matrix)
+        per_rank = _gloo4_pool.run(_matrix)
+        assert all(usable == 4 for _, usable in per_rank)
+    except BaseException:
+        _gloo4_pool.close()
+        raise
     finally:
-        pool.close()
-    assert all(usable == 4 for _, usable in per_rank)
+        _gloo4_pool.timeout_s = limit
     return [results for results, _ in per_rank]
 
 
