@@ -284,6 +284,9 @@ class ParallelProgram:
         self.constants = [getattr(captured.gm, n.target) for n in captured.gm.graph.nodes
                           if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
         self._n_params = sum(e.kind == "param" for e in self.entries)
+        # a mixed precision policy casts each parameter where an op reads it (after the program entered it in its
+        # own dtype), so that a gradient is cast to reduce_dtype before any reduction of it
+        self._cast_where_read = set(captured.placeholders[:self._n_params]) if precision is not None else set()
         self._written_elsewhere = [k for k in captured.writes if self.entries[k].held != self.entries[k].planned]
         self._written = {n.args[0] for n in captured.gm.graph.nodes if is_in_place(n.target)}
         # activation checkpointing: backward computes these regions again (recompute_checkpointed)
@@ -322,10 +325,14 @@ class ParallelProgram:
         """``node``'s result, its inputs laid out as planned and the result put in its planned placement."""
         np_ = self.plan.nodes[node.name]
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        sources = pytree.tree_leaves((node.args, node.kwargs))
         slot = 0
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
-                leaves[i] = _to(leaf, np_.inputs[slot], self.mesh)
+                if sources[i] in self._cast_where_read and self._cast(leaf, "param"):
+                    leaves[i] = self._read_as_used(leaf, np_.inputs[slot])
+                else:
+                    leaves[i] = _to(leaf, np_.inputs[slot], self.mesh)
                 slot += 1
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         val = self._at_sizes(node.meta.get("val"))
@@ -381,7 +388,8 @@ class ParallelProgram:
             pending = e.kind == "param" and (self.accumulate or e.name in self.grad_targets)
             record = self.grad_placements if pending else None
             d = _Enter.apply(x, self.mesh, e.held, self._global_shape(i, e), record, i)
-            d = self._used(d, e.kind)
+            if e.kind != "param" or not self._cast(d, e.kind):
+                d = self._used(d, e.kind)
             inputs.append(d if e.held == e.planned else _redistribute(d, e.planned))
         outs = [self._returned(o.to_local()) for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
         for k in self._written_elsewhere:  # updated in place in another layout than the caller's: written back
@@ -440,12 +448,28 @@ class ParallelProgram:
         """A floating parameter or input as the program uses it (mixed precision: in param_dtype; a parameter's
         gradient then goes back through reduce_dtype, in which it is reduced)."""
         p = self.precision
-        if p is None or p.param_dtype is None or kind == "buffer" or not x.dtype.is_floating_point \
-                or x.dtype == p.param_dtype:
+        if not self._cast(x, kind):
             return x
         if kind == "param":
             return _UsedAs.apply(x, p.param_dtype, p.reduce_dtype or p.param_dtype)
         return x.to(p.param_dtype)
+
+    def _cast(self, x: torch.Tensor, kind: str) -> bool:
+        """Whether a mixed precision policy casts this parameter or input."""
+        p = self.precision
+        return not (p is None or p.param_dtype is None or kind == "buffer" or not x.dtype.is_floating_point
+                    or x.dtype == p.param_dtype)
+
+    def _read_as_used(self, x: DTensor, placements) -> DTensor:
+        """A parameter as an op reads it under a mixed precision policy: cast to param_dtype, then laid out as the
+        op reads it (a level-1 parameter gathered in param_dtype); its gradient goes back cast to reduce_dtype
+        first, then reduced (the gather's reduce-scatter in reduce_dtype, as FSDP2's)."""
+        p = self.precision
+        target = tuple(Replicate() if q.is_partial() and not c.is_partial() else q
+                       for c, q in zip(x.placements, placements))
+        if target == tuple(x.placements):
+            return _UsedAs.apply(x, p.param_dtype, p.reduce_dtype or p.param_dtype)
+        return _LaidOutAs.apply(x, target, p.param_dtype, p.reduce_dtype or p.param_dtype)
 
     def _returned(self, out: Any) -> Any:
         p = self.precision
@@ -640,6 +664,24 @@ class _UsedAs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.to(ctx.reduce_dtype), None, None
+
+
+class _LaidOutAs(torch.autograd.Function):
+    """A parameter cast to ``dtype`` and redistributed to ``placements`` (a level-1 parameter gathered in
+    param_dtype); its gradient goes back the other way: cast to ``reduce_dtype``, then redistributed (the gather's
+    reduce-scatter in reduce_dtype). One node for both: between two, autograd would cast the gradient back to the
+    dtype of the value between them."""
+
+    @staticmethod
+    def forward(ctx, x, placements, dtype, reduce_dtype):
+        ctx.mesh, ctx.reduce_dtype = x.device_mesh, reduce_dtype
+        ctx.held, ctx.placements = _gradient_placements(x.placements), _gradient_placements(placements)
+        return _contiguous(x.to(dtype)).redistribute(x.device_mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _contiguous(_as_dtensor(grad, ctx.mesh, ctx.placements).to(ctx.reduce_dtype))
+        return _contiguous(grad.redistribute(ctx.mesh, ctx.held)), None, None, None
 
 
 class _ParamLocals(torch.autograd.Function):

@@ -556,19 +556,40 @@ def _mixed_precision_body(how):
         close(p.grad.full_tensor(), ref_grads[name], name)
     (compiled,) = sf.engine_of(model).programs.values()
 
-    def dtypes(graph, kind):
-        return sorted({str(n.args[0].meta["val"].dtype) for n in compiled.program.graphs[graph].graph.nodes
-                       if kind in str(n.target)})
+    def dtypes(nodes, kind):
+        return sorted({str(n.args[0].meta["val"].dtype) for n in nodes if kind in str(n.target)})
 
-    return dtypes("forward", "all_gather"), sorted(set(dtypes("backward", "all_reduce")
-                                                       + dtypes("backward", "reduce_scatter")))
+    backward = compiled.program.graphs["backward"].graph
+    n_params = len(list(model.parameters()))
+    gradients = next(n for n in backward.nodes if n.op == "output").args[0][:n_params]
+    return dtypes(compiled.program.graphs["forward"].graph.nodes, "all_gather"), \
+        dtypes(_collectives_before(gradients), "reduce")
+
+
+def _collectives_before(outputs) -> set:
+    """The collectives whose results are these graph outputs, moved only (through waits, views, slices, casts and
+    a bucket's splits; no arithmetic)."""
+    moves = ("wait_tensor", "view", "reshape", "slice", "split", "getitem", "convert_element_type", "clone",
+             "_to_copy", "narrow", "squeeze", "permute", "transpose", "t.default", "copy")
+    found, todo, seen = set(), [o for o in outputs if o is not None], set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        name = str(n.target)
+        if "_c10d_functional" in name and "wait" not in name:
+            found.add(n)
+        elif any(m in name for m in moves):
+            todo.extend(n.all_input_nodes)
+    return found
 
 
 def test_mixed_precision_gathers_in_bf16_and_reduces_in_fp32(gloo4):
     # the traced graphs: whole parameters' gradients are all-reduced in reduce_dtype (fp32); split ones (level 1)
-    # are gathered in bf16 and their gradients reduce-scattered in bf16, the gather's dual (not reduce_dtype yet)
+    # are gathered in bf16 and their gradients reduce-scattered in fp32 (cast before the reduction, as FSDP2 does)
     assert gloo4.run(_mixed_precision_body, dict(dataset_strategy="data_parallel")) == [([], ["torch.float32"])] * 4
-    assert gloo4.run(_mixed_precision_body, dict(level=1)) == [(["torch.bfloat16"], ["torch.bfloat16"])] * 4
+    assert gloo4.run(_mixed_precision_body, dict(level=1)) == [(["torch.bfloat16"], ["torch.float32"])] * 4
 
 
 def _sharded_optimizer_body(path):
