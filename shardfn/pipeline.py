@@ -268,7 +268,11 @@ class Pipeline:
             plan, outs = plan_stage(stage, *example)
             state = _state_bytes(stage, plan)
             send = sum(o.numel() * o.element_size() for o in outs) if i + 1 < len(self.stages) else 0
-            stages.append(StagePlan(i, self._ranks(i), plan, state, max(0, plan.cost.peak_bytes - state),
+            # what a micro-batch keeps until its backward: the forward's peak (plan.cost.peak_bytes is the step's,
+            # its backward's gradients included, which one micro-batch at a time holds)
+            forward = max((n.live_bytes for n in plan.nodes.values() if n.live_bytes is not None),
+                          default=plan.cost.peak_bytes)
+            stages.append(StagePlan(i, self._ranks(i), plan, state, max(0, forward - state),
                                     _in_flight(self.schedule, m, p, v, i % p), send))
             example = outs
         notes = ["memory: each stage's plan for one micro-batch, its activations held for every micro-batch in "

@@ -261,20 +261,40 @@ class _Page:
                 f"</h2>{note}<div class='layers'>{bars}</div>{self._memory()}</section>")
 
     def _memory(self) -> str:
-        live = [n.live_bytes for n in self.plan.nodes.values() if n.live_bytes is not None]
+        nodes = self.plan.nodes.values()
+        forward = [n.live_bytes for n in nodes if n.live_bytes is not None]
+        # the backward runs the ops in reverse: each op's point as its backward runs
+        backward = [n.backward_live_bytes for n in reversed(list(nodes)) if n.backward_live_bytes is not None]
         peak = self.plan.cost.peak_bytes
-        if not live:
+        if not forward:
             return f"<h3>Memory per rank</h3><p id='memory'>peak {_esc(_bytes(peak))} (no timeline recorded)</p>"
+        live = forward + backward
         step = max(1, -(-len(live) // _MEMORY_POINTS))
-        points = [max(live[i:i + step]) for i in range(0, len(live), step)]
+        # each phase drawn as the peaks of its own spans, so the boundary between them stays where it is
+        points = [max(part[i:i + step]) for part in (forward, backward) for i in range(0, len(part), step)]
+        boundary = -(-len(forward) // step)  # the first backward point
         top = max(max(points), peak, 1)
         w, h = 600, 80
-        xy = " ".join(f"{w * k / max(len(points) - 1, 1):.1f},{h - h * v / top:.1f}" for k, v in enumerate(points))
-        return (f"<h3>Memory per rank over the forward <small>(peak {_esc(_bytes(peak))}; "
-                f"{len(live)} ops)</small></h3>"
-                f"<svg id='memory' viewBox='0 0 {w} {h + 2}' preserveAspectRatio='none' class='memory'>"
+
+        def x(k: int) -> float:
+            return w * k / max(len(points) - 1, 1)
+
+        xy = " ".join(f"{x(k):.1f},{h - h * v / top:.1f}" for k, v in enumerate(points))
+        if backward:  # a grey line where the backward begins (between the last forward point and the first backward)
+            at = (x(boundary - 1) + x(boundary)) / 2
+            marker = (f"<line x1='{at:.1f}' x2='{at:.1f}' y1='0' y2='{h + 2}' class='boundary' "
+                      f"data-point='{boundary}'/>")
+            title = (f"Memory per rank over the forward and backward <small>(peak {_esc(_bytes(peak))}; "
+                     f"{len(forward)} ops forward, then {len(backward)} backward in reverse; the grey line: where "
+                     "the backward begins)</small>")
+        else:
+            marker, title = "", (f"Memory per rank over the forward <small>(peak {_esc(_bytes(peak))}; "
+                                 f"{len(forward)} ops)</small>")
+        return (f"<h3 id='memory-title'>{title}</h3>"
+                f"<svg id='memory' viewBox='0 0 {w} {h + 2}' preserveAspectRatio='none' class='memory' "
+                f"data-points='{len(points)}' data-forward-points='{boundary}'>"
                 f"<line x1='0' x2='{w}' y1='{h - h * peak / top:.1f}' y2='{h - h * peak / top:.1f}' class='peak'/>"
-                f"<polyline points='{xy}'/></svg>")
+                f"{marker}<polyline points='{xy}'/></svg>")
 
     def tree(self) -> str:
         root = _Module("")
@@ -434,6 +454,7 @@ a.t{color:#1459b8;cursor:pointer;text-decoration:underline dotted}a.t.sel{backgr
 svg.memory{width:100%;height:90px;background:#fff;border:1px solid #dde1e7}
 svg.memory polyline{fill:none;stroke:#6a4bc4;stroke-width:1.5;vector-effect:non-scaling-stroke}
 svg.memory .peak{stroke:#c0392b;stroke-dasharray:4 3;vector-effect:non-scaling-stroke}
+svg.memory .boundary{stroke:#9aa5b5;vector-effect:non-scaling-stroke}
 details.module{margin-left:14px;border-left:1px solid #dde1e7;padding-left:6px}
 details.module>summary{cursor:pointer;padding:1px 0}.mname{font-weight:600}
 .msum{color:#5b6472;margin-left:10px}table.ops{margin:3px 0 6px;width:auto}

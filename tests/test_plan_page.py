@@ -176,6 +176,20 @@ def test_a_function_plan_page_in_a_browser(tmp_path):
     estimates = [r.all("td")[5].text for r in rows]
     assert all(e.endswith("µs") for e in estimates), estimates
     assert sum(c.seconds for c in plan.collectives) == pytest.approx(plan.cost.comm_s)
+    # the memory per rank: one line through the forward and on through the backward (its ops in reverse), a
+    # mark where the backward begins, its highest point the plan's peak
+    memory = dom.one("svg", id="memory")
+    xy = [tuple(map(float, p.split(","))) for p in memory.one("polyline").attrs["points"].split()]
+    forward = sum(n.live_bytes is not None for n in plan.nodes.values())
+    backward = sum(n.backward_live_bytes is not None for n in plan.nodes.values())
+    assert (forward, backward) == (7, 4) and len(xy) == forward + backward == int(memory.attrs["data-points"])
+    assert int(memory.attrs["data-forward-points"]) == forward
+    assert xy[forward - 1][0] < float(memory.one("line", "boundary").attrs["x1"]) < xy[forward][0]
+    peak = float(memory.one("line", "peak").attrs["y1"])
+    assert min(y for _, y in xy) == peak == min(y for _, y in xy[forward:]) < min(y for _, y in xy[:forward])
+    heights = [80 - y for _, y in xy]  # drawn to scale: the peak at the top
+    assert max(heights) == 80 and heights[forward - 1] == pytest.approx(80 * 240 / plan.cost.peak_bytes, abs=0.1)
+    assert "over the forward and backward" in dom.one(id="memory-title").text
 
     dom = _browse(page, tmp_path, f"#t={relu}")
     assert dom.one(id="layout-placements").text == "(S(1),S(0))"

@@ -46,7 +46,8 @@ class Cost:
 
     compute_s: float  # roofline compute time of every op at its chosen split
     comm_s: float  # alpha-beta time of every collective, forward and backward
-    peak_bytes: int  # peak memory with liveness (parameters, gradients, optimizer states, activations)
+    peak_bytes: int  # peak memory with liveness over forward and backward (parameters, gradients, optimizer
+    # states, activations kept for backward, activations' gradients)
     saved_s: float = 0.0  # compute time sharding saves against running every op whole
 
     @property
@@ -72,6 +73,9 @@ class NodePlan:
     shapes: tuple[tuple[int, ...] | None, ...] = ()  # each output's global shape (None: not a tensor)
     compute_s: float | None = None  # the cost model's per-rank seconds at the chosen split (backward included)
     live_bytes: int | None = None  # per-rank bytes alive once it has run (the forward's memory over the program)
+    # per-rank bytes alive as its backward runs (the backward's memory, read in reverse program order); None where
+    # no backward runs at it
+    backward_live_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -292,7 +296,8 @@ def _decode(data: dict) -> Plan:
         nodes[n["key"]] = NodePlan(
             n["name"], n["op"], n["rule"], tuple(_placements(p) for p in n["inputs"]),
             tuple(_placements(p) for p in n["outputs"]), n.get("module", ""),
-            tuple(_shape(s) for s in n.get("shapes", ())), n.get("compute_s"), n.get("live_bytes"))
+            tuple(_shape(s) for s in n.get("shapes", ())), n.get("compute_s"), n.get("live_bytes"),
+            n.get("backward_live_bytes"))
     inputs = [InputPlan(i["kind"], i["name"], _shape(i["shape"]), _placements(i["held"]), _placements(i["planned"]),
                         i.get("origin", "")) for i in data["inputs"]]
     collectives = [Collective(c["kind"], c["phase"], tuple(c["mesh_dims"]), int(c["nbytes"]), c["where"],

@@ -10,7 +10,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Shard
 
-from ..capture.graph import module_path
+from ..capture.graph import checkpoint_region, module_path
 from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
@@ -40,14 +40,14 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     captured, decisions, mesh_shape = problem.captured, problem.decisions, problem.mesh_shape
     needs_grad, held, level = problem.needs_grad, request.held(), request.level
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
-    live = _live_bytes(problem, chosen, needs_grad - problem.recomputed, request.optimizer_stage)
+    live, live_backward = _live_bytes(problem, chosen, needs_grad - problem.recomputed, request.optimizer_stage)
     nodes = {}
     for v, (d, c) in enumerate(zip(decisions, chosen)):
         if d.node is not None:
             op = "input" if d.node.op == "placeholder" else str(d.node.target)
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node),
                                           _shapes(d.node), float(terms.compute[v][solution.choice[v]]),
-                                          live.get(d.node))
+                                          live.get(d.node), live_backward.get(d.node))
     profile, share = request.profile, pricing.share
 
     def priced(o: cm.CommOp, phase: str, where: str, handed_back: bool = False) -> Collective:
@@ -126,7 +126,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     fwd_colls, first = _gathers_in_buckets(fwd_colls, gathered, first)
     regathers, _ = _gathers_in_buckets(regathers, regathered, first)
     bwd_colls += regathers
-    peak = max(live.values(), default=0)
+    peak = max(max(live.values(), default=0), max(live_backward.values(), default=0))  # forward and backward
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     if solution.timed_out:
         notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
@@ -247,12 +247,20 @@ def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: 
     return out, first + len(renumber)
 
 
-def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0) -> dict[torch.fx.Node, int]:
-    """Per-rank bytes alive as each node of the chosen plan runs, with liveness; the peak is the largest.
+def _live_bytes(problem: StrategyProblem, chosen, kept,
+                optimizer_stage: int = 0) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int]]:
+    """Per-rank bytes alive as each node of the chosen plan runs, forward and backward, with liveness; the step's
+    peak is the largest of either. Returns (forward: each node's bytes once it has run, backward: each node's
+    bytes as its backward runs, for the nodes whose backward runs).
 
     Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
     optimizer states) are alive throughout; a value ``kept`` for backward stays alive once made; any other value
-    lives until its last reader.
+    lives until its last reader. Then the backward in reverse program order, from where the forward ended: the
+    outputs' gradients arrive; each op's backward makes its inputs' gradients (where one is not there yet: readers'
+    gradients are summed into one), then its own gradient is consumed and its kept value released (its readers'
+    backwards, which read it, have run). A checkpointed region's values come back, all of them, when the walk
+    enters the region, and go as kept ones do. A trainable parameter's gradient is counted throughout already; an
+    input's stays until it is handed back; a view's is a view (no bytes), as its value is.
     """
     by_node = {d.node: c for d, c in zip(problem.decisions, chosen) if d.node is not None}
     mesh_shape, trainable = problem.mesh_shape, problem.trainable
@@ -270,20 +278,53 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
         return sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
                    for v, pl in zip(vals, c.outputs) if pl is not None)
 
+    def own_bytes(node) -> int:  # what computing it allocates: a view none
+        return 0 if node.op == "call_function" and cm.is_view_op(node) else local_bytes(node)
+
     live, at = 0, {}
     transient: dict[torch.fx.Node, int] = {}
+    saved: dict[torch.fx.Node, int] = {}  # values held for backward: released as the backward walk passes them
     for i, node in enumerate(order):
         if node.op == "placeholder":
             copies = parameter_copies(by_node[node].outputs[0], mesh_shape, optimizer_stage,
                                       node.meta["val"].dim()) if node in trainable else 1
             live += local_bytes(node) * copies
         elif node.op == "call_function":
-            nbytes = 0 if cm.is_view_op(node) else local_bytes(node)
+            nbytes = own_bytes(node)
             live += nbytes
-            if node not in kept:
-                transient[node] = nbytes
+            (saved if node in kept else transient)[node] = nbytes
         at[node] = int(live)
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a in transient:
                 live -= transient.pop(a)
-    return at
+    needs_grad = problem.needs_grad
+    if not needs_grad:
+        return at, {}
+    regions: dict[int, list[torch.fx.Node]] = {}
+    for n in problem.recomputed:
+        regions.setdefault(checkpoint_region(n), []).append(n)
+    grads: dict[torch.fx.Node, int] = {}  # gradients alive, by the value they are the gradient of
+
+    def gradient(a) -> None:
+        if a in needs_grad and a not in grads:
+            grads[a] = 0 if a in trainable else own_bytes(a)
+            nonlocal live
+            live += grads[a]
+
+    for out in problem.captured.output_nodes:  # from the caller
+        if isinstance(out, torch.fx.Node):
+            gradient(out)
+    back = {}
+    for node in reversed(order):
+        if node.op != "call_function":
+            continue
+        for n in regions.pop(checkpoint_region(node), ()):  # a checkpointed region computed again
+            saved[n] = own_bytes(n)
+            live += saved[n]
+        if node in needs_grad:
+            for a in node.all_input_nodes:
+                gradient(a)
+            back[node] = int(live)
+            live -= grads.pop(node, 0)
+        live -= saved.pop(node, 0)
+    return at, back

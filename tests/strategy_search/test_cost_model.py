@@ -116,3 +116,55 @@ def test_checkpointed_activations_are_priced_as_recomputed_not_kept():
                            for c in (False, True))
     assert checkpointed.cost.peak_bytes < 0.8 * plain.cost.peak_bytes
     assert checkpointed.cost.compute_s > plain.cost.compute_s
+
+
+def _two_matmuls_plan():
+    import shardfn as sf
+
+    def f(x, w1, w2):
+        return torch.relu(x @ w1) @ w2
+
+    x, w1, w2 = torch.randn(6, 8), torch.randn(8, 3, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    return sf.explain(f, x, w1, w2, world_size=4, in_strategy=((2, 1), (1, 4), (4, 1)))
+
+
+def test_memory_over_the_forward_and_the_backward_by_hand():
+    # per rank, fp32: x (3, 8) 96 B; w1 (8, 1) 32 B; w2 (1, 4) 16 B; mm and relu (3, 2) 24 B each (detach a view);
+    # mm_1 a pending sum (3, 4) 48 B. Everything needing a gradient is kept for backward.
+    plan = _two_matmuls_plan()
+    forward = {n.name: n.live_bytes for n in plan.nodes.values()}
+    assert forward == {"input 0": 96, "input 1": 128, "input 2": 144, "mm": 168, "relu": 192, "detach": 192,
+                       "mm_1": 240}
+    backward = [(n.name, n.backward_live_bytes) for n in reversed(plan.nodes.values())
+                if n.backward_live_bytes is not None]
+    # mm_1's backward: the output's gradient arrives (48), relu's (24) and w2's (16) are made; then mm_1's gradient
+    # and kept value go (-96); relu's backward makes mm's gradient (24), then its own two go; mm's makes w1's (32)
+    assert backward == [("mm_1", 240 + 48 + 24 + 16), ("detach", 232), ("relu", 232 + 24), ("mm", 256 - 48 + 32)]
+    assert plan.cost.peak_bytes == 328  # the step's peak: in the backward, above the forward's 240
+
+
+def test_the_memory_line_runs_through_the_backward_and_its_peak_is_the_plans():
+    import shardfn as sf
+    from tests.models import CheckpointedStack, GPTBlock
+
+    with torch.device("meta"):
+        block = GPTBlock(64, 4)
+    x = torch.empty(8, 16, 64, device="meta")
+    plan = sf.explain(block, x, world_size=4, in_strategy=(None,), level=2)
+    forward = [n.live_bytes for n in plan.nodes.values()]
+    backward = [n.backward_live_bytes for n in plan.nodes.values() if n.backward_live_bytes is not None]
+    # every op on the way to a parameter's gradient has its backward point; no input's placeholder has one
+    assert len(backward) == sum(n.op != "input" for n in plan.nodes.values())
+    assert plan.cost.peak_bytes == max(forward + backward) == max(backward) > max(forward)
+    # without gradients there is no backward, and the peak is the forward's
+    inference = sf.explain(GPTBlock(64, 4).requires_grad_(False), torch.randn(8, 16, 64), world_size=4,
+                           in_strategy=(None,), level=2)
+    assert all(n.backward_live_bytes is None for n in inference.nodes.values())
+    assert inference.cost.peak_bytes == max(n.live_bytes for n in inference.nodes.values())
+    # a checkpointed region comes back in the backward, but one region at a time: less than keeping both
+    x = torch.randn(8, 16, 16)
+    plain, checkpointed = (sf.explain(CheckpointedStack(c), x, world_size=4, in_strategy=(None,), level=2)
+                           for c in (False, True))
+    back = [max(n.backward_live_bytes or 0 for n in p.nodes.values()) for p in (plain, checkpointed)]
+    assert back[1] < back[0]
+    assert checkpointed.cost.peak_bytes == max(back[1], max(n.live_bytes for n in checkpointed.nodes.values()))
