@@ -65,6 +65,13 @@ def test_the_plan_moves_half_the_bytes_and_says_so():
     mixed = sf.explain(block, x, in_strategy=(None,), level=1, world_size=4, mp_policy=BF16)
     gathered = [sum(c.nbytes for c in p.collectives if c.kind == "all_gather") for p in (plain, mixed)]
     assert gathered[0] > 0 and gathered[1] * 2 == gathered[0], gathered
+    # the parameters' gradients (those in buckets) are reduce-scattered in reduce_dtype, fp32: as many bytes
+    # (in bf16, half)
+    half = sf.explain(block, x, in_strategy=(None,), level=1, world_size=4,
+                      mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16))
+    reduced = [sorted(c.nbytes for c in p.collectives if c.kind == "reduce_scatter" and c.bucket is not None)
+               for p in (plain, mixed, half)]
+    assert reduced[0] and reduced[1] == reduced[0] and [2 * n for n in reduced[2]] == reduced[0], reduced
     assert any("parameters used in bfloat16, gradients reduced in float32, outputs float32" in n
                for n in mixed.notes)
 

@@ -47,6 +47,9 @@ class Terms:
     violations: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
     # edges where a pair of choices prices what no program runs (:func:`_left_to_view`): 1 per such pair
     impossible: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
+    # parameters whose gradients are reduced in another dtype than they are used in (a mixed precision policy's
+    # reduce_dtype): their backward collectives are priced in it
+    grad_dtypes: dict = field(default_factory=dict)
 
     def violations_of(self, choice) -> int:
         return int(sum(m[choice[u], choice[v]] for u, v, m in self.violations))
@@ -69,9 +72,11 @@ class Pricing:
     """Prices one search's problem; its memos live as long as the search."""
 
     def __init__(self, problem: StrategyProblem, profile: cm.DeviceProfile, held: dict[int, Placements],
-                 optimizer_stage: int = 0):
+                 optimizer_stage: int = 0, reduce_dtype: torch.dtype | None = None):
         self.problem, self.profile, self.held = problem, profile, held
         self.optimizer_stage = optimizer_stage
+        self.grad_dtypes = {n: reduce_dtype for n in problem.trainable
+                            if reduce_dtype is not None and n.meta["val"].dtype != reduce_dtype}
         self.mesh_shape = problem.mesh_shape
         self._edges: dict = {}
         self._unaries: dict = {}
@@ -88,19 +93,21 @@ class Pricing:
         return sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd) + sum(
             cm.collective_seconds(op, mesh_shape, profile, share(op) if handed_back else 1.0) for op in bwd)
 
-    def comm(self, val, src, dst, pending, grad, accumulate, handed_back=False):
-        """(forward CommOps, backward CommOps, seconds) of moving ``val`` from ``src`` to ``dst``."""
-        key = (tuple(val.shape), val.dtype, src, dst, pending, grad, accumulate, handed_back)
+    def comm(self, val, src, dst, pending, grad, accumulate, handed_back=False, grad_dtype=None):
+        """(forward CommOps, backward CommOps, seconds) of moving ``val`` from ``src`` to ``dst`` (its gradient back
+        in ``grad_dtype``, if given)."""
+        key = (tuple(val.shape), val.dtype, src, dst, pending, grad, accumulate, handed_back, grad_dtype)
         hit = self._comm.get(key)
         if hit is None:
             item, mesh_shape = val.element_size(), self.mesh_shape
             fwd = cm.redistribute_collectives(val.shape, item, src, dst, mesh_shape)
-            bwd = cm.backward_collectives(val.shape, item, src, dst, pending, mesh_shape, accumulate) if grad else []
+            bwd = cm.backward_collectives(val.shape, _itemsize(grad_dtype) or item, src, dst, pending, mesh_shape,
+                                          accumulate) if grad else []
             hit = self._comm[key] = (fwd, bwd, self.seconds(fwd, bwd, handed_back))
         return hit
 
-    def comm_ops(self, val, src, dst, pending, grad, accumulate):
-        return self.comm(val, src, dst, pending, grad, accumulate)[:2]
+    def comm_ops(self, val, src, dst, pending, grad, accumulate, grad_dtype=None):
+        return self.comm(val, src, dst, pending, grad, accumulate, grad_dtype=grad_dtype)[:2]
 
     # -- the terms -----------------------------------------------------------------------------------------------
 
@@ -111,7 +118,8 @@ class Pricing:
             c, s, m, r = self._unary(d, self.held.get(i))
             compute.append(c), savings.append(s), memory.append(m), reductions.append(r)
         edges, impossible = self._edge_terms()
-        terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible)
+        terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible,
+                      grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
         return terms
 
@@ -137,8 +145,9 @@ class Pricing:
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
             keep = 1 if grad and d.node not in p.recomputed and not cm.is_view_op(d.node) else 0
         dtype = vals[0].dtype if vals else torch.float32
+        grad_dtype = self.grad_dtypes.get(d.node)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
-               cm.is_view_op(d.node), tuple((tuple(v.shape), v.dtype) for v in vals))
+               cm.is_view_op(d.node), tuple((tuple(v.shape), v.dtype) for v in vals), grad_dtype)
         hit = self._unaries.get(key)
         if hit is not None and hit[0] is d.candidates:
             return hit[1]
@@ -156,7 +165,7 @@ class Pricing:
             for c in d.candidates], dtype=float) if keep else np.zeros(n)
         reductions = np.zeros(n)
         for k, c in enumerate(d.candidates):
-            fwd, bwd = node_collectives(d, c, held, grad, mesh_shape)
+            fwd, bwd = node_collectives(d, c, held, grad, mesh_shape, grad_dtype)
             # a graph input's own reductions (its readers' gradients summed) hand its gradient back
             reductions[k] = self.seconds(fwd, bwd, placeholder) if fwd or bwd else 0.0
         self._unaries[key] = (d.candidates, (compute, savings, memory, reductions))
@@ -172,15 +181,17 @@ class Pricing:
                 handed_back = grad and gradient_handed_back(value_node) is not None
                 src_cands = p.decisions[u].candidates
                 from_view = grad and cm.is_view_op(p.decisions[u].node)
+                grad_dtype = self.grad_dtypes.get(value_node)
                 key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, grad,
-                       cm.is_view_op(d.node), handed_back, from_view)
+                       cm.is_view_op(d.node), handed_back, from_view, grad_dtype)
 
                 def build(d=d, slot=slot, src_cands=src_cands, out_idx=out_idx, val=val, grad=grad,
-                          handed_back=handed_back, from_view=from_view):
+                          handed_back=handed_back, from_view=from_view, grad_dtype=grad_dtype):
                     pend = [pending(c, slot, passes_on(d, c)) for c in d.candidates]
                     src_keys, src_idx = _distinct([(sc.outputs[out_idx], sc.accumulate) for sc in src_cands])
                     dst_keys, dst_idx = _distinct([(c.inputs[slot], pd) for c, pd in zip(d.candidates, pend)])
-                    small = np.array([[self.comm(val, s, t, pd, grad, acc, handed_back)[2] for t, pd in dst_keys]
+                    small = np.array([[self.comm(val, s, t, pd, grad, acc, handed_back, grad_dtype)[2]
+                                       for t, pd in dst_keys]
                                       for s, acc in src_keys])
                     return (small[np.ix_(src_idx, dst_idx)],
                             _left_to_view(src_cands, pend, self.mesh_shape) if from_view else None)
@@ -332,21 +343,28 @@ def gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:
     return node if node.op == "placeholder" and len(node.users) == 1 else None
 
 
-def node_collectives(d: Decision, c: Candidate, held, grad: bool, mesh_shape) -> tuple[list, list]:
-    """(forward, backward) collectives that belong to one node rather than an edge."""
+def node_collectives(d: Decision, c: Candidate, held, grad: bool, mesh_shape,
+                     grad_dtype: torch.dtype | None = None) -> tuple[list, list]:
+    """(forward, backward) collectives that belong to one node rather than an edge (its gradient's in
+    ``grad_dtype``, if given)."""
     if d.node is None:
         return [], []
     fwd, bwd = [], []
     if c.accumulate and not passes_on(d, c):  # a view's sum is resolved where its input's is
         val = _first_output(d.node)
-        bwd += cm.accumulated_collectives(val.shape, val.element_size(), c.outputs[0], mesh_shape)
+        bwd += cm.accumulated_collectives(val.shape, _itemsize(grad_dtype) or val.element_size(), c.outputs[0],
+                                          mesh_shape)
     if held is not None and held != c.outputs[0]:
         val = d.node.meta["val"]
         fwd += cm.redistribute_collectives(val.shape, val.element_size(), held, c.outputs[0], mesh_shape)
         if grad:  # the gradient goes back to the caller in the layout the input came in
-            bwd += cm.redistribute_collectives(val.shape, val.element_size(),
+            bwd += cm.redistribute_collectives(val.shape, _itemsize(grad_dtype) or val.element_size(),
                                                cm.gradient_placement(c.outputs[0]), held, mesh_shape)
     return fwd, bwd
+
+
+def _itemsize(dtype: torch.dtype | None) -> int:
+    return 0 if dtype is None else torch.empty((), dtype=dtype).element_size()
 
 
 def _first_output(node: torch.fx.Node) -> torch.Tensor:

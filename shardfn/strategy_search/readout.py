@@ -85,8 +85,9 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
         for slot, (u, out_idx, value_node) in enumerate(d.sources):
             val = value_node.meta["val"]
             src = chosen[u].outputs[out_idx]
+            grad_dtype = terms.grad_dtypes.get(value_node)
             fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], pending(c, slot, passes_on(d, c)),
-                                      value_node in needs_grad, chosen[u].accumulate)
+                                      value_node in needs_grad, chosen[u].accumulate, grad_dtype)
             where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
             handed_back = gradient_handed_back(value_node)
             # a split parameter's all-gathers: exec fuses them into buckets too (forward, and again in backward)
@@ -104,18 +105,19 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
                 regather_s += sum(c.seconds for c in again)
             bwd = synced(bwd, handed_back)
             if handed_back is not None:
-                gradients += [(len(bwd_colls) + k, (o.kind, o.mesh_dim, val.dtype), position[handed_back])
+                gradients += [(len(bwd_colls) + k, (o.kind, o.mesh_dim, grad_dtype or val.dtype), position[handed_back])
                               for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
             bwd_colls += [priced(o, "backward", where, handed_back is not None) for o in bwd]
     for i, (d, c) in enumerate(zip(decisions, chosen)):
         fwd, bwd = node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None else False,
-                                    mesh_shape)
+                                    mesh_shape, terms.grad_dtypes.get(d.node))
         bwd = synced(bwd, d.node)
         entry = held.get(i) is not None and held[i] != c.outputs[0]  # else its readers' gradients summed
         what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
         placeholder = d.node is not None and d.node.op == "placeholder"
         if placeholder:  # a graph input's gradient, handed back
-            gradients += [(len(bwd_colls) + k, (o.kind, o.mesh_dim, d.node.meta["val"].dtype), position[d.node])
+            grad_dtype = terms.grad_dtypes.get(d.node) or d.node.meta["val"].dtype
+            gradients += [(len(bwd_colls) + k, (o.kind, o.mesh_dim, grad_dtype), position[d.node])
                           for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
         fwd_colls = [priced(o, "forward", what) for o in fwd] + fwd_colls
         bwd_colls += [priced(o, "backward", what, placeholder) for o in bwd]

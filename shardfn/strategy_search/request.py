@@ -73,6 +73,8 @@ class PlanRequest:
     # a sharded optimizer's stage (sf.shard_optimizer): 1 splits the optimizer states of whole parameters over
     # their first whole mesh dim, 2 their gradients too (reduce-scattered, not all-reduced)
     optimizer_stage: int = 0
+    # a mixed precision policy's reduce_dtype: parameters' gradients are reduced in it (priced so)
+    reduce_dtype: torch.dtype | None = None
 
     def held(self) -> dict[int, Placements]:
         return {i: r.held for i, r in enumerate(self.inputs) if r.held is not None}
@@ -91,7 +93,8 @@ def build_request(config: ShardConfig, name: str, call: BoundCall, captured: Cap
                        tuple(_output_requests(config, name, captured, world, mesh_spec, batch_axes)),
                        grad=torch.is_grad_enabled(), level=config.level, profile=profile,
                        keep_split=_data_parallel_dims(config, call, mesh_spec), accumulate=accumulate,
-                       optimizer_stage=optimizer_stage)
+                       optimizer_stage=optimizer_stage,
+                       reduce_dtype=config.precision.reduce_dtype if config.precision is not None else None)
 
 
 def _input_requests(config: ShardConfig, captured: CapturedGraph, call: BoundCall, param_specs,

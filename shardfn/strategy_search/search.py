@@ -35,7 +35,7 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
     step = _Steps()
     problem = step("candidates", lambda: build_problem(captured, mesh, request, CandidateLists()),
                    lambda p: f"{len(p.decisions)} decisions, {sum(len(d.candidates) for d in p.decisions)} candidates")
-    pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage)
+    pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype)
     terms = step("pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
     solution = step("solve", lambda: solve_level(request.level, terms, request.profile, time_limit_s),
                     lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
