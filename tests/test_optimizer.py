@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from torch.distributed._local_tensor import local_tensor_mode
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 import shardfn as sf
 from shardfn.runtime import simulated_world
@@ -25,16 +25,17 @@ def _slice(t):
     return local_tensor_mode().rank_map(lambda r: on_rank(t, r)[per * r: per * (r + 1)].clone())
 
 
-def train_both(stage, world, slice_of, steps=3, micro=1, **shard_kwargs):
-    """A data-parallel GPT block with a sharded AdamW against the unsharded one; the sharded model and optimizer.
-    ``world``: the number of batch slices; ``micro`` > 1: that many micro-batches a step, all but the last inside
-    sf.no_sync; ``shard_kwargs`` go to sf.shard (in_strategy too)."""
+def train_both(stage, world, slice_of, steps=3, micro=1, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+               **shard_kwargs):
+    """A data-parallel GPT block with a sharded optimizer (AdamW, or ``optimizer(params)``) against the unsharded
+    one; the sharded model and optimizer. ``world``: the number of batch slices; ``micro`` > 1: that many
+    micro-batches a step, all but the last inside sf.no_sync; ``shard_kwargs`` go to sf.shard (in_strategy too)."""
     torch.manual_seed(0)
     reference = GPTBlock(16, 4)
     model = sf.shard(copy.deepcopy(reference), **{"in_strategy": (None,), "dataset_strategy": "data_parallel",
                                                   **shard_kwargs})
-    opt = sf.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, stage=stage)
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = sf.shard_optimizer(optimizer(model.parameters()), model, stage=stage)
+    ref_opt = optimizer(reference.parameters())
     for step in range(steps):
         for m in range(micro):
             torch.manual_seed(10 * step + m)
@@ -73,6 +74,23 @@ def test_sharded_adamw_trains_like_torch_and_keeps_pieces(stage, micro):
                                            atol=1e-6)
         if stage == 2:  # gradients went to the pieces; no rank keeps a parameter's whole gradient
             assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+], ids=["sgd-momentum-foreach", "adam-for-loop", "adamw-fused"])
+def test_torch_optimizers_foreach_and_fused_step_the_pieces(optimizer):
+    with simulated_world(WORLD):
+        model, opt, reference, ref_opt = train_both(2, WORLD, _slice, optimizer=optimizer)
+        _assert_trained_alike(model, reference, WORLD)
+        piece, q = opt.pieces[0], next(reference.parameters())
+        states = {n: v for n, v in opt.state[piece].items() if isinstance(v, DTensor) and v.dim()}
+        assert states, opt.state[piece]  # momentum or moments: pieces, holding the unsharded optimizer's values
+        for name, state in states.items():
+            assert tuple(state.placements) == (Shard(0),), name
+            torch.testing.assert_close(on_rank(state.full_tensor(), 0), ref_opt.state[q][name], rtol=1e-4, atol=1e-6)
 
 
 def test_the_plan_knows_the_split_states_and_reduce_scatters():
