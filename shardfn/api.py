@@ -95,7 +95,9 @@ class _Engine:
         if not made and (mode := check_mode()) != "first":  # (a program made now agreed as it was made)
             compiled.agreement.check(first=False, values=(lambda: self._values(args, kwargs))
                                      if mode == "values" else None)
+        start = compiled.times.start()
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
+        compiled.times.ran(start, outs)  # its forward's time, and a hook for its backward's (shardfn.step_times)
         if compiled.program.accumulate and torch.is_grad_enabled():
             outs = self._accumulated(outs)
         return compiled, outs
@@ -751,10 +753,11 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
         raise ValueError(f"explain: world_size must be a positive int, got {world_size!r}")
     args, kwargs, arrived, key, tensors, _ = engine._signature(tuple(example_args), dict(kwargs or {}),
                                                                move=False, world=world_size)
-    # this signature ran (or one program serves its sizes): that plan, with what running it found (compile times)
+    # this signature ran (or one program serves its sizes): that plan, with what running it found (compile times,
+    # the measured step time)
     serving = engine.programs.serving(key, tensors)
     cached = engine.programs.get(key) or (serving if isinstance(serving, Compiled) else None)
     if cached is not None and cached.plan.mesh.world_size == world_size:
-        return cached.plan
+        return cached.times.on(cached.plan)
     return engine.plan(list(args), kwargs, world_size, lambda spec: runtime.planning_mesh(spec, device), device,
                        arrived).plan

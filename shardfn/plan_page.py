@@ -4,7 +4,9 @@
 the module tree (repeated layers folded into one with their count, each module open down to its ops), every
 parameter, input, output and activation drawn as the device mesh with each rank's piece (offset and shape,
 DTensor's chunking: uneven and empty pieces marked) and where its layout came from, the collectives with the cost
-model's seconds (filtered by phase), and the costs: compute and communication per layer, memory over the forward.
+model's seconds (filtered by phase), and the costs: compute and communication per layer, memory over the forward
+and the backward (one line, the backward's start marked), the measured step next to the estimate where the plan
+carries one (``sf.explain`` of a signature that ran: shardfn.step_times).
 Only the first of each run of folded layers is written out in full, so a 32-layer model's page stays small.
 """
 
@@ -225,12 +227,13 @@ class _Page:
                  ("search", "optimal" if plan.optimal else f"best found, within {plan.gap:.2%} of the best bound"),
                  ("estimated step", f"{_seconds(cost.total_s)} = compute {_seconds(cost.compute_s)} + "
                                     f"communication {_seconds(cost.comm_s)}"),
-                 ("measured step", _seconds(plan.measured_s) if plan.measured_s is not None else
-                  "not recorded (plan.measured_s)"),
+                 ("measured step", (_seconds(plan.measured_s) + (f": {plan.measured}" if plan.measured else ""))
+                  if plan.measured_s is not None else
+                  "not recorded (sf.explain(sharded, *args) of a call that ran a few steps records one)"),
                  ("peak memory", f"{_bytes(cost.peak_bytes)} per rank"),
                  ("program", f"{len(plan.nodes)} ops, {len(plan.collectives)} collectives"
                              + (", parameters gathered again in backward" if plan.reshard_after_forward else ""))]
-        rows = "".join(f"<tr><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in facts)
+        rows = "".join(f"<tr data-fact='{_esc(k)}'><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in facts)
         notes = "".join(f"<li>{_esc(n)}</li>" for n in plan.notes)
         return (f"<h1>{_esc(self.title)}</h1><table class='facts' id='facts'>{rows}</table>"
                 + (f"<ul class='notes'>{notes}</ul>" if notes else ""))

@@ -21,6 +21,7 @@ from .arguments import without_sizes
 from .capture.graph import CapturedGraph
 from .exec.lower import ParallelProgram
 from .layout import MeshSpec
+from .step_times import StepTimes
 from .strategy_search import Plan
 from .strategy_search.lru import LRU
 
@@ -87,6 +88,7 @@ class Compiled:
     verdicts: LRU = field(default_factory=lambda: LRU(4096))  # argument sizes -> why not served (None: served)
     met: LRU = field(default_factory=lambda: LRU(4096))  # signature -> [calls of it served] (real ranks trace
     # the second)
+    times: StepTimes = field(default_factory=StepTimes)  # its calls' wall times: the plan's measured step
 
     def rejects(self, sizes: tuple, tensors: list) -> str | None:
         """Why the program for every size does not serve a call of these argument sizes (its capture's guards),

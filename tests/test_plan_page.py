@@ -11,6 +11,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import shardfn as sf
+from shardfn.plan_page import _bytes, _seconds
 from shardfn.show.__main__ import main as show_main
 from shardfn.strategy_search._dtensor_adapter import local_pieces
 from shardfn.strategy_search.plan import PLAN_FORMAT, Plan, parse_placement, placements_text
@@ -281,6 +283,47 @@ def test_a_llama_page_folds_its_layers(tmp_path):
     assert origins["model.layers.0.self_attn.q_proj.weight"] == "parameter_plan"
     assert origins["model.layers.0.input_layernorm.weight"] == "search"
     assert origins["model.rotary_emb.inv_freq"] == "buffer" and origins["input 0"] == "search"
+
+
+# -- (c) a module that ran: its measured step next to the estimate ----------------------------------------------------
+
+def test_a_plan_that_ran_shows_its_measured_step(tmp_path):
+    from shardfn.runtime import simulated_world
+
+    torch.manual_seed(0)
+    with simulated_world(2):
+        model = sf.shard(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)),
+                         in_strategy=(None,))
+        x = torch.randn(4, 8)
+        assert sf.explain(model, x).measured_s is None  # nothing ran yet
+        steps = []
+        for _ in range(4):
+            start = time.perf_counter()
+            model(x).sum().backward()
+            steps.append(time.perf_counter() - start)
+        plan = sf.explain(model, x)
+        with torch.no_grad():  # a signature of its own: its forward alone
+            for _ in range(3):
+                model(x)
+            inference = sf.explain(model, x)
+    # the median of the three steps after the first (which captured, planned and traced); each inside its whole
+    # step as timed around it (the loss and the call into backward besides)
+    assert plan.measured == ("forward+backward of the last 3 calls, median (wall clock; the first call, which "
+                             "captured, planned and traced, left out)")
+    assert 0 < plan.measured_s <= sorted(steps[1:])[1]
+    assert inference.measured.startswith("forward (no gradients) of the last 2 calls, median")
+    # the program's own plan is not changed: the measurement is handed to the plan read from it
+    assert all(c.plan.measured_s is None for c in sf.engine_of(model).programs.values())
+    back = Plan.from_json(plan.to_json())
+    assert (back.measured_s, back.measured) == (plan.measured_s, plan.measured)
+
+    dom = _browse(Path(plan.to_html(str(tmp_path / "ran.html"))), tmp_path)
+    facts = {tr.attrs["data-fact"]: tr.one("td").text for tr in dom.one("table", id="facts").all("tr")}
+    measured = re.escape(_seconds(plan.measured_s))
+    assert re.fullmatch(measured + r": forward\+backward of the last 3 calls, median \(wall clock; .*\)",
+                        facts["measured step"]), facts
+    assert facts["estimated step"].startswith(_seconds(plan.cost.total_s) + " = compute")
+    assert facts["peak memory"] == f"{_bytes(plan.cost.peak_bytes)} per rank"
 
 
 # -- the plan file ----------------------------------------------------------------------------------------------------

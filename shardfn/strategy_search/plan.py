@@ -122,6 +122,8 @@ class Plan:
     search: dict = field(default_factory=dict)  # the search's sizes and seconds (decisions, ILP residue, ...)
     output_shapes: list[tuple[int, ...]] = field(default_factory=list)  # each output's global shape
     measured_s: float | None = None  # a measured step time, where whoever ran the plan recorded one
+    # what ``measured_s`` measured: shardfn's own (sf.explain of a signature that ran) says which calls and how
+    measured: str = ""
 
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
         return sum((kind is None or c.kind == kind) and (phase is None or c.phase == phase) for c in self.collectives)
@@ -241,6 +243,7 @@ class Plan:
                 "reshard_after_forward": self.reshard_after_forward,
                 "output_shapes": enc(self.output_shapes),
                 "measured_s": self.measured_s,
+                "measured": self.measured,
             },
             default=str,
         )
@@ -318,6 +321,7 @@ def _decode(data: dict) -> Plan:
         search=dict(data["search"]),
         output_shapes=[_shape(s) for s in data.get("output_shapes", [])],
         measured_s=data.get("measured_s"),
+        measured=str(data.get("measured", "")),
     )
 
 
