@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _simulation_internals as _simulation
+from ._mesh_internals import mesh_without_groups
 from . import rendezvous
 from .layout import MeshSpec
 
@@ -340,7 +341,7 @@ def _sub_mesh(ranks: torch.Tensor, device: str, names: tuple[str, ...]) -> Devic
     # member builds the mesh from its own; other ranks get a mesh without groups ("not a member" to DTensor).
     me = dist.get_rank()
     if me not in ranks.flatten().tolist():
-        return DeviceMesh(device, ranks, mesh_dim_names=names, _init_backend=False)
+        return mesh_without_groups(device, ranks, names)
     coord = [int(c) for c in (ranks == me).nonzero()[0]]
     groups = []
     for d in range(ranks.dim()):
@@ -354,10 +355,7 @@ def _sub_mesh(ranks: torch.Tensor, device: str, names: tuple[str, ...]) -> Devic
 
 def planning_mesh(spec: MeshSpec, device: str) -> DeviceMesh:
     """A DeviceMesh for planning only: no process group, no communication; rank 0's view."""
-    return DeviceMesh(
-        device, torch.arange(spec.world_size).reshape(spec.shape), mesh_dim_names=spec.names,
-        _init_backend=False, _rank=0,
-    )
+    return mesh_without_groups(device, torch.arange(spec.world_size).reshape(spec.shape), spec.names, rank=0)
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
 from . import runtime
+from ._mesh_internals import mesh_without_groups
 from .config import ShardConfig
 from .layout import Layout, TensorLayout, common_mesh, normalize_strategy, to_placements
 from .programs import Compiled
@@ -67,13 +68,11 @@ def _arrival_layout(t: DTensor, ranks: tuple[int, ...]) -> TensorLayout:
 
 def _stand_in(t: DTensor, layout: TensorLayout, device: str) -> DTensor:
     """For planning (explain): a DTensor as the move would leave it, on a mesh of the call's ranks, no data."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     n = len(layout.ranks)
     spec = normalize_strategy(layout, tuple(t.shape), n, "arrival")
     mesh_spec = common_mesh([spec], n, {layout.axis(a): a for a in layout.alias_name})
-    mesh = DeviceMesh(device, torch.tensor(layout.ranks).reshape(mesh_spec.shape), mesh_dim_names=mesh_spec.names,
-                      _init_backend=False, _rank=layout.ranks[0])
+    mesh = mesh_without_groups(device, torch.tensor(layout.ranks).reshape(mesh_spec.shape), mesh_spec.names,
+                               rank=layout.ranks[0])
     return DTensor.from_local(torch.empty(0, dtype=t.dtype, device="meta"), mesh, to_placements(spec, mesh_spec),
                               run_check=False, shape=t.shape, stride=t.stride()).requires_grad_(t.requires_grad)
 

@@ -31,6 +31,8 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from .._mesh_internals import mesh_without_groups
+
 __all__ = ["dtensor_strategies", "has_dtensor_rule", "is_local_from_replicate", "local_shapes",
            "valid_placements"]
 
@@ -206,7 +208,7 @@ def _decomposition_tracer(op, device_type: str):
         return lambda schema, combo: ds._propagate_through_decomp(schema, combo, fake_mesh)
     # torch 2.11: static methods taking the propagator
     DecompShardingStrategy.ensure_schema_info(op, sp)
-    fake_mesh = DeviceMesh(device_type, [0], _init_backend=False, _rank=0)
+    fake_mesh = mesh_without_groups(device_type, [0], rank=0)
     return lambda schema, combo: DecompShardingStrategy._propagate_through_decomp(schema, combo, fake_mesh, sp)
 
 
