@@ -44,7 +44,7 @@ from torch.distributed.tensor import DTensor
 from . import runtime
 from .capture import split_arguments
 
-__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "check_mode", "describe_call", "digest", "digests_of_alike",
+__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "alone", "check_mode", "describe_call", "digest", "digests_of_alike",
            "inputs_compared", "inputs_not_compared", "tensor_digest"]
 
 CHECK_MODES = ("signature", "values", "first")
@@ -230,13 +230,16 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(map(str, ranks))
 
 
+def alone(ranks: tuple[int, ...] | None) -> bool:
+    """Whether a call on ``ranks`` has nobody to agree with (a world of one, a simulated world, a call on one
+    rank): its agreement compares nothing, so it needs no description."""
+    return not dist.is_initialized() or dist.get_world_size() == 1 or runtime.is_simulated() or \
+        (ranks is not None and len(ranks) == 1)
+
+
 def _group(ranks: tuple[int, ...] | None):
-    """The call's control group, or None where there is nothing to agree on (a world of one, a simulated world,
-    a call on one rank)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or runtime.is_simulated() or \
-            (ranks is not None and len(ranks) == 1):
-        return None
-    return runtime.call_control_group(ranks)
+    """The call's control group, or None where there is nothing to agree on (:func:`alone`)."""
+    return None if alone(ranks) else runtime.call_control_group(ranks)
 
 
 # -- what a call is, as the ranks compare it ----------------------------------------------------------------------

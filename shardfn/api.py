@@ -19,17 +19,18 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from . import accumulation, parameters, runtime, submesh, uneven_batch
+from . import accumulation, parameters, runtime, step_times, submesh, uneven_batch
 from .optimizer import ShardedOptimizer
 from .optimizer import check_stage as optimizer_check_stage
 from .optimizer import gradient_targets as optimizer_gradient_targets
-from .agreement import Agreement, UnevenBatch, check_mode, describe_call, digest, digests_of_alike, inputs_compared
+from .agreement import (Agreement, UnevenBatch, alone, check_mode, describe_call, digest, digests_of_alike,
+                        inputs_compared)
 from .arguments import BoundCall, bind, call_key, without_batch_rows
 from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.dynamic import planning_graph
 from .capture.graph import CapturedGraph
 from .config import ShardConfig
-from .exec.lower import ParallelProgram, lower
+from .exec.lower import ParallelProgram, lower, use_inductor
 from .layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, \
     spec_of_dtensor, to_placements
 from .programs import Compiled, Programs
@@ -62,11 +63,15 @@ class _Engine:
         self.captures = 0  # captures (and plans) made: what a call of a new signature costs, counted
         self.planning_error: Exception | None = None  # the last first call's own failure to capture or plan
         self.batch: dict[int, int] = {}  # inside an uneven call: its batch inputs' global rows, by tensor number
+        # calls are timed (shardfn.step_times) with CUDA events where the programs run on CUDA
+        self.cuda_clock = config.device == "cuda" or config.device is None and torch.cuda.is_available()
+        self.call_start = None
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
     @torch.compiler.disable
     def __call__(self, *args, **kwargs):
+        self.call_start = step_times.mark(self.cuda_clock)  # the step as its caller times it: from here
         args, kwargs, arrived, key, tensors, objects = self._signature(args, kwargs, move=True)
         self._check_not_nested_or_transformed(tensors)
         group = dist.group.WORLD if dist.is_initialized() else None
@@ -95,9 +100,8 @@ class _Engine:
         if not made and (mode := check_mode()) != "first":  # (a program made now agreed as it was made)
             compiled.agreement.check(first=False, values=(lambda: self._values(args, kwargs))
                                      if mode == "values" else None)
-        start = compiled.times.start()
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
-        compiled.times.ran(start, outs)  # its forward's time, and a hook for its backward's (shardfn.step_times)
+        compiled.times.ran(self.call_start, outs)  # the call's time, a hook for its backward's (shardfn.step_times)
         if compiled.program.accumulate and torch.is_grad_enabled():
             outs = self._accumulated(outs)
         return compiled, outs
@@ -265,8 +269,11 @@ class _Engine:
             tensors = split_arguments(args, kwargs)[0]
             rows = tuple(sorted(self.batch.items())) if self.batch else \
                 tuple(t.shape[0] for t in tensors if self._in_batch(t))
+        ranks = self._ranks()
+        if alone(ranks):  # nothing to compare (a generation's every token asks: no description to build)
+            return Agreement(self.name, 0, ranks=ranks, rows=rows)
         return Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs),
-                         ranks=self._ranks(), rows=rows)
+                         ranks=ranks, rows=rows)
 
     def _lower(self, compiled: Compiled, mesh, traced: bool) -> ParallelProgram:
         return lower(compiled.captured, compiled.plan, mesh, compiled=traced, name=self.name,
@@ -276,10 +283,13 @@ class _Engine:
     def _at_these_sizes(self, compiled: Compiled, key: tuple, args, kwargs) -> Compiled:
         """The program for every size, for a call of this signature. It runs interpreted over DTensors (no
         capture, no plan, no trace: the symbolic graph's plan at the sizes its values take now); on real ranks a
-        signature met again is traced into per-rank graphs at its sizes (Programs.trace_now). The ranks compare
-        this call's signature, its sizes included, as for any program."""
+        signature met again is traced into per-rank graphs at its sizes (Programs.trace_now), except in a world of
+        one without Inductor, where the captured graph runs as it is either way. The ranks compare this call's
+        signature, its sizes included, as for any program."""
         here = dataclasses.replace(compiled, agreement=self._agreement(key, args, kwargs))
-        if runtime.is_simulated() or not self.programs.trace_now(compiled, key):
+        mesh = compiled.program.mesh
+        if runtime.is_simulated() or (mesh.size() == 1 and not use_inductor(mesh.device_type)) \
+                or not self.programs.trace_now(compiled, key):
             return here
         here.program = self._lower(compiled, compiled.program.mesh, traced=True)
         self.programs[key] = here

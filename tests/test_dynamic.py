@@ -151,3 +151,19 @@ def _data_parallel_body():
 def test_data_parallel_steps_of_changing_length_on_real_ranks(gloo4):
     # two captures; traced programs for the first length and for 13, met twice
     assert gloo4.run(_data_parallel_body) == [(2, 2)] * 4
+
+
+def test_guards_compiled_to_python_agree_with_sympy():
+    # a generation checks the capture's guards at every token: compiled once, each must say what sympy says
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+
+    from shardfn.capture.dynamic import _check_of
+
+    s0, s1 = sympy.symbols("s0 s1", integer=True, positive=True)
+    guards = [sympy.Eq(FloorDiv(s0, 4) * 4, s0), sympy.Ne(PythonMod(s0, 3), 0), sympy.Ge(s0 + s1, 5),
+              sympy.Eq(Mod(s0, 2), 0), sympy.And(sympy.Lt(s0, 64), sympy.Gt(s1, 1)), sympy.Eq(sympy.Max(s0, s1), s0)]
+    for guard in guards:
+        holds = _check_of(guard)
+        for a, b in [(8, 3), (9, 1), (2, 2), (63, 5), (64, 2)]:
+            assert holds({s0: a, s1: b}) == bool(guard.xreplace({s0: a, s1: b})), (guard, a, b)

@@ -11,6 +11,7 @@ on :func:`planning_graph`: the same graph at the sizes it was traced for (the hi
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,6 +37,7 @@ class DynamicDims:
 
     shape_env: ShapeEnv
     dims: dict[int, dict[int, sympy.Symbol]] = dataclasses.field(default_factory=dict)
+    _checks: list = dataclasses.field(default_factory=list, repr=False)  # each guard as a Python function
 
     def symbolic(self, position: int, shape: tuple[int, ...], dynamic: tuple[int, ...]) -> tuple:
         """``shape`` with the ``dynamic`` dims as new symbols (hinted by their sizes now), for input ``position``."""
@@ -57,8 +59,11 @@ class DynamicDims:
             bounds = self.shape_env.var_to_range.get(symbol)
             if bounds is not None and not (bounds.lower <= value <= bounds.upper):
                 return f"a dynamic dim of size {value} is outside the range the capture allows ({bounds})"
-        for guard in self.shape_env.guards:
-            if not bool(guard.expr.xreplace(bindings)):
+        guards = self.shape_env.guards
+        if len(self._checks) != len(guards):  # (compiled once: a generation asks at every token)
+            self._checks = [_check_of(g.expr) for g in guards]
+        for guard, holds in zip(guards, self._checks):
+            if not holds(bindings):
                 return f"the capture assumed {guard.expr}, which does not hold for {bindings}"
         return None
 
@@ -84,6 +89,41 @@ class DynamicDims:
         """A node's value (or tuple of them) at these bindings: a tensor's shape and strides as numbers (a meta
         tensor), a size a number."""
         return _numbered(val, lambda s: self.size(s, bindings))
+
+
+# the integer functions torch's size expressions use, as Python computes them (sizes are never negative)
+_PYTHON = {"FloorDiv": operator.floordiv, "CleanDiv": operator.floordiv, "PythonMod": operator.mod,
+           "Mod": operator.mod, "Max": max, "Min": min}
+
+
+def _check_of(expr: sympy.Basic) -> Callable[[dict], bool]:
+    """Whether ``expr`` (a guard) holds at some symbols' values: a Python function compiled from it (a tenth of
+    sympy's substitution, per guard and call), checked against the substitution the first time it runs, which is
+    used instead where compiling fails or the two differ."""
+    symbols = sorted(expr.free_symbols, key=str)
+    try:
+        compiled = sympy.lambdify(symbols, expr, modules=[_PYTHON, "math"])
+    except Exception:  # noqa: BLE001 - a function lambdify does not know: substitution
+        compiled = None
+    trusted: list[bool] = []
+
+    def substituted(bindings: dict) -> bool:
+        return bool(expr.xreplace(bindings))
+
+    def holds(bindings: dict) -> bool:
+        if compiled is None or trusted == [False]:
+            return substituted(bindings)
+        try:
+            fast = bool(compiled(*(bindings[s] for s in symbols)))
+        except Exception:  # noqa: BLE001 - a symbol without a value, an unknown function: substitution
+            return substituted(bindings)
+        if not trusted:
+            trusted.append(fast == substituted(bindings))
+            if not trusted[0]:
+                return substituted(bindings)
+        return fast
+
+    return holds
 
 
 def symbolic_input(fake_mode: FakeTensorMode, dims: DynamicDims, position: int, shape: tuple[int, ...],

@@ -37,7 +37,7 @@ from ..strategy_search.plan import Plan
 from .passes import recompute_checkpointed, regather_in_backward, simplify
 from .run import LocalsOf, global_stride
 
-__all__ = ["ParallelProgram", "lower"]
+__all__ = ["ParallelProgram", "lower", "use_inductor"]
 
 aten = torch.ops.aten
 _log = logging.getLogger("shardfn")
