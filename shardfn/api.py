@@ -231,11 +231,11 @@ class _Engine:
         # (atomics on a GPU) may leave replicated parameters apart in their last bits, harmlessly. The ranks agree
         # on the call before planning it (an uneven batch is known here, before a plan for one rank's slice)
         first_step = not self.params_laid_out
-        error = None
+        error = call = None
         try:  # the call's own checks (local): a rank whose checks fail tells the others in the agreement
             self._check_materialized()
             with runtime.outside_simulation():
-                bind(self.config, self.fn, self.name, args, kwargs, world, rows=self.batch)
+                call = bind(self.config, self.fn, self.name, args, kwargs, world, rows=self.batch)
         except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
             error = self.planning_error = e
         agreement.check(first=True, error=error, values=lambda: {
@@ -243,7 +243,7 @@ class _Engine:
         compiled = None
         try:  # local work only: a rank that fails here still takes part in the agreement below
             compiled = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
-                                 arrived, dynamic)
+                                 arrived, dynamic, call)
             compiled.agreement = agreement
         except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_program, reported on the others
             error = self.planning_error = e
@@ -378,11 +378,12 @@ class _Engine:
         return compiled.captured.result(outs, tensors, objects)
 
     def plan(self, args, kwargs, world: int, mesh_of: Callable[[MeshSpec], Any], device: str,
-             arrived: tuple = (), dynamic: dict | None = None) -> Compiled:
-        """Bind, capture and plan one call signature (local: no communication). ``dynamic``: {argument tensor
-        number: dims} traced as symbols; the search plans at this call's sizes."""
+             arrived: tuple = (), dynamic: dict | None = None, call: BoundCall | None = None) -> Compiled:
+        """Bind (unless ``call`` is the call bound already), capture and plan one call signature (local: no
+        communication). ``dynamic``: {argument tensor number: dims} traced as symbols; the search plans at this
+        call's sizes."""
         with runtime.outside_simulation():
-            call = bind(self.config, self.fn, self.name, args, kwargs, world, rows=self.batch)
+            call = call or bind(self.config, self.fn, self.name, args, kwargs, world, rows=self.batch)
             param_specs = self._param_specs(world)
             mesh_spec = self._mesh_spec(call, param_specs, world)
             captured = self._capture(args, kwargs, call, device, dynamic)
