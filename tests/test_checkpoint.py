@@ -46,7 +46,7 @@ def test_bad_paths_are_refused_before_writing(tmp_path):
 
 
 def _round_trip_body(path):
-    from tests.exec.test_modules import GPT_PLANS
+    from tests.test_modules import GPT_PLANS
 
     def trained(seed):
         torch.manual_seed(seed)

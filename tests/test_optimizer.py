@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard
 import shardfn as sf
 from shardfn.runtime import simulated_world
 from shardfn.strategy_search.pricing import parameter_copies
-from tests.exec.test_modules import GPT_PLANS, L
+from tests.test_modules import GPT_PLANS, L
 from tests.harness import on_rank
 from tests.models import GPTBlock
 

@@ -44,7 +44,7 @@ def test_compiled_parity(gloo4):
 
 
 def _train_body(plan_name):
-    from tests.exec.test_modules import GPT_PLANS, _train
+    from tests.test_modules import GPT_PLANS, _train
 
     torch.manual_seed(0)
     reference = GPTBlock(dim=16, heads=4)
@@ -204,7 +204,7 @@ def test_bad_strategy_raises_on_every_rank(gloo4):
 def _checkpoint_body(path):
     import torch.distributed.checkpoint as dcp
 
-    from tests.exec.test_modules import GPT_PLANS
+    from tests.test_modules import GPT_PLANS
 
     torch.manual_seed(0)
     model = sf.shard(GPTBlock(), **GPT_PLANS["tp"])
@@ -282,7 +282,7 @@ def test_explain_lists_the_buckets_the_program_fuses(gloo4):
 
 
 def _batch_norm_body(plan_name):
-    from tests.exec.test_modules import NORMED_PLANS, _train, assert_same_buffers
+    from tests.test_modules import NORMED_PLANS, _train, assert_same_buffers
 
     torch.manual_seed(0)
     reference = NormedMLP()
@@ -324,7 +324,7 @@ def test_views_after_redistribution_on_real_ranks(gloo4):
 
 
 def _in_place_body(strategy):
-    from tests.exec.test_io import _scale_in_place
+    from tests.test_io import _scale_in_place
 
     torch.manual_seed(0)
     x, w = torch.randn(8, 4), torch.randn(4, 8)
@@ -346,7 +346,7 @@ def test_in_place_updates_in_another_layout_are_written_back_on_real_ranks(gloo4
 
 
 def _regather_body():
-    from tests.exec.test_modules import _train
+    from tests.test_modules import _train
 
     torch.manual_seed(0)
     reference = GPTBlock(dim=16, heads=4)

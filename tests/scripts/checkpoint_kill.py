@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 import shardfn as sf
 import shardfn.checkpoint as checkpoint
-from tests.exec.test_modules import GPT_PLANS
+from tests.test_modules import GPT_PLANS
 from tests.models import GPTBlock
 
 point, folder = sys.argv[1], sys.argv[2]
