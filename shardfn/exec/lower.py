@@ -285,8 +285,9 @@ class ParallelProgram:
                           if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
         self._n_params = sum(e.kind == "param" for e in self.entries)
         # a mixed precision policy casts each parameter where an op reads it (after the program entered it in its
-        # own dtype), so that a gradient is cast to reduce_dtype before any reduction of it
-        self._cast_where_read = set(captured.placeholders[:self._n_params]) if precision is not None else set()
+        # own dtype), so that a gradient is cast to reduce_dtype before any reduction of it: the ids of this
+        # call's parameters as the program entered them (interpret)
+        self._cast_where_read: set[int] = set()
         self._written_elsewhere = [k for k in captured.writes if self.entries[k].held != self.entries[k].planned]
         self._written = {n.args[0] for n in captured.gm.graph.nodes if is_in_place(n.target)}
         # activation checkpointing: backward computes these regions again (recompute_checkpointed)
@@ -325,11 +326,10 @@ class ParallelProgram:
         """``node``'s result, its inputs laid out as planned and the result put in its planned placement."""
         np_ = self.plan.nodes[node.name]
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        sources = pytree.tree_leaves((node.args, node.kwargs))
         slot = 0
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
-                if sources[i] in self._cast_where_read and self._cast(leaf, "param"):
+                if id(leaf) in self._cast_where_read and self._cast(leaf, "param"):
                     leaves[i] = self._read_as_used(leaf, np_.inputs[slot])
                 else:
                     leaves[i] = _to(leaf, np_.inputs[slot], self.mesh)
@@ -369,6 +369,8 @@ class ParallelProgram:
     def interpret(self, inputs: list[DTensor], constants: list[torch.Tensor]) -> list[Any]:
         env: dict[torch.fx.Node, Any] = {}
         it, consts = iter(inputs), iter(constants)
+        if self.precision is not None:
+            self._cast_where_read = {id(x) for x in inputs[:self._n_params]}
         for node in self.captured.gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(it)
