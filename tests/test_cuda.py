@@ -13,6 +13,17 @@ from tests.models import GPTBlock
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+
+@pytest.fixture(autouse=True)
+def _world_of_one():
+    """These tests run in the real world of one that shard() forms on the GPU (NCCL); each ends it, as a script's
+    exit would, so the next test (and conftest's check that none is left behind) starts clean."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
 TOLERANCE = {torch.float32: (2e-4, 2e-4), torch.bfloat16: (3e-2, 3e-2), torch.float16: (5e-3, 5e-3)}
 
 

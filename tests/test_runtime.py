@@ -43,6 +43,11 @@ def test_plain_python_is_a_world_of_one():
     assert "launcher=none rank=0 world=1 backend=gloo sum=1" in out
 
 
+def test_a_world_of_one_runs_traced_graphs_as_eager():
+    # constants of the graph (a tensor fn reads from outside) are inputs of the traced step there, too
+    assert "match" in succeeds(run_python, "tests/scripts/world_of_one.py")
+
+
 def test_torchrun_four_ranks():
     out = succeeds(run_torchrun, "tests/scripts/init_report.py", 4)
     for r in range(4):

@@ -403,11 +403,14 @@ class ParallelProgram:
         backward graphs on a process group, eager in a simulated world). The graph holds torch.autocast's casts
         already; they are not applied twice."""
         used = [self._used(x, e.kind) for x, e in zip(locals_, self.entries)]
+        constants = locals_[len(self.entries):]
         with contextlib.ExitStack() as stack:
             for device in _AUTOCAST_DEVICES:
                 stack.enter_context(torch.autocast(device, enabled=False))
-            if self._checkpointed:  # an interpreter hands each node's annotations (its region) to the trace
-                return [self._returned(o) for o in torch.fx.Interpreter(self.captured.gm).run(*used)]
+            # an interpreter hands each node's annotations (its region) to the trace, and reads the graph's
+            # constant tensors from the step's inputs (traced, they are its inputs, not tensors of the graph)
+            if self._checkpointed or constants:
+                return [self._returned(o) for o in _ConstantsAsInputs(self.captured.gm, constants).run(*used)]
             return [self._returned(o) for o in self.captured.gm(*used)]
 
     # --- sizes that change (capture.dynamic) ------------------------------------------------------------
@@ -622,6 +625,20 @@ class ParallelProgram:
             _from_local(o, self.mesh, self.plan.outputs[k], self._at_sizes(v)) if self.as_dtensor[k] else o
             for k, (o, v) in enumerate(zip(outs, self.out_vals))
         ]
+
+
+class _ConstantsAsInputs(torch.fx.Interpreter):
+    """Runs a captured graph with its constant tensors (get_attr nodes of a tensor value, in graph order) taken
+    from ``constants``, as :class:`ParallelProgram` passes them (so AOTAutograd traces them as inputs)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, constants):
+        super().__init__(gm)
+        self.constants = iter(constants)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor):
+            return next(self.constants)
+        return super().run_node(n)
 
 
 class _Enter(torch.autograd.Function):
