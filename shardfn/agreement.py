@@ -44,8 +44,8 @@ from torch.distributed.tensor import DTensor
 from . import runtime
 from .capture import split_arguments
 
-__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "alone", "check_mode", "describe_call", "digest", "digests_of_alike",
-           "inputs_compared", "inputs_not_compared", "tensor_digest"]
+__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "alone", "check_mode", "describe_call", "digest",
+           "digests_of_alike", "inputs_compared", "inputs_not_compared", "tensor_digest"]
 
 CHECK_MODES = ("signature", "values", "first")
 
