@@ -63,8 +63,9 @@ class _Engine:
         self.captures = 0  # captures (and plans) made: what a call of a new signature costs, counted
         self.planning_error: Exception | None = None  # the last first call's own failure to capture or plan
         self.batch: dict[int, int] = {}  # inside an uneven call: its batch inputs' global rows, by tensor number
-        # calls are timed (shardfn.step_times) with CUDA events where the programs run on CUDA
-        self.cuda_clock = config.device == "cuda" or config.device is None and torch.cuda.is_available()
+        # calls are timed (shardfn.step_times) with CUDA events where the programs run on CUDA (device="cuda" on a
+        # machine without it is the call's own error, raised after this mark)
+        self.cuda_clock = torch.cuda.is_available() and config.device in ("cuda", None)
         self.call_start = None
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
