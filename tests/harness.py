@@ -1,4 +1,4 @@
-"""Test harness: simulated ranks in one process, and a pool of real gloo ranks per test module.
+"""Test harness: simulated ranks in one process, and a pool of real gloo ranks (one for the whole session).
 
 Simulated: ``with simulated_world(8): ...`` (shardfn.runtime) runs 8 ranks in this process; :func:`on_rank`
 reads one rank's value of a tensor made inside it.

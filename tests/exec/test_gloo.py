@@ -1,4 +1,4 @@
-"""The compiled path on real gloo ranks (4 processes, started once for this module): parity with
+"""The compiled path on real gloo ranks (4 processes, started once for the session): parity with
 single-process eager, training, checkpoints, and errors raised on every rank instead of hangs."""
 
 import contextlib
