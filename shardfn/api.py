@@ -292,7 +292,7 @@ class _Engine:
         if runtime.is_simulated() or (mesh.size() == 1 and not use_inductor(mesh.device_type)) \
                 or not self.programs.trace_now(compiled, key):
             return here
-        here.program = self._lower(compiled, compiled.program.mesh, traced=True)
+        here.program = self._lower(compiled, mesh, traced=True)
         self.programs[key] = here
         return here
 

@@ -101,7 +101,7 @@ class Pricing:
         if hit is None:
             item, mesh_shape = val.element_size(), self.mesh_shape
             fwd = cm.redistribute_collectives(val.shape, item, src, dst, mesh_shape)
-            bwd = cm.backward_collectives(val.shape, _itemsize(grad_dtype) or item, src, dst, pending, mesh_shape,
+            bwd = cm.backward_collectives(val.shape, _grad_item(val, grad_dtype), src, dst, pending, mesh_shape,
                                           accumulate) if grad else []
             hit = self._comm[key] = (fwd, bwd, self.seconds(fwd, bwd, handed_back))
         return hit
@@ -352,20 +352,21 @@ def node_collectives(d: Decision, c: Candidate, held, grad: bool, mesh_shape,
     fwd, bwd = [], []
     if c.accumulate and not passes_on(d, c):  # a view's sum is resolved where its input's is
         val = _first_output(d.node)
-        bwd += cm.accumulated_collectives(val.shape, _itemsize(grad_dtype) or val.element_size(), c.outputs[0],
-                                          mesh_shape)
+        bwd += cm.accumulated_collectives(val.shape, _grad_item(val, grad_dtype), c.outputs[0], mesh_shape)
     if held is not None and held != c.outputs[0]:
         val = d.node.meta["val"]
         fwd += cm.redistribute_collectives(val.shape, val.element_size(), held, c.outputs[0], mesh_shape)
         if grad:  # the gradient goes back to the caller in the layout the input came in
-            bwd += cm.redistribute_collectives(val.shape, _itemsize(grad_dtype) or val.element_size(),
+            bwd += cm.redistribute_collectives(val.shape, _grad_item(val, grad_dtype),
                                                cm.gradient_placement(c.outputs[0]), held, mesh_shape)
     return fwd, bwd
 
 
-def _itemsize(dtype: torch.dtype | None) -> int:
-    return 0 if dtype is None else torch.empty((), dtype=dtype).element_size()
-
 
 def _first_output(node: torch.fx.Node) -> torch.Tensor:
     return next(v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
+
+
+def _grad_item(val: torch.Tensor, grad_dtype: torch.dtype | None) -> int:
+    """The bytes of one element of ``val``'s gradient as it is reduced: in ``grad_dtype`` if given, else its own."""
+    return grad_dtype.itemsize if grad_dtype is not None else val.element_size()
