@@ -30,10 +30,10 @@ from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.dynamic import planning_graph
 from .capture.graph import CapturedGraph
 from .config import ShardConfig
-from .exec.lower import ParallelProgram, lower, use_inductor
+from .exec.lower import lower, use_inductor
 from .layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, \
     spec_of_dtensor, to_placements
-from .programs import Compiled, Programs
+from .programs import Compiled, Planned, Programs
 from .strategy_search import Plan, build_request, make_plan, profile_for
 
 __all__ = ["ShardedFunction", "ShardedModule", "engine_of", "explain", "no_sync", "shard", "shard_optimizer"]
@@ -66,13 +66,12 @@ class _Engine:
         # calls are timed (shardfn.step_times) with CUDA events where the programs run on CUDA (device="cuda" on a
         # machine without it is the call's own error, raised after this mark)
         self.cuda_clock = torch.cuda.is_available() and config.device in ("cuda", None)
-        self.call_start = None
 
     # Under torch.compile of a model around this call, the call is a graph break: Dynamo runs it as it is (its own
     # capture, plan and traced graphs) instead of tracing shardfn's Python
     @torch.compiler.disable
     def __call__(self, *args, **kwargs):
-        self.call_start = step_times.mark(self.cuda_clock)  # the step as its caller times it: from here
+        start = step_times.mark(self.cuda_clock)  # the step as its caller times it: from here
         args, kwargs, arrived, key, tensors, objects = self._signature(args, kwargs, move=True)
         self._check_not_nested_or_transformed(tensors)
         group = dist.group.WORLD if dist.is_initialized() else None
@@ -82,16 +81,17 @@ class _Engine:
         if self.config.ranks is not None and not self._runs_here():
             return self._outside_call(key, args, kwargs, tensors, objects, arrived)
         if (rows := self._simulated_rows(tensors)) is not None:  # (real ranks learn it in the agreement)
-            compiled, outs = self._uneven_call(rows, args, kwargs, tensors, arrived)
+            compiled, outs = self._uneven_call(rows, args, kwargs, tensors, arrived, start)
             return compiled.captured.result(outs, tensors, objects)
         try:
-            compiled, outs = self._run(key, args, kwargs, tensors, arrived)
+            compiled, outs = self._run(key, args, kwargs, tensors, arrived, start)
         except UnevenBatch as uneven:  # raised on every rank alike
-            compiled, outs = self._uneven_call(uneven.rows, args, kwargs, tensors, arrived)
+            compiled, outs = self._uneven_call(uneven.rows, args, kwargs, tensors, arrived, start)
         return compiled.captured.result(outs, tensors, objects)
 
-    def _run(self, key: tuple, args, kwargs, tensors: list, arrived: tuple) -> tuple[Compiled, list]:
-        """The program for this call's signature (made now if new), run: it and its outputs."""
+    def _run(self, key: tuple, args, kwargs, tensors: list, arrived: tuple, start) -> tuple[Compiled, list]:
+        """The program for this call's signature (made now if new), run: it and its outputs. ``start``: the
+        call's start mark (shardfn.step_times)."""
         compiled, made = self.programs.get(key), False
         if compiled is None:
             if not self.batch:  # (an uneven call's global batch: a program of its own, see _uneven_call)
@@ -102,8 +102,8 @@ class _Engine:
             compiled.agreement.check(first=False, values=(lambda: self._values(args, kwargs))
                                      if mode == "values" else None)
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
-        compiled.times.ran(self.call_start, outs)  # the call's time, a hook for its backward's (shardfn.step_times)
-        if compiled.program.accumulate and torch.is_grad_enabled():
+        compiled.times.ran(start, outs)  # the call's time, a hook for its backward's (shardfn.step_times)
+        if compiled.plan.accumulate and torch.is_grad_enabled():
             outs = self._accumulated(outs)
         return compiled, outs
 
@@ -119,7 +119,7 @@ class _Engine:
         return {r: tuple(int(t.shape[0]) if c is None else c[r] for t, c in zip(batch, counts)) for r in range(world)}
 
     def _uneven_call(self, rows: dict[int, tuple[int, ...]], args, kwargs, tensors: list,
-                     arrived: tuple) -> tuple[Compiled, list]:
+                     arrived: tuple, start) -> tuple[Compiled, list]:
         """A call whose ranks passed batch slices of other lengths (``rows``: per global rank of the call, its
         batch inputs' row counts): run on their concatenation (see shardfn.uneven_batch). The program is the one
         for that global batch, kept by the signature with the batch's rows."""
@@ -140,7 +140,7 @@ class _Engine:
         args, kwargs = structure.rebuild(moved)
         self.batch = {j: where.total for j, where in moves.items()}
         try:
-            compiled, outs = self._run(self._key(args, kwargs, arrived), args, kwargs, moved, arrived)
+            compiled, outs = self._run(self._key(args, kwargs, arrived), args, kwargs, moved, arrived, start)
         finally:
             self.batch = {}
         plan, vals = compiled.plan, [n.meta["val"] for n in compiled.captured.output_nodes]
@@ -241,22 +241,21 @@ class _Engine:
             error = self.planning_error = e
         agreement.check(first=True, error=error, values=lambda: {
             **self._values(args, kwargs), **(self._replicated_state() if first_step else {})})
-        compiled = None
+        planned = None
         try:  # local work only: a rank that fails here still takes part in the agreement below
-            compiled = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
-                                 arrived, dynamic, call)
-            compiled.agreement = agreement
+            planned = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
+                                arrived, dynamic, call)
         except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_program, reported on the others
             error = self.planning_error = e
-        agreement.check_program(compiled and compiled.captured.code_across_ranks(),
-                                compiled and compiled.plan.table(), error)
-        mesh = runtime.device_mesh(compiled.mesh_spec, device, self._ranks())
+        agreement.check_program(planned and planned.captured.code_across_ranks(),
+                                planned and planned.plan.table(), error)
+        mesh = runtime.device_mesh(planned.mesh_spec, device, self._ranks())
         if self.module is not None:
-            self._relay_parameters(compiled.plan, mesh, device)
+            parameters.lay_out_planned(self.module, planned.plan, mesh, device)
             self.params_laid_out = True
-        # a program for every size is interpreted (traced graphs hold one size): simulated worlds run it, real
-        # ranks trace it at each size they meet (_at_these_sizes)
-        compiled.program = self._lower(compiled, mesh, traced=not runtime.is_simulated() and not dynamic)
+        # (a program for every size is interpreted: traced graphs hold one size; real ranks trace it at each size
+        # they meet again: _at_these_sizes)
+        compiled = Compiled(planned, agreement, lower(planned.captured, planned.plan, mesh))
         if not dynamic:  # (a program for every size is kept by the signature without sizes: _for_every_size)
             self.programs[key] = compiled
         return compiled
@@ -276,11 +275,6 @@ class _Engine:
         return Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs),
                          ranks=ranks, rows=rows)
 
-    def _lower(self, compiled: Compiled, mesh, traced: bool) -> ParallelProgram:
-        return lower(compiled.captured, compiled.plan, mesh, compiled=traced, name=self.name,
-                     accumulate=compiled.plan_request_accumulates, precision=self.config.precision,
-                     grad_targets=dict(self.grad_targets))
-
     def _at_these_sizes(self, compiled: Compiled, key: tuple, args, kwargs) -> Compiled:
         """The program for every size, for a call of this signature. It runs interpreted over DTensors (no
         capture, no plan, no trace: the symbolic graph's plan at the sizes its values take now); on real ranks a
@@ -292,7 +286,7 @@ class _Engine:
         if runtime.is_simulated() or (mesh.size() == 1 and not use_inductor(mesh.device_type)) \
                 or not self.programs.trace_now(compiled, key):
             return here
-        here.program = self._lower(compiled, mesh, traced=True)
+        here = dataclasses.replace(here, program=compiled.program.traced_at_these_sizes())
         self.programs[key] = here
         return here
 
@@ -370,16 +364,15 @@ class _Engine:
         if compiled is None:
             device = runtime.resolve_device(self.config.device)
             self.group = dist.group.WORLD
-            compiled = self.plan(args, kwargs, self._world(device), lambda spec: runtime.planning_mesh(spec, device),
-                                 device, arrived)
-            compiled.program = submesh.placeholders(compiled, runtime.device_mesh(compiled.mesh_spec, device,
-                                                                           self.config.ranks))
-            self.outside[key] = compiled
+            planned = self.plan(args, kwargs, self._world(device), lambda spec: runtime.planning_mesh(spec, device),
+                                device, arrived)
+            mesh = runtime.device_mesh(planned.mesh_spec, device, self.config.ranks)
+            compiled = self.outside[key] = Compiled(planned, None, submesh.placeholders(planned, mesh))
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
         return compiled.captured.result(outs, tensors, objects)
 
     def plan(self, args, kwargs, world: int, mesh_of: Callable[[MeshSpec], Any], device: str,
-             arrived: tuple = (), dynamic: dict | None = None, call: BoundCall | None = None) -> Compiled:
+             arrived: tuple = (), dynamic: dict | None = None, call: BoundCall | None = None) -> Planned:
         """Bind (unless ``call`` is the call bound already), capture and plan one call signature (local: no
         communication). ``dynamic``: {argument tensor number: dims} traced as symbols; the search plans at this
         call's sizes."""
@@ -392,19 +385,15 @@ class _Engine:
             planned = captured if not dynamic else dataclasses.replace(
                 captured, gm=planning_graph(captured.gm), dynamic=None)
             accumulate = self._accumulating() and torch.is_grad_enabled()
+            moves, moved = submesh.arrival_records(arrived, self.name)
             request = build_request(self.config, self.name, call, planned, param_specs, mesh_spec, world,
-                                    profile_for(device), accumulate, self.optimizer_stage)
+                                    profile_for(device), accumulate, self.optimizer_stage,
+                                    pending_grads=self.grad_targets.keys(), arrivals=moves,
+                                    notes=((_dynamic_note(captured, dynamic),) if dynamic else ()) + moved)
             plan = make_plan(planned, mesh_of(mesh_spec), mesh_spec, request)
-            if dynamic:
-                plan.notes.append(_dynamic_note(captured, dynamic))
-            submesh.record_arrivals(plan, arrived, self.name)
-            if self.config.precision is not None:
-                plan.notes.append(f"mixed precision: {self.config.precision}")
         params, buffers = self._state()
-        return Compiled(captured, plan, mesh_spec, Agreement(self.name, 0),
-                         param_slots=[parameters.slot(self.module, n) for n in params],
-                         buffer_slots=[parameters.slot(self.module, n) for n in buffers],
-                         plan_request_accumulates=accumulate, dynamic=dict(dynamic or {}))
+        return Planned(captured, plan, mesh_spec, tuple(parameters.slot(self.module, n) for n in params),
+                       tuple(parameters.slot(self.module, n) for n in buffers), dict(dynamic or {}))
 
     def _mesh_spec(self, call: BoundCall, param_specs: dict[str, TensorSpec], world: int) -> MeshSpec:
         """The call's mesh: the one every given layout fits on."""
@@ -448,15 +437,10 @@ class _Engine:
             for name, s in self.config.parameter_plan.items() if s is not None
         }
 
-    def _relay_parameters(self, plan: Plan, mesh, device: str) -> None:
-        """Lay parameters out as planned, in place (same Parameter objects: optimizers keep working)."""
-        for entry in plan.inputs:
-            if entry.kind == "param":
-                parameters.lay_out(self.module, entry.name, mesh, entry.planned, device)
-
     def _state_tensors(self, compiled: Compiled) -> list[torch.Tensor]:
-        return [owner._parameters[leaf] for owner, leaf in compiled.param_slots] + \
-            [owner._buffers[leaf] for owner, leaf in compiled.buffer_slots]
+        planned = compiled.planned
+        return [owner._parameters[leaf] for owner, leaf in planned.param_slots] + \
+            [owner._buffers[leaf] for owner, leaf in planned.buffer_slots]
 
     # -- what the ranks compare ----------------------------------------------------------------------------------
 
@@ -644,9 +628,9 @@ def _shard_module(module: nn.Module, engine: _Engine, example_inputs=None) -> nn
     module._register_load_state_dict_pre_hook(parameters.lay_out_loaded_tensors, with_module=True)
     if example_inputs is not None:
         args, kwargs = _example_call(example_inputs)
-        compiled = engine.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device)
-        engine._relay_parameters(compiled.plan, runtime.device_mesh(compiled.mesh_spec, device, engine._ranks()),
-                                 device)
+        planned = engine.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device)
+        parameters.lay_out_planned(module, planned.plan,
+                                   runtime.device_mesh(planned.mesh_spec, device, engine._ranks()), device)
         engine.params_laid_out = True
     return module
 
@@ -721,10 +705,10 @@ def plan_stage(sharded: ShardedModule, *example_args) -> tuple[Plan, list[torch.
     tensors of the shapes this rank gets them (a batch-split output: this rank's slice)."""
     engine = engine_of(sharded)
     device = runtime.resolve_device(engine.config.device)
-    compiled = engine.plan(list(example_args), {}, engine._world(device),
-                           lambda spec: runtime.planning_mesh(spec, device), device)
-    plan, outs = compiled.plan, []
-    for node, placements in zip(compiled.captured.output_nodes[:compiled.captured.n_outputs], plan.outputs):
+    planned = engine.plan(list(example_args), {}, engine._world(device),
+                          lambda spec: runtime.planning_mesh(spec, device), device)
+    plan, outs = planned.plan, []
+    for node, placements in zip(planned.captured.output_nodes[:planned.captured.n_outputs], plan.outputs):
         v = node.meta["val"]
         shape = list(v.shape)
         if shape and placements is not None and not plan.returns_dtensor[len(outs)]:
@@ -770,6 +754,6 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
     serving = engine.programs.serving(key, tensors)
     cached = engine.programs.get(key) or (serving if isinstance(serving, Compiled) else None)
     if cached is not None and cached.plan.mesh.world_size == world_size:
-        return cached.times.on(cached.plan)
+        return cached.explained()
     return engine.plan(list(args), kwargs, world_size, lambda spec: runtime.planning_mesh(spec, device), device,
                        arrived).plan

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["lay_out", "lay_out_loaded_tensors", "on_meta", "replace_parameter", "slot"]
+__all__ = ["lay_out", "lay_out_loaded_tensors", "lay_out_planned", "on_meta", "replace_parameter", "slot"]
 
 
 def slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -39,6 +39,14 @@ def lay_out(module: nn.Module, name: str, mesh, placements, device: str) -> None
     new = nn.Parameter(distribute_tensor(whole, mesh, list(placements), src_data_rank=None),
                        requires_grad=p.requires_grad)
     replace_parameter(module, name, new)
+
+
+def lay_out_planned(module: nn.Module, plan, mesh, device: str) -> None:
+    """Lay ``module``'s parameters out as ``plan`` placed them, in place (same Parameter objects: optimizers
+    keep working)."""
+    for entry in plan.inputs:
+        if entry.kind == "param":
+            lay_out(module, entry.name, mesh, entry.planned, device)
 
 
 def replace_parameter(module: nn.Module, name: str, new: nn.Parameter) -> None:

@@ -14,7 +14,9 @@ import logging
 import os
 import warnings
 from collections import OrderedDict
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Callable
 
 from .agreement import Agreement
 from .arguments import without_sizes
@@ -25,7 +27,7 @@ from .step_times import StepTimes
 from .strategy_search import Plan
 from .strategy_search.lru import LRU
 
-__all__ = ["Compiled", "Programs", "cache_limit"]
+__all__ = ["Compiled", "Planned", "Programs", "cache_limit"]
 
 _log = logging.getLogger("shardfn")
 
@@ -68,27 +70,58 @@ class _BySignature(OrderedDict):
                 warnings.warn(message, stacklevel=4)
 
 
-@dataclass
-class Compiled:
-    """Everything a repeat call with the same signature needs."""
+@dataclass(frozen=True)
+class Planned:
+    """One call signature captured and planned (local work, no communication): what a program is lowered from."""
 
     captured: CapturedGraph
     plan: Plan
     mesh_spec: MeshSpec
-    agreement: Agreement
-    program: ParallelProgram | None = None
     # (owning module, attribute) of each parameter and buffer: read per call without walking the module tree
-    param_slots: list = field(default_factory=list)
-    buffer_slots: list = field(default_factory=list)
-    plan_request_accumulates: bool = False  # planned without gradient sync (sf.no_sync)
-    # a program for every size of some dims (capture.dynamic): {argument tensor number: dims}, and the sizes of
-    # the call it was made for (its other dims hold only those)
+    param_slots: tuple = ()
+    buffer_slots: tuple = ()
+    # a program for every size of some dims (capture.dynamic): {argument tensor number: dims}
     dynamic: dict[int, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass
+class Compiled:
+    """Everything a repeat call with the same signature needs: what was planned, what the ranks agreed on (None
+    on a rank outside the call's ranks, which compares nothing), the program, and what its calls found."""
+
+    planned: Planned
+    agreement: Agreement | None
+    program: ParallelProgram | Callable
+    # a program for every size: the argument sizes of the call it was made for (its other dims hold only those)
     sizes: tuple = ()
     verdicts: LRU = field(default_factory=lambda: LRU(4096))  # argument sizes -> why not served (None: served)
     met: LRU = field(default_factory=lambda: LRU(4096))  # signature -> [calls of it served] (real ranks trace
     # the second)
     times: StepTimes = field(default_factory=StepTimes)  # its calls' wall times: the plan's measured step
+
+    @property
+    def captured(self) -> CapturedGraph:
+        return self.planned.captured
+
+    @property
+    def plan(self) -> Plan:
+        return self.planned.plan
+
+    @property
+    def mesh_spec(self) -> MeshSpec:
+        return self.planned.mesh_spec
+
+    @property
+    def dynamic(self) -> dict[int, tuple[int, ...]]:
+        return self.planned.dynamic
+
+    def explained(self) -> Plan:
+        """The plan with what running it found: the program's notes (compile times), the measured step time."""
+        plan = self.plan
+        notes = getattr(self.program, "notes", ())
+        if notes:
+            plan = dataclasses.replace(plan, notes=(*plan.notes, *notes))
+        return self.times.on(plan)
 
     def rejects(self, sizes: tuple, tensors: list) -> str | None:
         """Why the program for every size does not serve a call of these argument sizes (its capture's guards),

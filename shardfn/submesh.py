@@ -22,12 +22,12 @@ from . import runtime
 from ._mesh_internals import mesh_without_groups
 from .config import ShardConfig
 from .layout import Layout, TensorLayout, common_mesh, normalize_strategy, to_placements
-from .programs import Compiled
+from .programs import Planned
 from .reshard import outside_placeholder, reshard
 from .strategy_search import Plan
 from .strategy_search.plan import Collective
 
-__all__ = ["arrive", "placeholders", "record_arrivals"]
+__all__ = ["arrival_records", "arrive", "placeholders"]
 
 
 def arrive(config: ShardConfig, args, kwargs, move: bool, world: int | None = None):
@@ -77,25 +77,27 @@ def _stand_in(t: DTensor, layout: TensorLayout, device: str) -> DTensor:
                               run_check=False, shape=t.shape, stride=t.stride()).requires_grad_(t.requires_grad)
 
 
-def record_arrivals(plan: Plan, arrived: tuple, name: str) -> None:
-    """The point-to-point moves of inputs from other ranks, in the plan's collectives (forward; backward for
-    the gradients sent back)."""
+def arrival_records(arrived: tuple, name: str) -> tuple[tuple[Collective, ...], tuple[str, ...]]:
+    """The point-to-point moves of inputs from other ranks, as the plan lists them (forward; backward for the
+    gradients sent back), and the notes that say so: the search's request carries both into the plan."""
+    collectives, notes = [], []
     for _, moves in arrived:
         for i, ranks, tensor_map, nbytes, requires_grad in moves:
             where = f"argument {i} from ranks {list(ranks)} -> {name}"
-            plan.collectives.append(Collective("send_recv", "forward", (), nbytes, where))
+            collectives.append(Collective("send_recv", "forward", (), nbytes, where))
             if requires_grad:
-                plan.collectives.append(Collective("send_recv", "backward", (), nbytes, where))
-            plan.notes.append(f"argument {i} arrives on ranks {list(ranks)}, another mesh: moved point-to-point "
-                              f"(sf.reshard) onto the call's ranks as {tensor_map} before the call")
+                collectives.append(Collective("send_recv", "backward", (), nbytes, where))
+            notes.append(f"argument {i} arrives on ranks {list(ranks)}, another mesh: moved point-to-point "
+                         f"(sf.reshard) onto the call's ranks as {tensor_map} before the call")
+    return tuple(collectives), tuple(notes)
 
 
-def placeholders(compiled: Compiled, mesh) -> Callable:
+def placeholders(planned: Planned, mesh) -> Callable:
     """What a call returns on a rank outside its mesh: per output, a DTensor on the call's mesh holding nothing
     here (torch's convention for ranks outside a mesh) where the output is a DTensor, else zeros of the output's
     shape (an expanded scalar: no memory). Autograd connects them to the inputs that require grad; gradients
     flowing back are placeholders too."""
-    plan, captured = compiled.plan, compiled.captured
+    plan, captured = planned.plan, planned.captured
     vals = [n.meta["val"] for n in captured.output_nodes]
 
     def make(j: int) -> torch.Tensor:

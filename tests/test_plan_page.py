@@ -5,6 +5,7 @@ the collectives and their phase filter; the plan's JSON round trip and the error
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 import shardfn as sf
+from shardfn.config import Precision
 from shardfn.plan_page import _bytes, _seconds
 from shardfn.show.__main__ import main as show_main
 from shardfn.strategy_search._dtensor_adapter import local_pieces
@@ -329,11 +331,13 @@ def test_a_plan_that_ran_shows_its_measured_step(tmp_path):
 # -- the plan file ----------------------------------------------------------------------------------------------------
 
 def test_json_round_trip_and_the_command(tmp_path):
-    plan = _two_matmuls()
-    plan.measured_s = 0.0125
+    # what exec reads of a plan besides its placements travels too: the name, pending gradients, the precision
+    plan = dataclasses.replace(_two_matmuls(), measured_s=0.0125, name="two_matmuls", pending_grads={"w"},
+                               precision=Precision(torch.bfloat16, torch.float32, None))
     text = plan.to_json()
     back = Plan.from_json(text)
     assert back.to_json() == text and json.loads(text)["shardfn_plan_format"] == PLAN_FORMAT
+    assert (back.name, back.pending_grads, back.precision) == ("two_matmuls", {"w"}, plan.precision)
     assert back.inputs == plan.inputs and back.collectives == plan.collectives and back.nodes == plan.nodes
     assert str(back) == str(plan) and back.mesh == plan.mesh
     saved = tmp_path / "plan.json"

@@ -96,7 +96,7 @@ def test_a_world_of_one_runs_the_model_whole():
         plan = sf.explain(model, ids, mask)
     assert {str(p) for n in plan.nodes.values() for pl in (*n.inputs, *n.outputs) if pl for p in pl} == \
         {"R"}
-    assert plan.collectives == []
+    assert plan.collectives == ()
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -11,8 +12,8 @@ import torch.fx
 
 from .structure import Structure
 
-__all__ = ["CHECKPOINT_REGION", "MODULE_PATH", "CapturedGraph", "GraphInput", "checkpoint_region", "is_in_place",
-           "is_view", "module_path"]
+__all__ = ["CHECKPOINT_REGION", "MODULE_PATH", "CapturedGraph", "GraphInput", "checkpoint_region", "is_getitem",
+           "is_in_place", "is_view", "module_path"]
 
 # the key in node.meta["custom"] naming the activation-checkpoint region a node was computed in
 CHECKPOINT_REGION = "shardfn_checkpoint"
@@ -39,6 +40,11 @@ def is_in_place(target: Any) -> bool:
     """An aten-style op that writes into its first input and returns it (``copy_``, ``add_``): the ``_`` suffix.
     In a captured (functionalized) graph these are the updates of inputs: a buffer's running statistics."""
     return isinstance(target, torch._ops.OpOverload) and target.name().split("::")[-1].split(".")[0].endswith("_")
+
+
+def is_getitem(node: torch.fx.Node) -> bool:
+    """getitem on a multi-output node: one of its producer's outputs, taken as it is (no decision of its own)."""
+    return node.op == "call_function" and node.target is operator.getitem
 
 
 def is_view(target: Any) -> bool:

@@ -28,12 +28,13 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
-from ..capture.graph import CapturedGraph, checkpoint_region, is_in_place, is_view
+from .._simulation_internals import local_tensor_mode
+from ..capture.graph import CapturedGraph, checkpoint_region, is_getitem, is_in_place, is_view
 from ._dtensor_internals import layout_of, local_as, local_of
 from ._graph_internals import annotated_as, boxed_graph, keep_linalg_error_checks, keeping_annotations, release_saved
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
-from ..strategy_search.plan import Plan
+from ..strategy_search.plan import NodePlan, Plan
 from .passes import recompute_checkpointed, regather_in_backward, simplify
 from .run import LocalsOf, global_stride
 
@@ -255,25 +256,24 @@ class ParallelProgram:
     DTensors, in the order of ``plan.inputs``); returns the flat tensor outputs: DTensors where
     ``plan.returns_dtensor`` says so, else plain local tensors (a whole value, or this rank's batch slice)."""
 
-    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool, name: str = "fn",
-                 accumulate: bool = False, precision: Any = None, grad_targets: dict | None = None):
-        self.captured, self.plan, self.mesh, self.name = captured, plan, mesh, name
+    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, traced: bool):
+        self.captured, self.plan, self.mesh, self.name = captured, plan, mesh, plan.name
         # a mixed precision policy (config.Precision): floating parameters and inputs enter in its param_dtype (the
         # graph was captured so), parameters' gradients are reduced in its reduce_dtype, outputs leave in its
         # output_dtype
-        self.precision = precision
-        # gradient accumulation without sync (sf.no_sync): a parameter's gradient is not reduced over the mesh dims
-        # where the parameter is whole; it leaves pending there (Partial), summed locally by autograd until a
-        # call outside no_sync reduces it once. Each parameter's gradient placements, as traced (None: its own).
-        self.accumulate = accumulate
+        self.precision = plan.precision
+        # gradients left pending (plan.pending: accumulation without sync, a stage-2 sharded optimizer's): a
+        # parameter's gradient is not reduced over the mesh dims where the parameter is whole; it leaves pending
+        # there (Partial), summed locally by autograd until someone reduces it once. Each parameter's gradient
+        # placements, as traced (None: its own).
         self.grad_placements: list[tuple | None] = [None] * sum(e.kind == "param" for e in plan.inputs)
-        # parameters whose gradients a stage-2 sharded optimizer reduce-scatters itself (sf.shard_optimizer: as
-        # autograd hands each over): they leave pending, as without sync (by parameter name)
-        self.grad_targets = grad_targets or {}
+        self._any_pending = plan.accumulate or bool(plan.pending_grads)
         self.entries, self.as_dtensor = plan.inputs, plan.returns_dtensor
+        self.node_plans = _node_plans(captured.gm.graph, plan)
+        self.notes: list[str] = []  # what running it found (Inductor's compile times): explain() shows them
         self.graphs: dict[str, torch.fx.GraphModule] = {}  # the traced per-rank graphs, after the passes
         self.runners: dict[str, Callable] = {}  # what runs each: the graph itself, or Inductor's code of it
-        self.compile_s: dict[str, float] = {}  # seconds Inductor took for each
+        self.compile_s: dict[str, float] = {}  # seconds Inductor took for each (and a note of it: self.notes)
         self.out_vals = [n.meta["val"] for n in captured.output_nodes]
         # a program for every size of some dims (capture.dynamic): the symbols' values of the running call, from
         # which every value's shape at this call's sizes follows
@@ -283,7 +283,7 @@ class ParallelProgram:
         # program, read from their objects at every call
         self.constants = [getattr(captured.gm, n.target) for n in captured.gm.graph.nodes
                           if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
-        self._n_params = sum(e.kind == "param" for e in self.entries)
+        self.n_params = sum(e.kind == "param" for e in self.entries)
         # a mixed precision policy casts each parameter where an op reads it (after the program entered it in its
         # own dtype), so that a gradient is cast to reduce_dtype before any reduction of it: the ids of this
         # call's parameters as the program entered them (interpret)
@@ -294,23 +294,22 @@ class ParallelProgram:
         self._checkpointed = any(checkpoint_region(n) is not None for n in captured.gm.graph.nodes)
         # one rank holds everything: the captured graph itself runs, with nothing to lay out
         step = self.whole_step if mesh.size() == 1 else self.local_step
-        if compiled:  # traced into forward/backward graphs; whether a call can run them directly: after the first
+        if traced:  # traced into forward/backward graphs; whether a call can run them directly: after the first
             self._run, self._graph_step = self._compile(step), None
         else:
             self._run, self._graph_step = (self.whole_step if mesh.size() == 1 else self._interpreted), False
         self._locals: list[torch.Tensor] = []
-        self._layouts: list = []
+        self.layouts: list = []  # the parameters' layouts as their local tensors were read (parameter_locals)
         self._locals_of: list[DTensor] = []
         self._on_pieces = True  # (off while AOTAutograd traces the per-rank graphs: _compile)
-        self._piecewise = {n for n in captured.gm.graph.nodes if n.name in plan.nodes and
-                           plan.nodes[n.name].rule == "dtensor" and
-                           _on_pieces(n, plan.nodes[n.name].inputs, plan.nodes[n.name].outputs)}
+        self._piecewise = {n for n, np_ in self.node_plans.items()
+                           if np_.rule == "dtensor" and _on_pieces(n, np_.inputs, np_.outputs)}
 
     # --- interpretation -----------------------------------------------------------------------------------
 
     def _run_node(self, node: torch.fx.Node, env: dict) -> Any:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-        if node.name not in self.plan.nodes:  # getitem on a multi-output node
+        if is_getitem(node):  # one output of a multi-output node: as it is
             return node.target(*args, **kwargs)
         with annotated_as(node):  # its checkpoint region, for the partitioner (recompute_checkpointed)
             return self._settled_result(node, self._compute(node, args, kwargs))
@@ -324,7 +323,7 @@ class ParallelProgram:
 
     def _compute(self, node: torch.fx.Node, args, kwargs) -> Any:
         """``node``'s result, its inputs laid out as planned and the result put in its planned placement."""
-        np_ = self.plan.nodes[node.name]
+        np_ = self.node_plans[node]
         leaves, spec = pytree.tree_flatten((args, kwargs))
         slot = 0
         for i, leaf in enumerate(leaves):
@@ -370,7 +369,7 @@ class ParallelProgram:
         env: dict[torch.fx.Node, Any] = {}
         it, consts = iter(inputs), iter(constants)
         if self.precision is not None:
-            self._cast_where_read = {id(x) for x in inputs[:self._n_params]}
+            self._cast_where_read = {id(x) for x in inputs[:self.n_params]}
         for node in self.captured.gm.graph.nodes:
             if node.op == "placeholder":
                 env[node] = next(it)
@@ -387,7 +386,7 @@ class ParallelProgram:
         """The whole call on this rank's local tensors (then the graph's constants): entry, program, exit."""
         inputs = []
         for i, (x, e) in enumerate(zip(locals_, self.entries)):
-            pending = e.kind == "param" and (self.accumulate or e.name in self.grad_targets)
+            pending = e.kind == "param" and self.plan.pending(e.name)
             record = self.grad_placements if pending else None
             d = _Enter.apply(x, self.mesh, e.held, self._global_shape(i, e), record, i)
             if e.kind != "param" or not self._cast(d, e.kind):
@@ -448,6 +447,11 @@ class ParallelProgram:
         n_state = len(self.entries) - len(args)
         bindings = self.dynamic.bindings(self._global_shapes([None] * n_state + list(args)))
         return self.dynamic.rejects(bindings)
+
+    def traced_at_these_sizes(self) -> ParallelProgram:
+        """This program for every size, traced into local graphs at the sizes of its first call (real ranks
+        trace a size met again: shardfn.programs)."""
+        return ParallelProgram(self.captured, self.plan, self.mesh, traced=True)
 
     def _used(self, x: torch.Tensor, kind: str) -> torch.Tensor:
         """A floating parameter or input as the program uses it (mixed precision: in param_dtype; a parameter's
@@ -512,8 +516,7 @@ class ParallelProgram:
                 self.compile_s[name] = time.perf_counter() - start
                 done = f"loaded the {name} graph from its cache" if cached else f"compiled the {name} graph"
                 _log.info("shardfn: Inductor %s in %.1f s", done, self.compile_s[name])
-                self.plan.notes.append(f"Inductor {done} in {self.compile_s[name]:.1f} s "
-                                       "(first call of this signature)")
+                self.notes.append(f"Inductor {done} in {self.compile_s[name]:.1f} s (first call of this signature)")
                 self.runners[name] = _saying_where(boxed, self.name, name)
                 return self.runners[name]
 
@@ -524,7 +527,7 @@ class ParallelProgram:
         decompositions = inductor_decompositions() if inductor else None
         def partition(joint, joint_inputs, **kwargs):
             if self.plan.reshard_after_forward:
-                joint = regather_in_backward(joint, self._n_params)
+                joint = regather_in_backward(joint, self.n_params)
             if self._checkpointed:
                 joint = recompute_checkpointed(joint)
             return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
@@ -554,7 +557,7 @@ class ParallelProgram:
         if len(cached) != len(params) or any(c is not p for c, p in zip(self._locals_of, params)):
             with torch.no_grad():
                 cached[:] = [p.to_local() for p in params]
-            self._layouts = [layout_of(p) for p in params]  # a new list: backward passes hold the old one
+            self.layouts = [layout_of(p) for p in params]  # a new list: backward passes hold the old one
             self._locals_of[:] = list(params)
         return cached
 
@@ -596,7 +599,7 @@ class ParallelProgram:
 
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         # parameters (first in entries) have the layout the plan gave them: their layouts are known
-        n_params = self._n_params
+        n_params = self.n_params
         if self.dynamic is not None:  # the symbols' values in this call (a traced program: the ones it holds)
             self._bindings = self.dynamic.bindings(self._global_shapes(args))
         if self._graph_step is None and "backward" in self.graphs:
@@ -609,7 +612,7 @@ class ParallelProgram:
         locals_ = list(args)
         if n_params and torch.is_grad_enabled():
             locals_[:n_params] = _ParamLocals.apply(self, *args[:n_params]) \
-                if self.accumulate or self.grad_targets else LocalsOf.apply(*args[:n_params])
+                if self._any_pending else LocalsOf.apply(*args[:n_params])
         elif n_params:  # no gradients to route back: the local tensors themselves
             locals_[:n_params] = self.parameter_locals(args[:n_params])
         dtensor_pos = [i for i in range(n_params, len(args)) if isinstance(args[i], DTensor)]
@@ -749,12 +752,12 @@ class GraphStep(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, program: ParallelProgram, *args):
-        n_params = program._n_params
+        n_params = program.n_params
         out = program.runners["forward"]([*program.parameter_locals(args[:n_params]), *args[n_params:],
                                           *program.constants])
         n_out = len(program.out_vals)
         ctx.save_for_backward(*out[n_out:])
-        ctx.program, ctx.layouts, ctx.n_args = program, program._layouts, len(args)
+        ctx.program, ctx.layouts, ctx.n_args = program, program.layouts, len(args)
         return tuple(out[:n_out])
 
     @staticmethod
@@ -767,13 +770,27 @@ class GraphStep(torch.autograd.Function):
         return (None, *wrapped, *local[len(wrapped):ctx.n_args])
 
 
-def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, compiled: bool = True,
-          name: str = "fn", accumulate: bool = False, precision: Any = None,
-          grad_targets: dict | None = None) -> ParallelProgram:
-    """The program that runs ``plan`` on this rank. ``compiled``: traced into local forward/backward graphs on the
-    first call (real process groups); else interpreted over DTensors on every call (simulated worlds). ``name``:
-    the sharded callable's, for error messages. ``accumulate``: parameters' gradients left pending where the
-    parameters are whole (accumulation without sync). ``precision``: a mixed precision policy. ``grad_targets``:
-    parameters (by name) whose pending gradients a stage-2 sharded optimizer reduce-scatters itself."""
+def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> ParallelProgram:
+    """The program that runs ``plan`` (made for ``captured``) on this rank of ``mesh``. On real process groups
+    it is traced into local forward/backward graphs on its first call; in a simulated world, and for a program
+    for every size (whose traced graphs would hold one size), it is interpreted over DTensors on every call
+    (``ParallelProgram.traced_at_these_sizes``: one traced at the sizes of a call)."""
     keep_linalg_error_checks()
-    return ParallelProgram(captured, plan, mesh, compiled, name, accumulate, precision, grad_targets)
+    traced = local_tensor_mode() is None and captured.dynamic is None
+    return ParallelProgram(captured, plan, mesh, traced)
+
+
+def _node_plans(graph: torch.fx.Graph, plan: Plan) -> dict[torch.fx.Node, NodePlan]:
+    """The plan's decisions by the graph's own nodes, resolved once: every op but a getitem (one output of a
+    multi-output op, taken as it is) has one; a plan made for another graph is refused by name."""
+    found, missing = {}, []
+    for node in graph.nodes:
+        if node.op in ("placeholder", "call_function") and not is_getitem(node):
+            if node.name in plan.nodes:
+                found[node] = plan.nodes[node.name]
+            elif node.op == "call_function":
+                missing.append(node.name)
+    if missing:
+        raise ValueError(f"{plan.name}: the plan has no decisions for {len(missing)} of the graph's ops "
+                         f"({', '.join(missing[:5])}): it was made for another graph")
+    return found

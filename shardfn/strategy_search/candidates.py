@@ -15,7 +15,6 @@ the op on each rank's local shards (own rules and the fallback), ``"random"`` dr
 from __future__ import annotations
 
 import itertools
-import operator
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -242,11 +241,6 @@ def warn_fallbacks(fallbacks: set[str]) -> None:
             ReplicatedFallbackWarning,
             stacklevel=3,
         )
-
-
-def is_getitem(node: torch.fx.Node) -> bool:
-    """getitem on a multi-output node: takes its producer's placement, no decision of its own."""
-    return node.op == "call_function" and node.target is operator.getitem
 
 
 def replicated_candidates(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:

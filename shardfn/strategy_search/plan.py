@@ -7,10 +7,13 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping
 
+import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from ..config import Precision
 from ..layout import Axis, MeshSpec
 from ._summary import summary_lines
 
@@ -93,37 +96,60 @@ class InputPlan:
     origin: str = ""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
-    """The partitioned program ``shard()`` runs and ``explain()`` shows.
+    """The partitioned program ``shard()`` runs and ``explain()`` shows: everything exec needs to lower the
+    captured graph it was made for, and nothing exec adds (compile times live on the program). Frozen: a plan
+    with something added (a measured step time) is a new plan (``dataclasses.replace``).
 
-    ``nodes`` maps each fx node name (placeholders and ops) to its NodePlan; ``inputs`` says how each graph input
-    arrives and is laid out; ``outputs`` gives the placements the results are returned in, ``returns_dtensor``
-    whether each comes back as a DTensor. ``collectives`` lists forward and backward collectives in program order.
-    ``reshard_after_forward``: the program frees each parameter's gathered copy after forward and gathers it again
-    for backward (the backward all-gathers are in ``collectives``), as FSDP does, trading one all-gather per
-    parameter for the memory of the whole parameters. ``to_json`` writes it as a file (versioned: PLAN_FORMAT) that
-    ``from_json`` and ``load`` read back, ``to_html`` as a page.
+    ``nodes`` maps each op's graph node, by the node's name (unique in its graph; a plan file keeps it), to its
+    NodePlan; exec resolves the names to the graph's nodes once, when it lowers the plan, and refuses a plan that
+    misses one of the graph's ops. ``inputs`` says how each graph input arrives and is laid out; ``outputs``
+    gives the placements the results are returned in, ``returns_dtensor`` whether each comes back as a DTensor.
+    ``collectives`` lists forward and backward collectives in program order (inputs arriving from other ranks'
+    point-to-point moves included). ``reshard_after_forward``: the program frees each parameter's gathered copy
+    after forward and gathers it again for backward (the backward all-gathers are in ``collectives``), as FSDP
+    does, trading one all-gather per parameter for the memory of the whole parameters. ``to_json`` writes it as a
+    file (versioned: PLAN_FORMAT) that ``from_json`` and ``load`` read back, ``to_html`` as a page.
     """
 
     mesh: MeshSpec
     level: int
-    nodes: dict[str, NodePlan]
-    inputs: list[InputPlan]
-    outputs: list[Placements | None]
-    returns_dtensor: list[bool]
-    collectives: list[Collective]
+    nodes: Mapping[str, NodePlan]
+    inputs: tuple[InputPlan, ...]
+    outputs: tuple[Placements | None, ...]
+    returns_dtensor: tuple[bool, ...]
+    collectives: tuple[Collective, ...]
     cost: Cost
     optimal: bool = True
-    notes: list[str] = field(default_factory=list)
+    notes: tuple[str, ...] = ()
     # parameters gathered in forward are gathered again in backward, not kept whole in between (level 1)
     reshard_after_forward: bool = False
     gap: float = 0.0  # relative distance of the objective to the search's best bound (0: proven optimal)
-    search: dict = field(default_factory=dict)  # the search's sizes and seconds (decisions, ILP residue, ...)
-    output_shapes: list[tuple[int, ...]] = field(default_factory=list)  # each output's global shape
+    search: Mapping[str, Any] = field(default_factory=dict)  # the search's sizes and seconds (decisions, ...)
+    output_shapes: tuple[tuple[int, ...] | None, ...] = ()  # each output's global shape
     measured_s: float | None = None  # a measured step time, where whoever ran the plan recorded one
     # what ``measured_s`` measured: shardfn's own (sf.explain of a signature that ran) says which calls and how
     measured: str = ""
+    name: str = "fn"  # the sharded callable's (exec's error messages name it)
+    # gradients the program leaves pending (Partial) where their parameters are whole, for someone else to
+    # reduce: every parameter's under accumulation without sync (sf.no_sync), and those a stage-2 sharded
+    # optimizer reduce-scatters itself (by parameter name)
+    accumulate: bool = False
+    pending_grads: frozenset[str] = frozenset()
+    precision: Precision | None = None  # a mixed precision policy the program runs under
+
+    def __post_init__(self):
+        # read-only all the way down: the containers are tuples and read-only mappings
+        for name in ("inputs", "outputs", "returns_dtensor", "collectives", "notes", "output_shapes"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "nodes", MappingProxyType(dict(self.nodes)))
+        object.__setattr__(self, "search", MappingProxyType(dict(self.search)))
+        object.__setattr__(self, "pending_grads", frozenset(self.pending_grads))
+
+    def pending(self, param: str) -> bool:
+        """Whether the program leaves parameter ``param``'s gradient pending where the parameter is whole."""
+        return self.accumulate or param in self.pending_grads
 
     def count(self, kind: str | None = None, phase: str | None = None) -> int:
         return sum((kind is None or c.kind == kind) and (phase is None or c.phase == phase) for c in self.collectives)
@@ -230,7 +256,7 @@ class Plan:
                 "shardfn_plan_format": PLAN_FORMAT,
                 "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
                 "level": self.level,
-                "nodes": [{"key": key, **enc(_fields(n))} for key, n in self.nodes.items()],  # key: the fx node
+                "nodes": [{"key": key, **enc(_fields(n))} for key, n in self.nodes.items()],  # key: the node's name
                 "inputs": [enc(_fields(i)) for i in self.inputs],
                 "outputs": enc(self.outputs),
                 "returns_dtensor": self.returns_dtensor,
@@ -238,12 +264,17 @@ class Plan:
                 "cost": asdict(self.cost),
                 "optimal": self.optimal,
                 "gap": self.gap,
-                "search": self.search,
-                "notes": self.notes,
+                "search": dict(self.search),
+                "notes": list(self.notes),
                 "reshard_after_forward": self.reshard_after_forward,
                 "output_shapes": enc(self.output_shapes),
                 "measured_s": self.measured_s,
                 "measured": self.measured,
+                "name": self.name,
+                "accumulate": self.accumulate,
+                "pending_grads": sorted(self.pending_grads),
+                "precision": None if self.precision is None else
+                {k: None if v is None else str(v) for k, v in _fields(self.precision).items()},
             },
             default=str,
         )
@@ -322,7 +353,24 @@ def _decode(data: dict) -> Plan:
         output_shapes=[_shape(s) for s in data.get("output_shapes", [])],
         measured_s=data.get("measured_s"),
         measured=str(data.get("measured", "")),
+        name=str(data.get("name", "fn")),
+        accumulate=bool(data.get("accumulate", False)),
+        pending_grads=frozenset(str(n) for n in data.get("pending_grads", ())),
+        precision=_precision(data.get("precision")),
     )
+
+
+def _precision(data: dict | None) -> Precision | None:
+    """A mixed precision policy from its dtypes' text ("torch.bfloat16")."""
+    if data is None:
+        return None
+    dtypes = {}
+    for k, v in data.items():
+        dtype = None if v is None else getattr(torch, str(v).removeprefix("torch."), None)
+        if v is not None and not isinstance(dtype, torch.dtype):
+            raise ValueError(f"precision.{k}: {v!r} is not a torch dtype")
+        dtypes[k] = dtype
+    return Precision(**dtypes)
 
 
 def placements_text(p: Placements | None) -> str:

@@ -18,13 +18,12 @@ import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from ..capture.graph import CapturedGraph, checkpoint_region
+from ..capture.graph import CapturedGraph, checkpoint_region, is_getitem
 from . import cost_model as cm
 from . import dtensor_rules
 from .candidates import (
     Candidate,
     input_candidates,
-    is_getitem,
     node_candidates,
     replicated_candidates,
     tensor_inputs,

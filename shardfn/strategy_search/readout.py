@@ -14,7 +14,8 @@ from ..capture.graph import checkpoint_region, module_path
 from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
-from .candidates import is_getitem, tensor_inputs
+from ..capture.graph import is_getitem
+from .candidates import tensor_inputs
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
 from .pricing import (
     Pricing,
@@ -136,6 +137,9 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     notes += _why_gathered(problem, request, pricing, terms, solution)
     if problem.fallbacks:
         notes.append("replicated fallback for: " + ", ".join(sorted(problem.fallbacks)))
+    notes += request.notes
+    if request.precision is not None:
+        notes.append(f"mixed precision: {request.precision}")
     inputs = tuple(InputPlan(gi.kind, gi.name, gi.shape, held.get(i, chosen[i].outputs[0]), chosen[i].outputs[0],
                              request.inputs[i].origin)
                    for i, gi in enumerate(captured.inputs))
@@ -143,17 +147,23 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
         mesh=mesh_spec,
         level=level,
         nodes=nodes,
-        inputs=list(inputs),
-        outputs=[r.placements for r in request.outputs],
-        returns_dtensor=[r.as_dtensor for r in request.outputs],
-        collectives=fwd_colls + list(reversed(bwd_colls)),
+        inputs=inputs,
+        outputs=tuple(r.placements for r in request.outputs),
+        returns_dtensor=tuple(r.as_dtensor for r in request.outputs),
+        # arguments arriving from other ranks move before the call, their gradients go back after its backward
+        collectives=(*(c for c in request.arrivals if c.phase == "forward"), *fwd_colls, *reversed(bwd_colls),
+                     *(c for c in request.arrivals if c.phase == "backward")),
         cost=Cost(compute_s, comm_s, peak, terms.savings_of(solution.choice)),
         optimal=solution.optimal,
         notes=notes,
         reshard_after_forward=bool(regathers),
         gap=solution.gap,
         search=dict(solution.stats),
-        output_shapes=[_shapes(n)[0] for n in captured.output_nodes],
+        output_shapes=tuple(_shapes(n)[0] for n in captured.output_nodes),
+        name=request.name,
+        accumulate=request.accumulate,
+        pending_grads=request.pending_grads,
+        precision=request.precision,
     )
 
 

@@ -12,9 +12,10 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from ..arguments import BoundCall
 from ..capture.graph import CapturedGraph
-from ..config import ShardConfig
+from ..config import Precision, ShardConfig
 from ..layout import MeshSpec, TensorSpec, normalize_strategy, to_placements
 from . import cost_model as cm
+from .plan import Collective
 
 __all__ = ["InputRequest", "OutputRequest", "PlanRequest", "build_request", "search_time_limit"]
 
@@ -73,8 +74,20 @@ class PlanRequest:
     # a sharded optimizer's stage (sf.shard_optimizer): 1 splits the optimizer states of whole parameters over
     # their first whole mesh dim, 2 their gradients too (reduce-scattered, not all-reduced)
     optimizer_stage: int = 0
-    # a mixed precision policy's reduce_dtype: parameters' gradients are reduced in it (priced so)
-    reduce_dtype: torch.dtype | None = None
+    # parameters (by name) whose gradients a stage-2 sharded optimizer reduce-scatters itself: left pending
+    pending_grads: frozenset[str] = frozenset()
+    # a mixed precision policy: its reduce_dtype prices parameters' gradient reductions; the plan carries it
+    precision: Precision | None = None
+    name: str = "fn"  # the sharded callable's
+    # what the caller adds to the plan: notes (a program for every size says its symbols), and the point-to-point
+    # moves of arguments that arrive from other ranks (submesh.arrival_records)
+    notes: tuple[str, ...] = ()
+    arrivals: tuple[Collective, ...] = ()
+
+    @property
+    def reduce_dtype(self) -> torch.dtype | None:
+        """The dtype parameters' gradients are reduced in (None: their own)."""
+        return self.precision.reduce_dtype if self.precision is not None else None
 
     def held(self) -> dict[int, Placements]:
         return {i: r.held for i, r in enumerate(self.inputs) if r.held is not None}
@@ -85,16 +98,19 @@ class PlanRequest:
 
 def build_request(config: ShardConfig, name: str, call: BoundCall, captured: CapturedGraph,
                   param_specs: dict[str, TensorSpec], mesh_spec: MeshSpec, world: int,
-                  profile: cm.DeviceProfile, accumulate: bool = False, optimizer_stage: int = 0) -> PlanRequest:
+                  profile: cm.DeviceProfile, accumulate: bool = False, optimizer_stage: int = 0,
+                  pending_grads=frozenset(), notes: tuple[str, ...] = (),
+                  arrivals: tuple[Collective, ...] = ()) -> PlanRequest:
     """What the search is asked for one call: each graph input's arriving and fixed layouts, each output's, and
-    the objective. ``param_specs``: the parameters' fixed layouts (parameter_plan's, or those laid out already)."""
+    the objective. ``param_specs``: the parameters' fixed layouts (parameter_plan's, or those laid out already).
+    ``accumulate``, ``optimizer_stage``, ``pending_grads``, ``notes``, ``arrivals``: as PlanRequest's."""
     batch_axes = call.held[0].dims[0] if call.held and call.held[0].dims else ()
     return PlanRequest(tuple(_input_requests(config, captured, call, param_specs, mesh_spec)),
                        tuple(_output_requests(config, name, captured, world, mesh_spec, batch_axes)),
                        grad=torch.is_grad_enabled(), level=config.level, profile=profile,
                        keep_split=_data_parallel_dims(config, call, mesh_spec), accumulate=accumulate,
-                       optimizer_stage=optimizer_stage,
-                       reduce_dtype=config.precision.reduce_dtype if config.precision is not None else None)
+                       optimizer_stage=optimizer_stage, pending_grads=frozenset(pending_grads),
+                       precision=config.precision, name=name, notes=tuple(notes), arrivals=tuple(arrivals))
 
 
 def _input_requests(config: ShardConfig, captured: CapturedGraph, call: BoundCall, param_specs,

@@ -524,7 +524,7 @@ def _no_sync_body():
         accumulation.reduce_pending = real
     for name, q in reference.named_parameters():
         torch.testing.assert_close(model.get_parameter(name).grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6)
-    (no_sync,) = [c for c in sf.engine_of(model).programs.values() if c.program.accumulate]
+    (no_sync,) = [c for c in sf.engine_of(model).programs.values() if c.plan.accumulate]
     in_backward = sum("all_reduce" in str(n.target) for n in no_sync.program.graphs["backward"].graph.nodes)
     # and a rank that accumulates while the others sync: told, on every rank, before any collective
     try:

@@ -42,4 +42,4 @@ def test_a_world_of_one_plans_no_split_and_no_collective():
     plan = sf.explain(block, torch.randn(2, 8, 16), in_strategy=(None,), world_size=1)
     placements = {p for n in plan.nodes.values() for pl in (*n.inputs, *n.outputs) if pl for p in pl}
     assert all(p.is_replicate() for p in placements), placements
-    assert plan.collectives == []
+    assert plan.collectives == ()

@@ -84,7 +84,7 @@ def test_whole_weights_passed_to_a_function_pay_for_their_gradients():
     # back whole (8192^2 floats), which costs more than the compute it saves: the plan stays replicated
     args = _mlp_args(32, 8192, 2)
     plan = sf.explain(mlp, *args, in_strategy=(None,) * 3, world_size=4, level=2, device="cuda")
-    assert plan.collectives == []
+    assert plan.collectives == ()
 
 
 MEGATRON = {"attn.q.weight": (4, 1), "attn.k.weight": (4, 1), "attn.v.weight": (4, 1), "attn.q.bias": (4,),
