@@ -44,8 +44,8 @@ from torch.distributed.tensor import DTensor
 from . import runtime
 from .capture import split_arguments
 
-__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "alone", "check_mode", "describe_call", "digest",
-           "digests_of_alike", "inputs_compared", "inputs_not_compared", "tensor_digest"]
+__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "alone", "call_mode", "check_mode", "describe_call", "digest",
+           "digests_of_alike", "identity", "inputs_alike", "inputs_compared", "inputs_not_compared", "tensor_digest"]
 
 CHECK_MODES = ("signature", "values", "first")
 
@@ -245,9 +245,36 @@ def _group(ranks: tuple[int, ...] | None):
 # -- what a call is, as the ranks compare it ----------------------------------------------------------------------
 
 
-def describe_call(identity: str, config, args, kwargs, mode: str) -> dict[str, str]:
-    """A call as every rank describes it (read only where ranks differ): the callable (``identity``: its name and
-    where it is defined, then its config), each config field, the tensor inputs' names, shapes, dtypes and layouts,
+def identity(name: str, target: Any, config) -> str:
+    """The sharded callable as ranks compare it: its name, where its code is defined, its config."""
+    code = getattr(target, "__code__", None) or getattr(getattr(target, "forward", None), "__code__", None)
+    where = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
+    return f"{name} ({where})|{config!r}"
+
+
+def call_mode(module: Any, accumulating: bool) -> str:
+    """The modes a call runs in: grad on or off; a module's train or eval, and accumulation without sync."""
+    mode = f"grad {'on' if torch.is_grad_enabled() else 'off'}"
+    if module is not None:
+        mode += ", train" if module.training else ", eval"
+        if accumulating and torch.is_grad_enabled():
+            mode += ", no sync (gradients accumulated unreduced: sf.no_sync)"
+    return mode
+
+
+def inputs_alike(config, args, kwargs) -> dict[str, int]:
+    """Digests of a call's tensor inputs that every rank holds alike: whole full-batch inputs, replicated
+    DTensors ({} where inputs are not compared: inputs_not_compared)."""
+    if not inputs_compared():
+        return {}
+    tensors, names, _ = split_arguments(args, kwargs, names=True)
+    return digests_of_alike({name: t for name, t in zip(names, tensors)
+                             if config.dataset_strategy == "full_batch" or isinstance(t, DTensor)})
+
+
+def describe_call(who: str, config, args, kwargs, mode: str) -> dict[str, str]:
+    """A call as every rank describes it (read only where ranks differ): the callable (``who``: its
+    :func:`identity`), each config field, the tensor inputs' names, shapes, dtypes and layouts,
     the other arguments, and ``mode`` (grad, train or eval, accumulation)."""
     tensors, names, _ = split_arguments(args, kwargs, names=True)
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -257,7 +284,7 @@ def describe_call(identity: str, config, args, kwargs, mode: str) -> dict[str, s
                           for n, t in zip(names, tensors))
     others = [_short(a) for a in leaves if not isinstance(a, torch.Tensor)]
     fields = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    return {"callable": identity.split("|")[0], **fields, "tensor inputs": described,
+    return {"callable": who.split("|")[0], **fields, "tensor inputs": described,
             "other arguments": f"{others} in {spec}", "mode": mode}
 
 

@@ -23,16 +23,15 @@ from . import accumulation, parameters, runtime, step_times, submesh, uneven_bat
 from .optimizer import ShardedOptimizer
 from .optimizer import check_stage as optimizer_check_stage
 from .optimizer import gradient_targets as optimizer_gradient_targets
-from .agreement import (Agreement, UnevenBatch, alone, check_mode, describe_call, digest, digests_of_alike,
-                        inputs_compared)
+from .agreement import (Agreement, UnevenBatch, alone, call_mode, check_mode, describe_call, digest,
+                        digests_of_alike, identity, inputs_alike)
 from .arguments import BoundCall, bind, call_key, without_batch_rows
 from .capture import capture, capturing, check_not_transformed, split_arguments
 from .capture.dynamic import planning_graph
 from .capture.graph import CapturedGraph
 from .config import ShardConfig
 from .exec.lower import lower, use_inductor
-from .layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, \
-    spec_of_dtensor, to_placements
+from .layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, to_placements
 from .programs import Compiled, Planned, Programs
 from .strategy_search import Plan, build_request, make_plan, profile_for
 
@@ -62,7 +61,6 @@ class _Engine:
         self.optimizer_stage = 0
         self.captures = 0  # captures (and plans) made: what a call of a new signature costs, counted
         self.planning_error: Exception | None = None  # the last first call's own failure to capture or plan
-        self.batch: dict[int, int] = {}  # inside an uneven call: its batch inputs' global rows, by tensor number
         # calls are timed (shardfn.step_times) with CUDA events where the programs run on CUDA (device="cuda" on a
         # machine without it is the call's own error, raised after this mark)
         self.cuda_clock = torch.cuda.is_available() and config.device in ("cuda", None)
@@ -89,17 +87,19 @@ class _Engine:
             compiled, outs = self._uneven_call(uneven.rows, args, kwargs, tensors, arrived, start)
         return compiled.captured.result(outs, tensors, objects)
 
-    def _run(self, key: tuple, args, kwargs, tensors: list, arrived: tuple, start) -> tuple[Compiled, list]:
+    def _run(self, key: tuple, args, kwargs, tensors: list, arrived: tuple, start,
+             batch: dict[int, int] | None = None) -> tuple[Compiled, list]:
         """The program for this call's signature (made now if new), run: it and its outputs. ``start``: the
-        call's start mark (shardfn.step_times)."""
+        call's start mark (shardfn.step_times). ``batch``: an uneven call's batch inputs' global rows, by tensor
+        number (its global batch: a program of its own, see _uneven_call)."""
         compiled, made = self.programs.get(key), False
         if compiled is None:
-            if not self.batch:  # (an uneven call's global batch: a program of its own, see _uneven_call)
+            if not batch:
                 compiled, made = self._for_every_size(key, args, kwargs, tensors, arrived)
             if compiled is None:
-                compiled, made = self._first_call(key, args, kwargs, arrived), True
+                compiled, made = self._first_call(key, args, kwargs, arrived, batch=batch), True
         if not made and (mode := check_mode()) != "first":  # (a program made now agreed as it was made)
-            compiled.agreement.check(first=False, values=(lambda: self._values(args, kwargs))
+            compiled.agreement.check(first=False, values=(lambda: inputs_alike(self.config, args, kwargs))
                                      if mode == "values" else None)
         outs = compiled.program(*self._state_tensors(compiled), *tensors)
         compiled.times.ran(start, outs)  # the call's time, a hook for its backward's (shardfn.step_times)
@@ -138,11 +138,9 @@ class _Engine:
             moved[j] = uneven_batch.move_rows(tensors[j], where, me, ranks)
         structure = split_arguments(args, kwargs)[2]
         args, kwargs = structure.rebuild(moved)
-        self.batch = {j: where.total for j, where in moves.items()}
-        try:
-            compiled, outs = self._run(self._key(args, kwargs, arrived), args, kwargs, moved, arrived, start)
-        finally:
-            self.batch = {}
+        batch = {j: where.total for j, where in moves.items()}
+        compiled, outs = self._run(self._key(args, kwargs, arrived, batch=batch), args, kwargs, moved, arrived, start,
+                                   batch)
         plan, vals = compiled.plan, [n.meta["val"] for n in compiled.captured.output_nodes]
         outs = list(outs)
         for k, out in enumerate(outs):  # outputs split as a batch input is go back into that input's slices
@@ -184,7 +182,7 @@ class _Engine:
         key, tensors, objects = self._key(args, kwargs, arrived, with_tensors=True)
         return args, kwargs, arrived, key, tensors, objects
 
-    def _key(self, args, kwargs, arrived: tuple, with_tensors: bool = False):
+    def _key(self, args, kwargs, arrived: tuple, with_tensors: bool = False, batch: dict[int, int] | None = None):
         key, tensors, objects = call_key(args, kwargs)
         key += arrived
         if self.module is not None:
@@ -193,8 +191,8 @@ class _Engine:
             key += ("no sync",)
         if self.optimizer_stage:
             key += (("optimizer stage", self.optimizer_stage, tuple(sorted(self.grad_targets.items()))),)
-        if self.batch:  # (an uneven call's pieces: their rows follow from the batch's)
-            key = without_batch_rows(key) + (("batch rows", tuple(sorted(self.batch.items()))),)
+        if batch:  # (an uneven call's pieces: their rows follow from the batch's)
+            key = without_batch_rows(key) + (("batch rows", tuple(sorted(batch.items()))),)
         return (key, tensors, objects) if with_tensors else key
 
     def _in_batch(self, t: torch.Tensor) -> bool:
@@ -223,32 +221,19 @@ class _Engine:
         ranks = self._ranks()
         return runtime.init(device=device).size() if ranks is None else len(ranks)
 
-    def _first_call(self, key: tuple, args, kwargs, arrived: tuple = (), dynamic: dict | None = None) -> Compiled:
+    def _first_call(self, key: tuple, args, kwargs, arrived: tuple = (), dynamic: dict | None = None,
+                    batch: dict[int, int] | None = None) -> Compiled:
+        """A call of a new signature, in steps: its own checks, then the ranks agree on the call; capture and
+        plan (local), then the ranks agree on the program; lay the parameters out as planned; lower the plan to
+        this rank's program. A rank that fails a local step still takes part in the agreement after it, which
+        raises on every rank alike (nothing hangs). ``dynamic``: dims traced as symbols; ``batch``: an uneven
+        call's global batch rows."""
         device = runtime.resolve_device(self.config.device)
         world = self._world(device)
         self.group = dist.group.WORLD
-        agreement = self._agreement(key, args, kwargs)
-        # a model's replicas are compared once, before its first step: later, kernels that sum in no fixed order
-        # (atomics on a GPU) may leave replicated parameters apart in their last bits, harmlessly. The ranks agree
-        # on the call before planning it (an uneven batch is known here, before a plan for one rank's slice)
-        first_step = not self.params_laid_out
-        error = call = None
-        try:  # the call's own checks (local): a rank whose checks fail tells the others in the agreement
-            self._check_materialized()
-            with runtime.outside_simulation():
-                call = bind(self.config, self.fn, self.name, args, kwargs, world, rows=self.batch)
-        except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
-            error = self.planning_error = e
-        agreement.check(first=True, error=error, values=lambda: {
-            **self._values(args, kwargs), **(self._replicated_state() if first_step else {})})
-        planned = None
-        try:  # local work only: a rank that fails here still takes part in the agreement below
-            planned = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
-                                arrived, dynamic, call)
-        except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_program, reported on the others
-            error = self.planning_error = e
-        agreement.check_program(planned and planned.captured.code_across_ranks(),
-                                planned and planned.plan.table(), error)
+        agreement = self._agreement(key, args, kwargs, batch)
+        call = self._checked_call(agreement, args, kwargs, world, batch)
+        planned = self._agreed_plan(agreement, args, kwargs, world, device, arrived, dynamic, call)
         mesh = runtime.device_mesh(planned.mesh_spec, device, self._ranks())
         if self.module is not None:
             parameters.lay_out_planned(self.module, planned.plan, mesh, device)
@@ -260,19 +245,56 @@ class _Engine:
             self.programs[key] = compiled
         return compiled
 
-    def _agreement(self, key: tuple, args, kwargs) -> Agreement:
+    def _checked_call(self, agreement: Agreement, args, kwargs, world: int, batch) -> BoundCall:
+        """The call bound to the config (its own checks), once every rank has agreed on it. The ranks agree
+        before planning (an uneven batch is known here, before a plan for one rank's slice). A model's replicas
+        are compared once, before its first step: later, kernels that sum in no fixed order (atomics on a GPU)
+        may leave replicated parameters apart in their last bits, harmlessly."""
+        first_step = not self.params_laid_out
+        error = call = None
+        try:  # local: a rank whose checks fail tells the others in the agreement
+            if self.module is not None:
+                parameters.check_materialized(self.module, self.name)
+            with runtime.outside_simulation():
+                call = bind(self.config, self.fn, self.name, args, kwargs, world, rows=batch)
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank by check(), reported on the others
+            error = self.planning_error = e
+
+        def alike() -> dict[str, int]:
+            params, buffers = self._state() if first_step else ({}, {})
+            return {**inputs_alike(self.config, args, kwargs), **digests_of_alike({**params, **buffers})}
+
+        agreement.check(first=True, error=error, values=alike)
+        return call
+
+    def _agreed_plan(self, agreement: Agreement, args, kwargs, world: int, device: str, arrived: tuple,
+                     dynamic: dict | None, call: BoundCall) -> Planned:
+        """The call captured and planned (local), once every rank has agreed on the program (its code and plan)."""
+        planned = error = None
+        try:  # local: a rank that fails here still takes part in the agreement
+            planned = self.plan(args, kwargs, world, lambda spec: runtime.planning_mesh(spec, device), device,
+                                arrived, dynamic, call)
+        except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_program, reported on the others
+            error = self.planning_error = e
+        agreement.check_program(planned and planned.captured.code_across_ranks(),
+                                planned and planned.plan.table(), error)
+        return planned
+
+    def _agreement(self, key: tuple, args, kwargs, batch: dict[int, int] | None = None) -> Agreement:
         """What the ranks compare for a call of this signature (its sizes included; data_parallel slices' row
         counts apart: ranks may pass slices of other lengths, shardfn.uneven_batch)."""
         rows: tuple[int, ...] = ()
         if self.config.dataset_strategy == "data_parallel":
             key = without_batch_rows(key)
             tensors = split_arguments(args, kwargs)[0]
-            rows = tuple(sorted(self.batch.items())) if self.batch else \
+            rows = tuple(sorted(batch.items())) if batch else \
                 tuple(t.shape[0] for t in tensors if self._in_batch(t))
         ranks = self._ranks()
         if alone(ranks):  # nothing to compare (a generation's every token asks: no description to build)
             return Agreement(self.name, 0, ranks=ranks, rows=rows)
-        return Agreement(self.name, digest(f"{self._identity()}|{key!r}"), self._describe(args, kwargs),
+        who = identity(self.name, self.module if self.module is not None else self.fn, self.config)
+        mode = call_mode(self.module, self._accumulating())
+        return Agreement(self.name, digest(f"{who}|{key!r}"), describe_call(who, self.config, args, kwargs, mode),
                          ranks=ranks, rows=rows)
 
     def _at_these_sizes(self, compiled: Compiled, key: tuple, args, kwargs) -> Compiled:
@@ -343,19 +365,6 @@ class _Engine:
                 dims[j] = wanted
         return dims
 
-    def _check_materialized(self) -> None:
-        """A module built on meta runs once its pieces exist: a clear error naming what is still meta."""
-        if self.module is None:
-            return
-        missing = parameters.unmaterialized(self.module)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ValueError(
-                f"{self.name} was called while {shown} {'is' if len(missing) == 1 else 'are'} still on the meta "
-                "device (no values yet). Give each rank its pieces first: sf.materialize(module) (to_empty and "
-                "the model's own initialisation, per rank), or sf.materialize(module, init=None) then "
-                "sf.load(module, checkpoint)")
-
     def _outside_call(self, key: tuple, args, kwargs, tensors, objects, arrived: tuple = ()):
         """On a rank outside the call's ranks: no program, no communication. The outputs are placeholders with
         the outputs' shapes (the plan is made here too, locally, for them), connected to the inputs for autograd
@@ -377,7 +386,7 @@ class _Engine:
         communication). ``dynamic``: {argument tensor number: dims} traced as symbols; the search plans at this
         call's sizes."""
         with runtime.outside_simulation():
-            call = call or bind(self.config, self.fn, self.name, args, kwargs, world, rows=self.batch)
+            call = call or bind(self.config, self.fn, self.name, args, kwargs, world)
             param_specs = self._param_specs(world)
             mesh_spec = self._mesh_spec(call, param_specs, world)
             captured = self._capture(args, kwargs, call, device, dynamic)
@@ -424,52 +433,15 @@ class _Engine:
                        dynamic=dynamic)
 
     def _param_specs(self, world: int) -> dict[str, TensorSpec]:
-        """Fixed parameter layouts: parameter_plan's, and once a call has laid the parameters out, all of them
-        as they are (programs of other signatures hold their layouts: a later plan may not move them)."""
         if self.module is None:
             return {}
-        params = dict(self.module.named_parameters())
-        if self.params_laid_out:
-            return {name: spec_of_dtensor(p, world, name, self._ranks()) for name, p in params.items()
-                    if isinstance(p, DTensor)}
-        return {
-            name: normalize_strategy(s, tuple(params[name].shape), world, f"parameter_plan[{name!r}]", name)
-            for name, s in self.config.parameter_plan.items() if s is not None
-        }
+        return parameters.fixed_specs(self.module, self.config.parameter_plan, world, self.params_laid_out,
+                                      self._ranks())
 
     def _state_tensors(self, compiled: Compiled) -> list[torch.Tensor]:
         planned = compiled.planned
         return [owner._parameters[leaf] for owner, leaf in planned.param_slots] + \
             [owner._buffers[leaf] for owner, leaf in planned.buffer_slots]
-
-    # -- what the ranks compare ----------------------------------------------------------------------------------
-
-    def _identity(self) -> str:
-        target = self.module if self.module is not None else self.fn
-        code = getattr(target, "__code__", None) or getattr(getattr(target, "forward", None), "__code__", None)
-        where = f"{code.co_filename}:{code.co_firstlineno}" if code is not None else ""
-        return f"{self.name} ({where})|{self.config!r}"
-
-    def _describe(self, args, kwargs) -> dict[str, str]:
-        mode = f"grad {'on' if torch.is_grad_enabled() else 'off'}"
-        if self.module is not None:
-            mode += ", train" if self.module.training else ", eval"
-            if self._accumulating() and torch.is_grad_enabled():
-                mode += ", no sync (gradients accumulated unreduced: sf.no_sync)"
-        return describe_call(self._identity(), self.config, args, kwargs, mode)
-
-    def _values(self, args, kwargs) -> dict[str, int]:
-        """Digests of the tensor inputs that every rank holds alike: whole full-batch inputs, replicated DTensors."""
-        if not inputs_compared():
-            return {}
-        tensors, names, _ = split_arguments(args, kwargs, names=True)
-        return digests_of_alike({name: t for name, t in zip(names, tensors)
-                                  if self.config.dataset_strategy == "full_batch" or isinstance(t, DTensor)})
-
-    def _replicated_state(self) -> dict[str, int]:
-        """Digests of the parameters and buffers that every rank holds alike (replicated, or plain tensors)."""
-        params, buffers = self._state()
-        return digests_of_alike({**params, **buffers})
 
     # -- module state ------------------------------------------------------------------------------------------
 
@@ -725,35 +697,38 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
     be meta tensors; ``kwargs`` are fn's keyword arguments; ``device="cuda"`` plans with the GPU cost profile even
     where CUDA is absent.
     """
-    if isinstance(fn_or_sharded, (ShardedFunction, ShardedModule)):
-        engine = engine_of(fn_or_sharded)
-    else:
-        known = ("in_strategy", "out_strategy", "parameter_plan", "level", "device", "dataset_strategy", "mp_policy")
-        unknown = sorted(set(shard_kwargs) - set(known))
-        if unknown:
-            raise TypeError(f"explain: unknown keyword arguments {unknown}; fn's own keyword arguments go in "
-                            "kwargs={...}")
-        in_strategy = shard_kwargs.get("in_strategy")
-        if in_strategy is None:
-            in_strategy = (None,) * len(example_args)
-        engine = _engine_for(fn_or_sharded, in_strategy, shard_kwargs.get("out_strategy"),
-                             shard_kwargs.get("parameter_plan"), shard_kwargs.get("level", 0),
-                             shard_kwargs.get("device"), shard_kwargs.get("dataset_strategy", "full_batch"),
-                             shard_kwargs.get("mp_policy"))
+    engine = engine_of(fn_or_sharded) if isinstance(fn_or_sharded, (ShardedFunction, ShardedModule)) else \
+        _explained_engine(fn_or_sharded, len(example_args), shard_kwargs)
     device = runtime.resolve_device(engine.config.device) if engine.config.device != "cuda" else "cuda"
-    if world_size is None and engine.config.ranks is not None:
-        world_size = len(engine.config.ranks)  # a call on a sub-mesh plans for its ranks
-    elif world_size is None:
-        world_size = runtime.init(device=device).size()
-    elif isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"explain: world_size must be a positive int, got {world_size!r}")
+    world_size = _explained_world(engine, world_size, device)
     args, kwargs, arrived, key, tensors, _ = engine._signature(tuple(example_args), dict(kwargs or {}),
                                                                move=False, world=world_size)
-    # this signature ran (or one program serves its sizes): that plan, with what running it found (compile times,
-    # the measured step time)
-    serving = engine.programs.serving(key, tensors)
-    cached = engine.programs.get(key) or (serving if isinstance(serving, Compiled) else None)
-    if cached is not None and cached.plan.mesh.world_size == world_size:
-        return cached.explained()
+    ran = engine.programs.that_ran(key, tensors)
+    if ran is not None and ran.plan.mesh.world_size == world_size:
+        return ran.explained()  # the plan that ran, with what running it found (compile times, the step time)
     return engine.plan(list(args), kwargs, world_size, lambda spec: runtime.planning_mesh(spec, device), device,
                        arrived).plan
+
+
+def _explained_engine(fn, n_args: int, shard_kwargs: dict) -> _Engine:
+    """The engine ``shard(fn, **shard_kwargs)`` would make (in_strategy defaulting to None for each argument)."""
+    known = ("in_strategy", "out_strategy", "parameter_plan", "level", "device", "dataset_strategy", "mp_policy")
+    unknown = sorted(set(shard_kwargs) - set(known))
+    if unknown:
+        raise TypeError(f"explain: unknown keyword arguments {unknown}; fn's own keyword arguments go in "
+                        "kwargs={...}")
+    in_strategy = shard_kwargs.get("in_strategy")
+    return _engine_for(fn, (None,) * n_args if in_strategy is None else in_strategy, shard_kwargs.get("out_strategy"),
+                       shard_kwargs.get("parameter_plan"), shard_kwargs.get("level", 0), shard_kwargs.get("device"),
+                       shard_kwargs.get("dataset_strategy", "full_batch"), shard_kwargs.get("mp_policy"))
+
+
+def _explained_world(engine: _Engine, world_size: int | None, device: str) -> int:
+    """The ranks explain() plans for: those asked, a sub-mesh call's, or the world's."""
+    if world_size is None and engine.config.ranks is not None:
+        return len(engine.config.ranks)
+    if world_size is None:
+        return runtime.init(device=device).size()
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"explain: world_size must be a positive int, got {world_size!r}")
+    return world_size

@@ -12,7 +12,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["lay_out", "lay_out_loaded_tensors", "lay_out_planned", "on_meta", "replace_parameter", "slot"]
+from .layout import TensorSpec, normalize_strategy, spec_of_dtensor
+
+__all__ = ["check_materialized", "fixed_specs", "lay_out", "lay_out_loaded_tensors", "lay_out_planned", "on_meta", "replace_parameter", "slot"]
 
 
 def slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -75,3 +77,26 @@ def lay_out_loaded_tensors(module, state_dict, prefix, *_):
 def unmaterialized(module: nn.Module) -> list[str]:
     """The parameters and buffers of ``module`` still on the meta device."""
     return [n for n, t in (*module.named_parameters(), *module.named_buffers()) if on_meta(t)]
+
+
+def check_materialized(module: nn.Module, name: str) -> None:
+    """A module built on meta runs once its pieces exist: a clear error naming what is still meta."""
+    missing = unmaterialized(module)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(
+            f"{name} was called while {shown} {'is' if len(missing) == 1 else 'are'} still on the meta "
+            "device (no values yet). Give each rank its pieces first: sf.materialize(module) (to_empty and "
+            "the model's own initialisation, per rank), or sf.materialize(module, init=None) then "
+            "sf.load(module, checkpoint)")
+
+
+def fixed_specs(module: nn.Module, parameter_plan: dict, world: int, laid_out: bool,
+                ranks: tuple[int, ...] | None) -> dict[str, TensorSpec]:
+    """The parameters' fixed layouts: parameter_plan's, and once a call has laid the parameters out, all of
+    them as they are (programs of other signatures hold their layouts: a later plan may not move them)."""
+    params = dict(module.named_parameters())
+    if laid_out:
+        return {name: spec_of_dtensor(p, world, name, ranks) for name, p in params.items() if isinstance(p, DTensor)}
+    return {name: normalize_strategy(s, tuple(params[name].shape), world, f"parameter_plan[{name!r}]", name)
+            for name, s in parameter_plan.items() if s is not None}

@@ -173,6 +173,11 @@ class Programs:
             return None
         return compiled.rejects(sizes, tensors) or compiled
 
+    def that_ran(self, key: tuple, tensors: list) -> Compiled | None:
+        """The program a call of this signature runs, where one is made: its own, or the one for every size."""
+        serving = self.serving(key, tensors)
+        return self.get(key) or (serving if isinstance(serving, Compiled) else None)
+
     def dims_changed(self, key: tuple, tensors: list,
                      given: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
         """The dims to trace as symbols for a call of a structure met before: those whose size differs from its

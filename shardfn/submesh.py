@@ -24,7 +24,6 @@ from .config import ShardConfig
 from .layout import Layout, TensorLayout, common_mesh, normalize_strategy, to_placements
 from .programs import Planned
 from .reshard import outside_placeholder, reshard
-from .strategy_search import Plan
 from .strategy_search.plan import Collective
 
 __all__ = ["arrival_records", "arrive", "placeholders"]
