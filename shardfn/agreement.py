@@ -38,9 +38,9 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from . import _pytree_internals as pytree
 from . import runtime
 from .capture import split_arguments
 

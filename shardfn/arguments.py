@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
+from . import _pytree_internals as pytree
 from .capture import split_arguments
 from .capture.structure import split
 from .config import ShardConfig, is_container_entry

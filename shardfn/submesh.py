@@ -15,9 +15,9 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Shard
 
+from . import _pytree_internals as pytree
 from . import runtime
 from ._mesh_internals import mesh_without_groups
 from .config import ShardConfig

@@ -8,11 +8,11 @@ import contextlib
 from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._tracing import patched
+from .. import _pytree_internals as pytree
 
 __all__ = ["OpRecorder", "applies_routed_to", "is_reentrant_checkpoint", "original_apply"]
 

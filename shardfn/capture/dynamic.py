@@ -18,17 +18,12 @@ from typing import Any, Callable
 import sympy
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
+from .. import _pytree_internals as pytree
+from ._fake_internals import FakeTensorMode, constant_source, functional_tensors
+
 __all__ = ["DynamicDims", "planning_graph", "symbolic_input"]
-
-
-def _source(name: str):
-    from torch._dynamo.source import ConstantSource  # torch._dynamo loads lazily: only a dynamic capture needs it
-
-    return ConstantSource(name)
 
 
 @dataclass
@@ -43,7 +38,7 @@ class DynamicDims:
         """``shape`` with the ``dynamic`` dims as new symbols (hinted by their sizes now), for input ``position``."""
         out = list(shape)
         for d in dynamic:
-            symbol = self.shape_env.create_symbol(shape[d], _source(f"shardfn_input{position}_dim{d}"),
+            symbol = self.shape_env.create_symbol(shape[d], constant_source(f"shardfn_input{position}_dim{d}"),
                                                   dynamic_dim=DimDynamic.DYNAMIC)
             self.dims.setdefault(position, {})[d] = symbol
             out[d] = self.shape_env.create_symintnode(symbol, hint=shape[d])
@@ -179,7 +174,7 @@ def functionalized(func):
     """``func`` with its in-place ops as out-of-place ones and each input it wrote into written by one copy_ at
     the end (as torch.func.functionalize(func, remove="mutations")), by torch's Python functionalization: the C++
     one runs composite ops (dropout) whose kernels read a symbolic size as a number."""
-    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    FunctionalTensor, FunctionalTensorMode = functional_tensors()
 
     def from_functional(t):
         torch._sync(t)

@@ -21,8 +21,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
+from .. import _pytree_internals as pytree
 from ._function_internals import OpRecorder, applies_routed_to, is_reentrant_checkpoint, original_apply
 from ._tracing import checkpoint_region
 

@@ -20,10 +20,10 @@ import heapq
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 
 from .functions import FunctionCall
 from .graph import is_in_place, is_view
+from .. import _pytree_internals as pytree
 
 __all__ = ["canonical_order"]
 

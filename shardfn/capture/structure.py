@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
+from .. import _pytree_internals as pytree
 
 __all__ = ["Structure", "split"]
 

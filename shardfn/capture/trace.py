@@ -12,18 +12,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
-from torch._decomp import get_decompositions
-from torch._dispatch.python import enable_python_dispatcher
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-)
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
-from torch.utils._python_dispatch import _disable_current_modes
 
+from ._fake_internals import (DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode,
+                              disable_current_modes, enable_python_dispatcher, get_decompositions)
 from ._tracing import checkpoint_regions_marked, looks_like_tracing, module_paths_marked, requires_grad_marks_ignored
 from .dynamic import DynamicDims, functionalized, symbolic_input
 from .functions import functions_as_calls, functions_as_targets
@@ -202,7 +196,7 @@ def capture(
     try:
         # a simulated world's mode leaves the tensors of Python functionalization to their own dispatch, which
         # refuses: off the stack while a dynamic capture traces
-        with _disable_current_modes() if dynamic else contextlib.nullcontext(), \
+        with disable_current_modes() if dynamic else contextlib.nullcontext(), \
                 _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing(), \
                 requires_grad_marks_ignored(capturing), checkpoint_regions_marked(capturing), \
                 module_paths_marked(_module_of(fn), capturing), \

@@ -22,12 +22,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
+from .. import _pytree_internals as pytree
 from .._simulation_internals import local_tensor_mode
 from ..capture.graph import CapturedGraph, checkpoint_region, is_getitem, is_in_place, is_view
 from ._dtensor_internals import layout_of, local_as, local_of

@@ -17,7 +17,6 @@ import itertools
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._decompositions import DecompShardingStrategy
@@ -31,9 +30,10 @@ from torch.distributed.tensor._ops.single_dim_strategy import (
 from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy, is_tensor_shardable
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from .. import _pytree_internals as pytree
 from .._mesh_internals import mesh_without_groups
 
-__all__ = ["dtensor_strategies", "has_dtensor_rule", "is_local_from_replicate", "local_shapes",
+__all__ = ["dtensor_strategies", "has_dtensor_rule", "is_local_from_replicate", "local_shapes", "strided_shard",
            "valid_placements"]
 
 Placements = tuple[Placement, ...]
@@ -48,6 +48,13 @@ _MAX_COMBOS = 4096
 _REPLICATION_TAKES_OUT_META = "output_tensor_meta" in inspect.signature(
     _insert_single_dim_replication_strategy).parameters
 _EXPANSION_TAKES_UNEVEN = "allow_uneven_sharding" in inspect.signature(expand_to_full_mesh_op_strategy).parameters
+
+
+def strided_shard(dim: int, split_factor: int) -> Placement:
+    """DTensor's strided shard placement (private: a split of a split, as FSDP over TP lays a tensor out)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)
 
 
 def _propagator():

@@ -21,10 +21,10 @@ from typing import Any, Callable
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from .. import _pytree_internals as pytree
 from ..capture.functions import FunctionCall
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
 from .lru import LRU

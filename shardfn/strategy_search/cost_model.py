@@ -29,11 +29,11 @@ from typing import Sequence
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 from torch.utils.flop_counter import flop_registry
 
+from .. import _pytree_internals as pytree
 from ..capture.functions import FunctionCall
 from ..capture.graph import is_view
 from .lru import LRU

@@ -303,9 +303,9 @@ def parse_placement(text: str) -> Placement | str:
     if text == "P":  # placements_text's shorthand of a sum
         return Partial()
     if m := _STRIDED.fullmatch(text):
-        from torch.distributed.tensor.placement_types import _StridedShard
+        from ._dtensor_adapter import strided_shard
 
-        return _StridedShard(int(m[1]), split_factor=int(m[2]))
+        return strided_shard(int(m[1]), int(m[2]))
     return text
 
 

@@ -13,9 +13,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Placement, Shard
 
+from .. import _pytree_internals as pytree
 from . import cost_model as cm
 from .buckets import bucket_bytes
 from .candidates import Candidate

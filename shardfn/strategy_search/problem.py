@@ -14,10 +14,10 @@ from typing import Sequence
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from .. import _pytree_internals as pytree
 from ..capture.graph import CapturedGraph, checkpoint_region, is_getitem
 from . import cost_model as cm
 from . import dtensor_rules

@@ -7,9 +7,9 @@ import dataclasses
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.distributed.tensor.placement_types import Shard
 
+from .. import _pytree_internals as pytree
 from ..capture.graph import checkpoint_region, module_path
 from ..layout import MeshSpec
 from . import cost_model as cm

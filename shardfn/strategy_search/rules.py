@@ -10,10 +10,10 @@ import itertools
 
 import torch
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from .. import _pytree_internals as pytree
 from ..capture.functions import FunctionCall
 from ._dtensor_adapter import has_dtensor_rule, local_shapes, valid_placements
 from .candidates import RANDOM_FILLS, Candidate, _per_mesh_dim, register_check, register_rule, tensor_inputs
