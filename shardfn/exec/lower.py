@@ -269,7 +269,9 @@ class ParallelProgram:
         self.grad_placements: list[tuple | None] = [None] * sum(e.kind == "param" for e in plan.inputs)
         self._any_pending = plan.accumulate or bool(plan.pending_grads)
         self.entries, self.as_dtensor = plan.inputs, plan.returns_dtensor
-        self.node_plans = _node_plans(captured.gm.graph, plan)
+        # each op's decisions; the ops run as they are (no decisions): getitems, and a program for every size's
+        # size computations (sym_size: numbers, not tensors)
+        self.node_plans, self._as_is = _node_plans(captured.gm.graph, plan)
         self.notes: list[str] = []  # what running it found (Inductor's compile times): explain() shows them
         self.graphs: dict[str, torch.fx.GraphModule] = {}  # the traced per-rank graphs, after the passes
         self.runners: dict[str, Callable] = {}  # what runs each: the graph itself, or Inductor's code of it
@@ -309,7 +311,7 @@ class ParallelProgram:
 
     def _run_node(self, node: torch.fx.Node, env: dict) -> Any:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-        if is_getitem(node):  # one output of a multi-output node: as it is
+        if node in self._as_is:  # one output of a multi-output node, or a number: as it is
             return node.target(*args, **kwargs)
         with annotated_as(node):  # its checkpoint region, for the partitioner (recompute_checkpointed)
             return self._settled_result(node, self._compute(node, args, kwargs))
@@ -780,17 +782,25 @@ def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> ParallelProg
     return ParallelProgram(captured, plan, mesh, traced)
 
 
-def _node_plans(graph: torch.fx.Graph, plan: Plan) -> dict[torch.fx.Node, NodePlan]:
-    """The plan's decisions by the graph's own nodes, resolved once: every op but a getitem (one output of a
-    multi-output op, taken as it is) has one; a plan made for another graph is refused by name."""
-    found, missing = {}, []
+def _node_plans(graph: torch.fx.Graph, plan: Plan) -> tuple[dict[torch.fx.Node, NodePlan], set[torch.fx.Node]]:
+    """The plan's decisions by the graph's own nodes, resolved once, and the ops that run as they are: a
+    getitem (one output of a multi-output op) and an op with no tensor value (a size computed from the
+    symbols of a program for every size: the search planned the graph at its sizes, without them). Every other
+    op has decisions; a plan made for another graph is refused by name."""
+    found, as_is, missing = {}, set(), []
     for node in graph.nodes:
-        if node.op in ("placeholder", "call_function") and not is_getitem(node):
-            if node.name in plan.nodes:
-                found[node] = plan.nodes[node.name]
-            elif node.op == "call_function":
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        if node.name in plan.nodes and not is_getitem(node):
+            found[node] = plan.nodes[node.name]
+        elif node.op == "call_function":
+            val = node.meta.get("val")
+            tensors = any(isinstance(v, torch.Tensor) for v in (val if isinstance(val, (tuple, list)) else [val]))
+            if is_getitem(node) or not tensors:
+                as_is.add(node)
+            else:
                 missing.append(node.name)
     if missing:
         raise ValueError(f"{plan.name}: the plan has no decisions for {len(missing)} of the graph's ops "
                          f"({', '.join(missing[:5])}): it was made for another graph")
-    return found
+    return found, as_is
