@@ -22,14 +22,13 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.fx
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
 from ..capture.graph import CapturedGraph, checkpoint_region, is_in_place, is_view
-from ._dtensor_internals import layout_of, local_as, local_of
+from ._dtensor_internals import layout_for, layout_of, local_as, local_of
 from ._graph_internals import annotated_as, boxed_graph, keep_linalg_error_checks, keeping_annotations, release_saved
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
@@ -193,11 +192,42 @@ def _local_piece(outputs, shared: dict | None = None) -> Callable[[DTensor], tor
     return piece
 
 
-def _from_local(t: torch.Tensor, mesh: DeviceMesh, placements, like: torch.Tensor) -> DTensor:
+def _from_local(t: torch.Tensor, mesh: DeviceMesh, placements, like: torch.Tensor,
+                layouts: dict | None = None) -> DTensor:
     """``t`` (this rank's piece) as a DTensor of ``like``'s global shape, with strides in ``t``'s own order: a
-    kernel may lay its result out otherwise than the captured one did, and DTensor reads the strides it is told."""
-    return DTensor.from_local(t, mesh, placements, run_check=False, shape=like.shape,
-                              stride=global_stride(t, like.shape))
+    kernel may lay its result out otherwise than the captured one did, and DTensor reads the strides it is told.
+    With ``layouts`` (an interpreted call's), each layout is made once and shared (_FromPiece)."""
+    stride = global_stride(t, like.shape)
+    if layouts is None:
+        return DTensor.from_local(t, mesh, placements, run_check=False, shape=like.shape, stride=stride)
+    key = (tuple(placements), tuple(like.shape), stride, t.dtype)
+    spec = layouts.get(key)
+    if spec is None:
+        spec = layouts[key] = layout_for(mesh, placements, like.shape, stride, t.dtype)
+    return _FromPiece.apply(t, spec)
+
+
+class _FromPiece(torch.autograd.Function):
+    """``DTensor.from_local(t, ...)`` in a layout made once for the values of a call that share it (each from_local
+    builds and checks a new one). Its backward is from_local's: the gradient brought to the layout's placements,
+    pending sums resolved (Replicate where the value itself is pending)."""
+
+    @staticmethod
+    def forward(ctx, t, spec):
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)
+        return local_as(spec, t.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None
+        spec = ctx.spec
+        target = _gradient_placements(spec.placements)
+        grad = _as_dtensor(grad, spec.mesh, target)
+        if tuple(grad.placements) != target:
+            grad = _contiguous(grad).redistribute(spec.mesh, target)
+        return local_of(grad), None
 
 
 # make_fx records `view` where eager's tensor allowed it; a piece laid out otherwise (a redistributed operand, an
@@ -244,7 +274,9 @@ _ON_PIECES = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten._softm
               aten._log_softmax.default, aten._softmax_backward_data.default,
               aten._log_softmax_backward_data.default, aten.clone.default, aten._to_copy.default,
               aten.cat.default, aten.sum.dim_IntList, aten.native_layer_norm.default,
-              aten.native_layer_norm_backward.default, aten.embedding.default, aten.gather.default}
+              aten.native_layer_norm_backward.default, aten.embedding.default, aten.gather.default,
+              aten.sum.default}
+_SUMS = {aten.sum.default, aten.sum.dim_IntList}
 _PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 
 
@@ -259,8 +291,12 @@ def _on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
     listed = op in _ON_PIECES
     if not (listed or torch.Tag.pointwise in op.tags) or is_view(op):
         return False
-    if not outputs or any(pl is None for pl in outputs) or \
-            any(p.is_partial() for pl in (*inputs, *outputs) for p in pl):
+    if not outputs or any(pl is None for pl in outputs) or any(p.is_partial() for pl in inputs for p in pl):
+        return False
+    # a sum left pending: each rank sums its piece, and the gradient (whole: _GradSettled) expands onto the piece.
+    # Not an average's: a piece's mean divides its gradient by the piece's count, not the whole's
+    if any(p.is_partial() for pl in outputs for p in pl) and not (
+            op in _SUMS and all(p == Partial("sum") for pl in outputs for p in pl if p.is_partial())):
         return False
 
     def plain(a) -> bool:
@@ -269,6 +305,17 @@ def _on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
         return isinstance(a, (torch.fx.Node, *_PLAIN))
 
     return all(plain(a) for a in (*node.args, *node.kwargs.values()))
+
+
+def _map_leaves(fn: Callable, obj: Any) -> Any:
+    """An op's arguments (lists, tuples, dicts of values) with ``fn`` applied to each value, in pytree's order:
+    pytree's general walk, per node of every interpreted call, cost more than the op on a small piece."""
+    if isinstance(obj, (list, tuple)):
+        mapped = [_map_leaves(fn, x) for x in obj]
+        return type(obj)(*mapped) if hasattr(obj, "_fields") else type(obj)(mapped)
+    if isinstance(obj, dict):
+        return {k: _map_leaves(fn, v) for k, v in obj.items()}
+    return fn(obj)
 
 
 def _piece_shape(shape: torch.Size, placements, mesh: DeviceMesh) -> list[int] | None:
@@ -420,6 +467,7 @@ class ParallelProgram:
         self._locals_of: list[DTensor] = []
         self._on_pieces = True  # (off while AOTAutograd traces the per-rank graphs: _compile)
         self._shared: dict | None = None  # (interpret)
+        self._layouts_now: dict | None = None
         self._piecewise = {n for n in captured.gm.graph.nodes if n.name in plan.nodes and
                            plan.nodes[n.name].rule == "dtensor" and
                            _on_pieces(n, plan.nodes[n.name].inputs, plan.nodes[n.name].outputs)}
@@ -448,16 +496,20 @@ class ParallelProgram:
     def _compute(self, node: torch.fx.Node, args, kwargs) -> Any:
         """``node``'s result, its inputs laid out as planned and the result put in its planned placement."""
         np_ = self.plan.nodes[node.name]
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        slot = 0
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor):
-                if id(leaf) in self._cast_where_read and self._cast(leaf, "param"):
-                    leaves[i] = self._read_as_used(leaf, np_.inputs[slot])
-                else:
-                    leaves[i] = _to(leaf, np_.inputs[slot], self.mesh)
-                slot += 1
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        leaves: list[torch.Tensor] = []  # the tensor operands, in pytree's order (the plan's)
+
+        def laid_out(leaf):
+            if not isinstance(leaf, torch.Tensor):
+                return leaf
+            slot = len(leaves)
+            if id(leaf) in self._cast_where_read and self._cast(leaf, "param"):
+                leaf = self._read_as_used(leaf, np_.inputs[slot])
+            else:
+                leaf = _to(leaf, np_.inputs[slot], self.mesh)
+            leaves.append(leaf)
+            return leaf
+
+        args, kwargs = _map_leaves(laid_out, (args, kwargs))
         val = self._at_sizes(node.meta.get("val"))
         if node.target in _VIEW_CALLS:
             args = (_contiguous(args[0]), *args[1:])
@@ -478,15 +530,17 @@ class ParallelProgram:
             and all(_piece_shape(v.shape, p, self.mesh) is not None
                     for v, p in zip(val if isinstance(val, (tuple, list)) else [val], np_.outputs))
         if np_.rule == "local" or on_pieces:
-            local_args, local_kwargs = pytree.tree_map_only(DTensor, _local_piece(np_.outputs, self._shared),
-                                                            (args, kwargs))
+            piece = _local_piece(np_.outputs, self._shared)
+            local_args, local_kwargs = _map_leaves(lambda a: piece(a) if isinstance(a, DTensor) else a,
+                                                   (args, kwargs))
             out = node.target(*local_args, **local_kwargs)
             if isinstance(out, torch.Tensor):
-                return _from_local(out, self.mesh, np_.outputs[0], val)
+                return _from_local(out, self.mesh, np_.outputs[0], val, self._layouts_now)
             if not isinstance(out, (tuple, list)):  # None, or a Python value (an op run for its checks)
                 return out
             return type(out)(
-                _from_local(o, self.mesh, p, v) if isinstance(o, torch.Tensor) and p is not None else o
+                _from_local(o, self.mesh, p, v, self._layouts_now) if isinstance(o, torch.Tensor) and p is not None
+                else o
                 for o, p, v in zip(out, np_.outputs, val)
             )
         out = node.target(*args, **kwargs)
@@ -544,10 +598,11 @@ class ParallelProgram:
         # the pieces of this call's values, shared by their readers (not where the graph writes in place: a
         # value written is read afterwards through its new autograd history)
         self._shared = None if self._written or not self._on_pieces else {}
+        self._layouts_now = {} if self._on_pieces else None  # the layouts of this call's values (_from_local)
         try:
             return self._interpret(inputs, constants)
         finally:
-            self._shared = None
+            self._shared = self._layouts_now = None
 
     def _interpret(self, inputs: list[DTensor], constants: list[torch.Tensor]) -> list[Any]:
         env: dict[torch.fx.Node, Any] = {}
@@ -906,6 +961,9 @@ class _Backward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, step, *inputs):
+        # an output nothing read (a model's logits or cache beside its loss) gets no gradient, not zeros that
+        # would run back through the program, summed with the real ones as DTensors
+        ctx.set_materialize_grads(False)
         with torch.enable_grad():
             ctx.inputs = [x.detach().requires_grad_(x.requires_grad) for x in inputs]
             ctx.outputs = step(*ctx.inputs)
