@@ -167,3 +167,66 @@ def test_guards_compiled_to_python_agree_with_sympy():
         holds = _check_of(guard)
         for a, b in [(8, 3), (9, 1), (2, 2), (63, 5), (64, 2)]:
             assert holds({s0: a, s1: b}) == bool(guard.xreplace({s0: a, s1: b})), (guard, a, b)
+
+
+class _Views(torch.nn.Module):
+    """The views the interpreter runs on pieces (a program for every length, data parallel): the batch split
+    merged and unmerged (view), views along whole dims (split, transpose, unsqueeze, expand, slice, select,
+    squeeze), t() of a whole weight (its gradient's pending sum passes through the view), a value read by several
+    ops, a detached one; an embedding and a gather on pieces."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(32, 12)
+        self.w = torch.nn.Parameter(torch.randn(24, 12) * 0.2)
+        self.gate = torch.nn.Parameter(torch.randn(12))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        b, t, d = h.shape
+        a, c = (h.reshape(b * t, d) @ self.w.t()).view(b, t, 24).split(12, dim=-1)
+        z = a.transpose(1, 2).unsqueeze(1).expand(b, 2, d, t)[:, :, :, 1:].sum(1).transpose(1, 2)
+        h2 = h[:, 1:] + z * self.gate + c[:, 1:] * h[:, :-1]
+        logp = torch.log_softmax(h2 @ self.emb.weight.t(), -1)
+        picked = torch.gather(logp, -1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return -picked.mean() + h2.detach().select(-1, 0).mean() * 0.5
+
+
+def _view_steps(slice_of, loss_of, grad_of):
+    torch.manual_seed(0)
+    reference = _Views()
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
+    for length in LENGTHS:
+        torch.manual_seed(length)
+        ids = torch.randint(0, 32, (8, length))
+        loss = model(slice_of(ids))
+        loss.backward()
+        want = reference(ids)
+        want.backward()
+        torch.testing.assert_close(loss_of(loss), want.detach(), rtol=1e-5, atol=1e-6)
+        for name, p in reference.named_parameters():
+            torch.testing.assert_close(grad_of(model.get_parameter(name).grad), p.grad, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"length {length}, {name}: {m}")
+        model.zero_grad()
+        reference.zero_grad()
+    return _captures(model)
+
+
+def test_views_on_pieces_match_eager_at_every_length():
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    with simulated_world(WORLD):
+        def slice_of(ids):
+            return local_tensor_mode().rank_map(lambda r: on_rank(ids, r)[2 * r: 2 * r + 2].clone())
+
+        assert _view_steps(slice_of, lambda loss: on_rank(loss, 0), lambda g: on_rank(g.full_tensor(), 0)) == 2
+
+
+def _views_body():
+    rank = dist.get_rank()
+    return _view_steps(lambda ids: ids[2 * rank: 2 * rank + 2], lambda loss: loss.detach(),
+                       lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g)
+
+
+def test_views_on_pieces_match_eager_on_real_ranks(gloo4):
+    assert gloo4.run(_views_body) == [2] * 4

@@ -33,6 +33,7 @@ class DynamicDims:
     shape_env: ShapeEnv
     dims: dict[int, dict[int, sympy.Symbol]] = dataclasses.field(default_factory=dict)
     _checks: list = dataclasses.field(default_factory=list, repr=False)  # each guard as a Python function
+    _sizes: dict = dataclasses.field(default_factory=dict, repr=False)  # each size expression compiled (size)
 
     def symbolic(self, position: int, shape: tuple[int, ...], dynamic: tuple[int, ...]) -> tuple:
         """``shape`` with the ``dynamic`` dims as new symbols (hinted by their sizes now), for input ``position``."""
@@ -77,7 +78,11 @@ class DynamicDims:
     def size(self, s: Any, bindings: dict[sympy.Symbol, int]) -> Any:
         """A size (int or SymInt) at these bindings."""
         if isinstance(s, torch.SymInt):
-            return int(s.node.expr.xreplace(bindings))
+            expr = s.node.expr
+            compute = self._sizes.get(expr)
+            if compute is None:  # (compiled once: an interpreted call asks for every value's shape)
+                compute = self._sizes[expr] = _size_of(expr)
+            return compute(bindings)
         return s
 
     def concrete(self, val: Any, bindings: dict[sympy.Symbol, int]) -> Any:
@@ -92,9 +97,14 @@ _PYTHON = {"FloorDiv": operator.floordiv, "CleanDiv": operator.floordiv, "Python
 
 
 def _check_of(expr: sympy.Basic) -> Callable[[dict], bool]:
-    """Whether ``expr`` (a guard) holds at some symbols' values: a Python function compiled from it (a tenth of
-    sympy's substitution, per guard and call), checked against the substitution the first time it runs, which is
-    used instead where compiling fails or the two differ."""
+    """Whether ``expr`` (a guard) holds at some symbols' values (_compiled)."""
+    return _compiled(expr, bool)
+
+
+def _compiled(expr: sympy.Basic, cast: Callable) -> Callable[[dict], Any]:
+    """``expr``'s value at some symbols' values, as ``cast`` reads it: a Python function compiled from it (a tenth
+    of sympy's substitution, per expression and call), checked against the substitution the first time it runs,
+    which is used instead where compiling fails or the two differ."""
     symbols = sorted(expr.free_symbols, key=str)
     try:
         compiled = sympy.lambdify(symbols, expr, modules=[_PYTHON, "math"])
@@ -102,14 +112,14 @@ def _check_of(expr: sympy.Basic) -> Callable[[dict], bool]:
         compiled = None
     trusted: list[bool] = []
 
-    def substituted(bindings: dict) -> bool:
-        return bool(expr.xreplace(bindings))
+    def substituted(bindings: dict) -> Any:
+        return cast(expr.xreplace(bindings))
 
-    def holds(bindings: dict) -> bool:
+    def value(bindings: dict) -> Any:
         if compiled is None or trusted == [False]:
             return substituted(bindings)
         try:
-            fast = bool(compiled(*(bindings[s] for s in symbols)))
+            fast = cast(compiled(*(bindings[s] for s in symbols)))
         except Exception:  # noqa: BLE001 - a symbol without a value, an unknown function: substitution
             return substituted(bindings)
         if not trusted:
@@ -118,7 +128,18 @@ def _check_of(expr: sympy.Basic) -> Callable[[dict], bool]:
                 return substituted(bindings)
         return fast
 
-    return holds
+    return value
+
+
+def _size_of(expr: sympy.Basic) -> Callable[[dict], int]:
+    """A size expression's value at some symbols' values: a symbol or a number read as it is, anything else
+    compiled (_compiled)."""
+    if expr.is_Integer:
+        value = int(expr)
+        return lambda bindings: value
+    if expr.is_Symbol:
+        return lambda bindings: int(bindings[expr])
+    return _compiled(expr, int)
 
 
 def symbolic_input(fake_mode: FakeTensorMode, dims: DynamicDims, position: int, shape: tuple[int, ...],

@@ -9,7 +9,14 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["layout_of", "local_as", "local_of"]
+__all__ = ["layout_for", "layout_of", "local_as", "local_of"]
+
+
+def layout_for(mesh, placements, shape, stride, dtype: torch.dtype) -> Any:
+    """A layout for :func:`local_as` from its parts (what ``DTensor.from_local`` builds at every call)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype))
 
 
 def layout_of(d: DTensor) -> Any:
