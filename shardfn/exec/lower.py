@@ -23,18 +23,21 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
-from torch.distributed.tensor.placement_types import Partial, Placement, Shard
+from torch.distributed.tensor.placement_types import Shard
 
 from .._simulation_internals import local_tensor_mode
 from ..capture.graph import CapturedGraph, checkpoint_region, is_getitem, is_in_place, is_view
-from ._dtensor_internals import layout_for, layout_of, local_as, local_of
+from ._dtensor_internals import layout_of, local_as, local_of
 from ._graph_internals import annotated_as, boxed_graph, keep_linalg_error_checks, keeping_annotations, release_saved
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
 from ..strategy_search.plan import NodePlan, Plan
 from .passes import recompute_checkpointed, regather_in_backward, simplify
+from .pieces import (VIEW_CALLS, as_dtensor, conform, contiguous, from_local, gradient_placements, local_piece,
+                     map_leaves, piece_shape, placed, redistribute, runs_on_pieces, settled, view_of_piece,
+                     view_on_pieces)
 from .run import LocalsOf, global_stride
 
 __all__ = ["ParallelProgram", "lower", "use_inductor"]
@@ -89,330 +92,6 @@ def _saying_where(run: Callable, program: str, graph: str) -> Callable:
 
     saying._boxed_call = True
     return saying
-
-
-def _conform(x: Any, placements: tuple[Placement, ...] | None):
-    """Put an op result in its planned placement. A pending sum stays as the op left it: one the op resolved
-    early stays resolved, and DTensor's own kinds (embedding's masked sum) are not re-labelled."""
-    if placements is None or not isinstance(x, DTensor) or tuple(x.placements) == placements:
-        return x
-    target = tuple(p if q.is_partial() else q for p, q in zip(x.placements, placements))
-    return x if tuple(x.placements) == target else _redistribute(x, target)
-
-
-def _to(x: Any, placements: tuple[Placement, ...], mesh: DeviceMesh):
-    """Bring an input to the placement its consumer's strategy reads it in.
-
-    Going to a pending sum from a whole value is left to the op's DTensor dispatch (which may split a value into
-    a pending sum; the public redistribute may not): those dims are brought to Replicate here.
-    """
-    if isinstance(x, DTensor):
-        current = tuple(x.placements)
-        target = tuple(Replicate() if q.is_partial() and not p.is_partial() else q
-                       for p, q in zip(current, placements))
-        if current == target:
-            return x
-        return _redistribute(x, target)
-    if isinstance(x, torch.Tensor):  # a whole value (graph constant): every rank slices its part
-        return distribute_tensor(x, mesh, tuple(Replicate() if q.is_partial() else q for q in placements),
-                                 src_data_rank=None)
-    return x
-
-
-def _redistribute(x: DTensor, placements) -> DTensor:
-    """``x`` in ``placements``. A collective's result is contiguous but keeps its input's global strides: from a
-    contiguous input (and, going back, a contiguous gradient) the DTensor's strides and its local tensor's agree."""
-    return _GradAsDTensor.apply(_contiguous(x).redistribute(x.device_mesh, placements))
-
-
-class _GradAsDTensor(torch.autograd.Function):
-    """Identity whose backward hands a redistribution's backward what it needs: a contiguous DTensor gradient,
-    also where a backward formula made a plain tensor of the global shape (sgn's zeros), a whole value."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.mesh, ctx.placements = x.device_mesh, _gradient_placements(x.placements)
-        # a new DTensor on an alias of the piece: DTensor's own view_as would propagate its sharding, afresh at
-        # every new size
-        return local_as(layout_of(x), local_of(x).detach())
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _contiguous(_as_dtensor(grad, ctx.mesh, ctx.placements))
-
-
-class _GradSettled(_GradAsDTensor):
-    """An op's result whose gradient (its readers' contributions summed) is brought to the result's own layout,
-    pending sums resolved, before it reaches the op: the plan prices each value's gradient so (one reduction
-    where readers left pending sums). Left to DTensor, a pending sum would travel on into the backward of the
-    ops that made the value, which would then gather their other operands to run whole on every rank (a
-    Megatron layer's weights, in transformers' Llama)."""
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = _GradAsDTensor.backward(ctx, grad)
-        return grad if tuple(grad.placements) == ctx.placements else \
-            _contiguous(grad.redistribute(ctx.mesh, ctx.placements))
-
-
-def _settled(x: Any) -> Any:
-    return _GradSettled.apply(x) if isinstance(x, DTensor) and x.requires_grad else x
-
-
-def _gradient_placements(placements) -> tuple:
-    """Where a gradient goes: the value's own placements with pending sums replicated (as DTensor's)."""
-    return tuple(Replicate() if p.is_partial() else p for p in placements)
-
-
-def _as_dtensor(grad: torch.Tensor, mesh: DeviceMesh, placements) -> DTensor:
-    if isinstance(grad, DTensor):
-        return grad
-    if grad._is_zerotensor():  # a lazy zero (no storage): made real before it is sliced
-        grad = torch.zeros(grad.shape, dtype=grad.dtype, device=grad.device)
-    return distribute_tensor(grad, mesh, placements, src_data_rank=None)
-
-
-def _local_piece(outputs, shared: dict | None = None) -> Callable[[DTensor], torch.Tensor]:
-    """An input's piece for an op run on the pieces. Along a mesh dim where the op's results are split, each rank
-    computes its own part of them from a whole (replicated) input, so that input's gradient on each rank is its
-    part of the sum: it goes back as a pending sum there (a convolution's weight under a batch split), never as
-    if every rank had the whole gradient."""
-    split = {i for pl in outputs if pl for i, p in enumerate(pl) if isinstance(p, Shard)}
-
-    def piece(t: DTensor) -> torch.Tensor:
-        grad = tuple(Partial() if i in split and p.is_replicate() else p for i, p in enumerate(t.placements))
-        if shared is None:
-            return t.to_local(grad_placements=grad)
-        # one piece for every reader of a value (of one gradient layout): autograd sums their gradients on the
-        # pieces, where apart it would sum DTensors (a sharding propagation at every new size)
-        key = (id(t), grad)
-        if key not in shared:
-            shared[key] = (t, t.to_local(grad_placements=grad))  # (t held: its id stays its own)
-        return shared[key][1]
-
-    return piece
-
-
-def _from_local(t: torch.Tensor, mesh: DeviceMesh, placements, like: torch.Tensor,
-                layouts: dict | None = None) -> DTensor:
-    """``t`` (this rank's piece) as a DTensor of ``like``'s global shape, with strides in ``t``'s own order: a
-    kernel may lay its result out otherwise than the captured one did, and DTensor reads the strides it is told.
-    With ``layouts`` (an interpreted call's), each layout is made once and shared (_FromPiece)."""
-    stride = global_stride(t, like.shape)
-    if layouts is None:
-        return DTensor.from_local(t, mesh, placements, run_check=False, shape=like.shape, stride=stride)
-    key = (tuple(placements), tuple(like.shape), stride, t.dtype)
-    spec = layouts.get(key)
-    if spec is None:
-        spec = layouts[key] = layout_for(mesh, placements, like.shape, stride, t.dtype)
-    return _FromPiece.apply(t, spec)
-
-
-class _FromPiece(torch.autograd.Function):
-    """``DTensor.from_local(t, ...)`` in a layout made once for the values of a call that share it (each from_local
-    builds and checks a new one). Its backward is from_local's: the gradient brought to the layout's placements,
-    pending sums resolved (Replicate where the value itself is pending)."""
-
-    @staticmethod
-    def forward(ctx, t, spec):
-        ctx.spec = spec
-        ctx.set_materialize_grads(False)
-        return local_as(spec, t.detach())
-
-    @staticmethod
-    def backward(ctx, grad):
-        if grad is None:
-            return None, None
-        spec = ctx.spec
-        target = _gradient_placements(spec.placements)
-        grad = _as_dtensor(grad, spec.mesh, target)
-        if tuple(grad.placements) != target:
-            grad = _contiguous(grad).redistribute(spec.mesh, target)
-        return local_of(grad), None
-
-
-# make_fx records `view` where eager's tensor allowed it; a piece laid out otherwise (a redistributed operand, an
-# elementwise result following it) may not. Every view is valid on a contiguous tensor.
-_VIEW_CALLS = (aten.view.default, aten._unsafe_view.default)
-
-
-def _contiguous(x: Any) -> Any:
-    # DTensor checks a view against its global strides, the kernel against the local ones: both must allow it
-    if isinstance(x, DTensor) and not (x.is_contiguous() and local_of(x).is_contiguous()):
-        return _Contiguous.apply(x)
-    return x
-
-
-def _dense_stride(shape) -> tuple[int, ...]:
-    stride, acc = [0] * len(shape), 1
-    for d in reversed(range(len(shape))):
-        stride[d] = acc
-        acc *= max(shape[d], 1)
-    return tuple(stride)
-
-
-class _Contiguous(torch.autograd.Function):
-    """``x`` contiguous, its piece and its global strides both, made on the piece: DTensor's contiguous() returns a
-    DTensor whose global strides are contiguous as it is (its piece may not be), and its clone would propagate
-    its sharding afresh at every new size. The gradient passes as it is (a clone's), pending sums too."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return DTensor.from_local(local_of(x).detach().contiguous(), x.device_mesh, x.placements, run_check=False,
-                                  shape=x.shape, stride=_dense_stride(x.shape))
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-# ops DTensor runs on its operands' pieces as they are, given the placements its strategy asks for (besides the
-# pointwise ones; their list arguments are dims or operands, not sizes): the interpreter runs them so itself,
-# without DTensor's sharding propagation on every call. Views apart (_PIECE_VIEWS): a view hands the pending sum of
-# its gradient on as it is (DTensor's view rules), where a piece's view between to_local and from_local would
-# resolve it first
-_ON_PIECES = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten._softmax.default,
-              aten._log_softmax.default, aten._softmax_backward_data.default,
-              aten._log_softmax_backward_data.default, aten.clone.default, aten._to_copy.default,
-              aten.cat.default, aten.sum.dim_IntList, aten.native_layer_norm.default,
-              aten.native_layer_norm_backward.default, aten.embedding.default, aten.gather.default,
-              aten.sum.default}
-_SUMS = {aten.sum.default, aten.sum.dim_IntList}
-_PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
-
-
-def _on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
-    """Whether ``node`` (run by DTensor's rule at these planned placements) computes each rank's piece of its
-    results from its operands' pieces alone, so the interpreter may run it on them directly: a pointwise op, or
-    one of those above, on tensors and plain values, no pending sum in or out (whose gradient the pieces would not
-    give)."""
-    op = node.target
-    if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable:
-        return False
-    listed = op in _ON_PIECES
-    if not (listed or torch.Tag.pointwise in op.tags) or is_view(op):
-        return False
-    if not outputs or any(pl is None for pl in outputs) or any(p.is_partial() for pl in inputs for p in pl):
-        return False
-    # a sum left pending: each rank sums its piece, and the gradient (whole: _GradSettled) expands onto the piece.
-    # Not an average's: a piece's mean divides its gradient by the piece's count, not the whole's
-    if any(p.is_partial() for pl in outputs for p in pl) and not (
-            op in _SUMS and all(p == Partial("sum") for pl in outputs for p in pl if p.is_partial())):
-        return False
-
-    def plain(a) -> bool:
-        if isinstance(a, (list, tuple)):
-            return listed and all(plain(x) for x in a)
-        return isinstance(a, (torch.fx.Node, *_PLAIN))
-
-    return all(plain(a) for a in (*node.args, *node.kwargs.values()))
-
-
-def _map_leaves(fn: Callable, obj: Any) -> Any:
-    """An op's arguments (lists, tuples, dicts of values) with ``fn`` applied to each value, in pytree's order:
-    pytree's general walk, per node of every interpreted call, cost more than the op on a small piece."""
-    if isinstance(obj, (list, tuple)):
-        mapped = [_map_leaves(fn, x) for x in obj]
-        return type(obj)(*mapped) if hasattr(obj, "_fields") else type(obj)(mapped)
-    if isinstance(obj, dict):
-        return {k: _map_leaves(fn, v) for k, v in obj.items()}
-    return fn(obj)
-
-
-def _piece_shape(shape: torch.Size, placements, mesh: DeviceMesh) -> list[int] | None:
-    """Every rank's piece of a tensor of ``shape`` in ``placements``, where the splits are even (else None)."""
-    local = list(shape)
-    for d, p in enumerate(placements):
-        if isinstance(p, Shard):
-            n = mesh.size(d)
-            if local[p.dim] % n:
-                return None
-            local[p.dim] //= n
-    return local
-
-
-# views DTensor runs on its operand's piece, the size argument (index 1, where taken) rewritten to the result's
-# piece: the interpreter runs them so itself (_ViewOfPiece), where the planned placements say DTensor's rule would
-_PIECE_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.transpose.int,
-                aten.t.default, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor,
-                aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.detach.default,
-                aten.alias.default}
-_SIZED_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default}
-# views along one dim (its argument's position, name, default): on pieces only where that dim is whole
-_DIM_OF_VIEW = {aten.squeeze.dim: (1, "dim", None), aten.slice.Tensor: (1, "dim", 0),
-                aten.select.int: (1, "dim", None), aten.split.Tensor: (2, "dim", 0),
-                aten.split_with_sizes.default: (2, "dim", 0)}
-
-
-def _view_on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
-    """Whether ``node`` is a view the interpreter may run on its operand's piece: one of those above on one tensor,
-    its other arguments plain, no pending sum in or out (a pending sum of the gradient passes: _ViewOfPiece)."""
-    if node.target not in _PIECE_VIEWS or not outputs or any(pl is None for pl in outputs) or len(inputs) != 1:
-        return False
-    if any(p.is_partial() for pl in (*inputs, *outputs) for p in pl):
-        return False
-    rest = (*node.args[1:], *node.kwargs.values())
-    plain = all(isinstance(a, (torch.fx.Node, *_PLAIN)) or
-                (isinstance(a, (list, tuple)) and all(isinstance(b, (torch.fx.Node, int)) for b in a)) for a in rest)
-    return isinstance(node.args[0], torch.fx.Node) and plain and not any(
-        isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in rest)
-
-
-def _view_dim_whole(node: torch.fx.Node, args, kwargs, placements) -> bool:
-    """For a view along one dim: whether that dim is whole on every rank (a slice of a split dim is not the
-    slice of each piece)."""
-    where = _DIM_OF_VIEW.get(node.target)
-    if where is None:
-        return True
-    i, name, default = where
-    dim = args[i] if len(args) > i else kwargs.get(name, default)
-    ndim = args[0].dim()
-    dim = dim % ndim if ndim else 0
-    return not any(isinstance(p, Shard) and p.dim % ndim == dim for p in placements)
-
-
-class _Held:
-    """What a view run on a piece hands its autograd node: the piece as viewed (detached, under autograd), its
-    results, and the layouts of the results and of the input's gradient."""
-
-    __slots__ = ("piece", "outs", "specs", "mesh", "x_grad", "x_shape")
-
-
-class _ViewOfPiece(torch.autograd.Function):
-    """Results of a view run on this rank's piece (``held.outs``, computed from ``held.piece`` under autograd), as
-    DTensors. Backward runs the piece's view backward on the gradients' pieces; a pending sum (Partial) of the
-    gradient passes on to the input's where every result's gradient has it, as DTensor's view rules hand it on:
-    the value viewed sums it with its other readers' gradients and resolves it once (_GradSettled)."""
-
-    @staticmethod
-    def forward(ctx, x, held: _Held):
-        ctx.held = held
-        return tuple(DTensor.from_local(o.detach(), held.mesh, pl, run_check=False, shape=shape, stride=stride)
-                     for o, (pl, shape, stride) in zip(held.outs, held.specs))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        held = ctx.held
-        ctx.held = None
-        mesh, n = held.mesh, held.mesh.ndim
-        got = [(o, _as_dtensor(g, mesh, _gradient_placements(pl)), _gradient_placements(pl))
-               for o, g, (pl, _, _) in zip(held.outs, grads, held.specs) if g is not None and o.requires_grad]
-        if not got:
-            return None, None
-        # mesh dims where every gradient is pending, of one kind, and the result whole: left pending
-        first = got[0][1].placements
-        pending = {m for m in range(n) if first[m].is_partial() and all(
-            g.placements[m] == first[m] and want[m].is_replicate() for _, g, want in got)}
-        pieces = []
-        for _, g, want in got:
-            target = tuple(first[m] if m in pending else want[m] for m in range(n))
-            if tuple(g.placements) != target:
-                g = _contiguous(g).redistribute(mesh, target)
-            pieces.append(local_of(g))
-        (grad,) = torch.autograd.grad([o for o, _, _ in got], [held.piece], pieces)
-        placements = tuple(first[m] if m in pending else p for m, p in enumerate(held.x_grad))
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=held.x_shape,
-                                  stride=global_stride(grad, held.x_shape)), None
 
 
 class ParallelProgram:
@@ -471,12 +150,12 @@ class ParallelProgram:
         self._shared: dict | None = None  # (interpret)
         self._layouts_now: dict | None = None
         self._piecewise = {n for n, np_ in self.node_plans.items()
-                           if np_.rule == "dtensor" and _on_pieces(n, np_.inputs, np_.outputs)}
+                           if np_.rule == "dtensor" and runs_on_pieces(n, np_.inputs, np_.outputs)}
         # views run on pieces; not where the graph writes in place (a write through a view must reach its base
         # through autograd's view tracking, which a piece's view run apart from its DTensor does not keep)
         self._piece_views = set() if self._written else {
             n for n, np_ in self.node_plans.items()
-            if np_.rule == "dtensor" and _view_on_pieces(n, np_.inputs, np_.outputs)}
+            if np_.rule == "dtensor" and view_on_pieces(n, np_.inputs, np_.outputs)}
 
     # --- interpretation -----------------------------------------------------------------------------------
 
@@ -490,9 +169,9 @@ class ParallelProgram:
     def _settled_result(self, node: torch.fx.Node, out: Any) -> Any:
         # a view hands its gradient's pending sum on to the value it views, which sums it with its other readers'
         # and resolves it once; a result a later op writes into stays as autograd made it
-        if node.target in _VIEW_CALLS or is_view(node.target) or node in self._written:
+        if node.target in VIEW_CALLS or is_view(node.target) or node in self._written:
             return out
-        return type(out)(_settled(o) for o in out) if isinstance(out, (tuple, list)) else _settled(out)
+        return type(out)(settled(o) for o in out) if isinstance(out, (tuple, list)) else settled(out)
 
     def _compute(self, node: torch.fx.Node, args, kwargs) -> Any:
         """``node``'s result, its inputs laid out as planned and the result put in its planned placement."""
@@ -506,100 +185,55 @@ class ParallelProgram:
             if id(leaf) in self._cast_where_read and self._cast(leaf, "param"):
                 leaf = self._read_as_used(leaf, np_.inputs[slot])
             else:
-                leaf = _to(leaf, np_.inputs[slot], self.mesh)
+                leaf = placed(leaf, np_.inputs[slot], self.mesh)
             leaves.append(leaf)
             return leaf
 
-        args, kwargs = _map_leaves(laid_out, (args, kwargs))
+        args, kwargs = map_leaves(laid_out, (args, kwargs))
         val = self._at_sizes(node.meta.get("val"))
-        if node.target in _VIEW_CALLS:
-            args = (_contiguous(args[0]), *args[1:])
+        if node.target in VIEW_CALLS:
+            args = (contiguous(args[0]), *args[1:])
 
         if np_.rule == "factory":
-            return _to(node.target(*args, **kwargs), np_.outputs[0], self.mesh)
+            return placed(node.target(*args, **kwargs), np_.outputs[0], self.mesh)
         if np_.rule == "random":
             shape_of = args[0]
             whole = torch.empty(shape_of.shape, dtype=shape_of.dtype, device=self.mesh.device_type)
-            return _to(node.target(whole, *args[1:], **kwargs), np_.outputs[0], self.mesh)
+            return placed(node.target(whole, *args[1:], **kwargs), np_.outputs[0], self.mesh)
         if self._on_pieces and node in self._piece_views:
-            out = self._view_of_piece(node, args, kwargs, np_, val)
+            out = view_of_piece(node, args, kwargs, np_, val, self.mesh)
             if out is not None:
                 return out
         # on the pieces where they are even (uneven ones: DTensor's way, which keeps each rank's shapes apart)
         on_pieces = self._on_pieces and node in self._piecewise and all(
-            _piece_shape(t.shape, t.placements, self.mesh) is not None for t in leaves if isinstance(t, DTensor)) \
-            and all(_piece_shape(v.shape, p, self.mesh) is not None
+            piece_shape(t.shape, t.placements, self.mesh) is not None for t in leaves if isinstance(t, DTensor)) \
+            and all(piece_shape(v.shape, p, self.mesh) is not None
                     for v, p in zip(val if isinstance(val, (tuple, list)) else [val], np_.outputs))
         if np_.rule == "local" or on_pieces:
-            piece = _local_piece(np_.outputs, self._shared)
-            local_args, local_kwargs = _map_leaves(lambda a: piece(a) if isinstance(a, DTensor) else a,
+            piece = local_piece(np_.outputs, self._shared)
+            local_args, local_kwargs = map_leaves(lambda a: piece(a) if isinstance(a, DTensor) else a,
                                                    (args, kwargs))
             out = node.target(*local_args, **local_kwargs)
             if isinstance(out, torch.Tensor):
-                return _from_local(out, self.mesh, np_.outputs[0], val, self._layouts_now)
+                return from_local(out, self.mesh, np_.outputs[0], val, self._layouts_now)
             if not isinstance(out, (tuple, list)):  # None, or a Python value (an op run for its checks)
                 return out
             return type(out)(
-                _from_local(o, self.mesh, p, v, self._layouts_now) if isinstance(o, torch.Tensor) and p is not None
+                from_local(o, self.mesh, p, v, self._layouts_now) if isinstance(o, torch.Tensor) and p is not None
                 else o
                 for o, p, v in zip(out, np_.outputs, val)
             )
         out = node.target(*args, **kwargs)
         if isinstance(out, (tuple, list)):
-            return type(out)(_conform(o, p) for o, p in zip(out, np_.outputs))
-        return _conform(out, np_.outputs[0])
+            return type(out)(conform(o, p) for o, p in zip(out, np_.outputs))
+        return conform(out, np_.outputs[0])
 
-    def _view_of_piece(self, node: torch.fx.Node, args, kwargs, np_, val) -> Any:
-        """``node`` (a view) run on its operand's piece as DTensor's rule would, without its sharding propagation;
-        None where it cannot be (an uneven split, a split dim viewed along, an operand not as planned)."""
-        x = args[0]
-        if not isinstance(x, DTensor) or tuple(x.placements) != np_.inputs[0] or \
-                _piece_shape(x.shape, x.placements, self.mesh) is None or \
-                not _view_dim_whole(node, args, kwargs, x.placements):
-            return None
-        many = isinstance(val, (tuple, list))
-        vals = val if many else (val,)
-        shapes = [_piece_shape(v.shape, p, self.mesh) for v, p in zip(vals, np_.outputs)]
-        if any(s is None for s in shapes):
-            return None
-        rest = list(args[1:])
-        if node.target in _SIZED_VIEWS:
-            rest[0] = shapes[0]
-        piece = local_of(x)
-        if node.target in _VIEW_CALLS and not piece.is_contiguous():  # (a DTensor's contiguous() reads its
-            piece = piece.contiguous()                               # global strides alone)
-        grad = torch.is_grad_enabled() and x.requires_grad
-        if grad:
-            piece = piece.detach().requires_grad_()
-        out = node.target(piece, *rest, **kwargs)
-        outs = list(out) if many else [out]
-        if [list(o.shape) for o in outs] != shapes:  # not DTensor's rule's pieces: left to DTensor
-            return None
-        # the global strides DTensor's rule gives (a slice's, an expand's): the view of an empty tensor of the
-        # operand's global layout
-        try:
-            meta = node.target(torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta"), *args[1:],
-                               **kwargs)
-        except RuntimeError:  # (DTensor's dispatch says why)
-            return None
-        metas = list(meta) if many else [meta]
-        specs = [(p, m.shape, m.stride()) for p, m in zip(np_.outputs, metas)]
-        if grad and any(o.requires_grad for o in outs):
-            held = _Held()
-            held.piece, held.outs, held.specs, held.mesh = piece, outs, specs, self.mesh
-            held.x_grad, held.x_shape = _gradient_placements(x.placements), x.shape
-            wrapped = _ViewOfPiece.apply(x, held)
-        else:
-            wrapped = tuple(DTensor.from_local(o.detach() if grad else o, self.mesh, pl, run_check=False,
-                                               shape=shape, stride=stride)
-                            for o, (pl, shape, stride) in zip(outs, specs))
-        return type(out)(wrapped) if many else wrapped[0]
 
     def interpret(self, inputs: list[DTensor], constants: list[torch.Tensor]) -> list[Any]:
         # the pieces of this call's values, shared by their readers (not where the graph writes in place: a
         # value written is read afterwards through its new autograd history)
         self._shared = None if self._written or not self._on_pieces else {}
-        self._layouts_now = {} if self._on_pieces else None  # the layouts of this call's values (_from_local)
+        self._layouts_now = {} if self._on_pieces else None  # the layouts of this call's values (from_local)
         try:
             return self._interpret(inputs, constants)
         finally:
@@ -619,7 +253,7 @@ class ParallelProgram:
                 env[node] = next(consts) if isinstance(node.meta.get("val"), torch.Tensor) else \
                     getattr(self.captured.gm, node.target)
             elif node.op == "output":
-                return [_conform(_to(env[o], p, self.mesh), p) for o, p in zip(node.args[0], self.plan.outputs)]
+                return [conform(placed(env[o], p, self.mesh), p) for o, p in zip(node.args[0], self.plan.outputs)]
         raise AssertionError("graph has no output node")
 
     def local_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
@@ -631,10 +265,10 @@ class ParallelProgram:
             d = _Enter.apply(x, self.mesh, e.held, self._global_shape(i, e), record, i)
             if e.kind != "param" or not self._cast(d, e.kind):
                 d = self._used(d, e.kind)
-            inputs.append(d if e.held == e.planned else _redistribute(d, e.planned))
+            inputs.append(d if e.held == e.planned else redistribute(d, e.planned))
         outs = [self._returned(o.to_local()) for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
         for k in self._written_elsewhere:  # updated in place in another layout than the caller's: written back
-            locals_[k].copy_(_redistribute(inputs[k], self.entries[k].held).to_local())
+            locals_[k].copy_(redistribute(inputs[k], self.entries[k].held).to_local())
         return outs
 
     def whole_step(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
@@ -847,7 +481,7 @@ class ParallelProgram:
         if self._graph_step and torch.is_grad_enabled() and not any(
                 isinstance(a, DTensor) for a in args[n_params:]):
             outs = GraphStep.apply(self, *args)
-            return [_from_local(o, self.mesh, self.plan.outputs[k], self._at_sizes(v)) if self.as_dtensor[k] else o
+            return [from_local(o, self.mesh, self.plan.outputs[k], self._at_sizes(v)) if self.as_dtensor[k] else o
                     for k, (o, v) in enumerate(zip(outs, self.out_vals))]
         locals_ = list(args)
         if n_params and torch.is_grad_enabled():
@@ -865,7 +499,7 @@ class ParallelProgram:
         with implicit_replication():
             outs = self._run(*locals_, *self.constants)
         return [
-            _from_local(o, self.mesh, self.plan.outputs[k], self._at_sizes(v)) if self.as_dtensor[k] else o
+            from_local(o, self.mesh, self.plan.outputs[k], self._at_sizes(v)) if self.as_dtensor[k] else o
             for k, (o, v) in enumerate(zip(outs, self.out_vals))
         ]
 
@@ -897,14 +531,14 @@ class _Enter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, mesh, placements, shape, record, i):
-        ctx.mesh, ctx.placements, ctx.dtype = mesh, _gradient_placements(placements), local.dtype
+        ctx.mesh, ctx.placements, ctx.dtype = mesh, gradient_placements(placements), local.dtype
         ctx.record, ctx.i = record, i
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
                                   stride=global_stride(local, shape))
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _as_dtensor(grad, ctx.mesh, ctx.placements)
+        grad = as_dtensor(grad, ctx.mesh, ctx.placements)
         target = ctx.placements
         if ctx.record is not None:
             target = tuple(g if g.is_partial() and p.is_replicate() else p for g, p in zip(grad.placements, target))
@@ -937,13 +571,13 @@ class _LaidOutAs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, placements, dtype, reduce_dtype):
         ctx.mesh, ctx.reduce_dtype = x.device_mesh, reduce_dtype
-        ctx.held, ctx.placements = _gradient_placements(x.placements), _gradient_placements(placements)
-        return _contiguous(x.to(dtype)).redistribute(x.device_mesh, placements)
+        ctx.held, ctx.placements = gradient_placements(x.placements), gradient_placements(placements)
+        return contiguous(x.to(dtype)).redistribute(x.device_mesh, placements)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _contiguous(_as_dtensor(grad, ctx.mesh, ctx.placements).to(ctx.reduce_dtype))
-        return _contiguous(grad.redistribute(ctx.mesh, ctx.held)), None, None, None
+        grad = contiguous(as_dtensor(grad, ctx.mesh, ctx.placements).to(ctx.reduce_dtype))
+        return contiguous(grad.redistribute(ctx.mesh, ctx.held)), None, None, None
 
 
 class _ParamLocals(torch.autograd.Function):
