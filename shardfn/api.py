@@ -307,10 +307,26 @@ class _Engine:
         mesh = compiled.program.mesh
         if runtime.is_simulated() or (mesh.size() == 1 and not use_inductor(mesh.device_type)) \
                 or not self.programs.trace_now(compiled, key):
-            return here
+            return self._synced_once(compiled, here)
         here = dataclasses.replace(here, program=compiled.program.traced_at_these_sizes())
         self.programs[key] = here
         return here
+
+    def _synced_once(self, compiled: Compiled, here: Compiled) -> Compiled:
+        """An interpreted call of the program for every size, with gradients: its parameters' gradients are left
+        pending and reduced once its backward has ended, in buckets (as the call after sf.no_sync reduces them:
+        _accumulated), not each by its own all-reduce as autograd hands it over (each a wait for every rank; the
+        traced graphs fuse them: exec.passes). Not under no_sync (already so), a mixed precision policy or a
+        sharded optimizer (their gradients' reductions are their own), or in a world of one."""
+        if self.module is None or not torch.is_grad_enabled() or compiled.plan.accumulate or \
+                self.config.precision is not None or self.optimizer_stage or compiled.program.mesh.size() == 1:
+            return here
+        if compiled.synced_once is None:  # (lowered once, beside the program that reduces as it goes)
+            compiled.synced_once = lower(compiled.captured, dataclasses.replace(compiled.plan, accumulate=True),
+                                         compiled.program.mesh)
+        program = compiled.synced_once
+        return dataclasses.replace(here, planned=dataclasses.replace(here.planned, plan=program.plan),
+                                   program=program)
 
     def _for_every_size(self, key: tuple, args, kwargs, tensors: list,
                         arrived: tuple) -> tuple[Compiled | None, bool]:

@@ -98,6 +98,9 @@ class Compiled:
     met: LRU = field(default_factory=lambda: LRU(4096))  # signature -> [calls of it served] (real ranks trace
     # the second)
     times: StepTimes = field(default_factory=StepTimes)  # its calls' wall times: the plan's measured step
+    # a program for every size: the same, leaving parameters' gradients pending for one bucketed reduction at
+    # the end of an interpreted call's backward (api._synced_once); made on first use
+    synced_once: ParallelProgram | None = None
 
     @property
     def captured(self) -> CapturedGraph:
