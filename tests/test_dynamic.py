@@ -230,3 +230,34 @@ def _views_body():
 
 def test_views_on_pieces_match_eager_on_real_ranks(gloo4):
     assert gloo4.run(_views_body) == [2] * 4
+
+
+def test_an_interpreted_new_length_reduces_its_gradients_once():
+    # the program for every size, interpreted at a new length, leaves the parameters' gradients pending and
+    # reduces them in one bucket as the backward ends (not one all-reduce per parameter); they end as eager's
+    from torch.distributed._local_tensor import local_tensor_mode
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        reference = _Views()
+        model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
+        reduces = []
+        for length in LENGTHS:
+            torch.manual_seed(length)
+            ids = torch.randint(0, 32, (8, length))
+            local = local_tensor_mode().rank_map(lambda r: on_rank(ids, r)[2 * r: 2 * r + 2].clone())
+            loss = model(local)
+            with CommDebugMode() as comm:
+                loss.backward()
+            reduces.append(sum(n for op, n in comm.get_comm_counts().items() if "all_reduce" in str(op)))
+            reference(ids).backward()
+            for name, p in reference.named_parameters():
+                got = model.get_parameter(name).grad
+                assert tuple(got.placements) == tuple(model.get_parameter(name).placements), name
+                torch.testing.assert_close(on_rank(got.full_tensor(), 0), p.grad, rtol=1e-4, atol=1e-6)
+            model.zero_grad()
+            reference.zero_grad()
+    # the first length's program reduces each of the 3 parameters' gradients as autograd hands it over; the
+    # program for every length (from the second length on) one bucket of them
+    assert reduces[0] >= 3 and reduces[1:] == [1] * (len(LENGTHS) - 1), reduces
