@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .layout import TensorSpec, normalize_strategy, spec_of_dtensor
 
-__all__ = ["check_materialized", "fixed_specs", "lay_out", "lay_out_loaded_tensors", "lay_out_planned", "on_meta", "replace_parameter", "slot"]
+__all__ = ["check_materialized", "fixed_specs", "lay_out", "lay_out_loaded_tensors", "lay_out_planned", "on_meta",
+           "replace_parameter", "slot"]
 
 
 def slot(module: nn.Module, name: str) -> tuple[nn.Module, str]:

@@ -10,11 +10,11 @@ plan and lower is the engine's (api.py); which program a call takes is decided h
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
 from collections import OrderedDict
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 

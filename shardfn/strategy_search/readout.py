@@ -10,11 +10,10 @@ import torch.fx
 from torch.distributed.tensor.placement_types import Shard
 
 from .. import _pytree_internals as pytree
-from ..capture.graph import checkpoint_region, module_path
+from ..capture.graph import checkpoint_region, is_getitem, module_path
 from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
-from ..capture.graph import is_getitem
 from .candidates import tensor_inputs
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
 from .pricing import (
