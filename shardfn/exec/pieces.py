@@ -182,14 +182,6 @@ def contiguous(x: Any) -> Any:
     return x
 
 
-def _dense_stride(shape) -> tuple[int, ...]:
-    stride, acc = [0] * len(shape), 1
-    for d in reversed(range(len(shape))):
-        stride[d] = acc
-        acc *= max(shape[d], 1)
-    return tuple(stride)
-
-
 class _Contiguous(torch.autograd.Function):
     """``x`` contiguous, its piece and its global strides both, made on the piece: DTensor's contiguous() returns a
     DTensor whose global strides are contiguous as it is (its piece may not be), and its clone would propagate
@@ -197,8 +189,9 @@ class _Contiguous(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
-        return DTensor.from_local(local_of(x).detach().contiguous(), x.device_mesh, x.placements, run_check=False,
-                                  shape=x.shape, stride=_dense_stride(x.shape))
+        piece = local_of(x).detach().contiguous()
+        return DTensor.from_local(piece, x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                                  stride=global_stride(piece, x.shape))
 
     @staticmethod
     def backward(ctx, grad):
