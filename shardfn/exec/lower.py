@@ -109,9 +109,10 @@ class ParallelProgram:
         # parameter's gradient is not reduced over the mesh dims where the parameter is whole; it leaves pending
         # there (Partial), summed locally by autograd until someone reduces it once. Each parameter's gradient
         # placements, as traced (None: its own).
-        self.grad_placements: list[tuple | None] = [None] * sum(e.kind == "param" for e in plan.inputs)
-        self._any_pending = plan.accumulate or bool(plan.pending_grads)
         self.entries, self.as_dtensor = plan.inputs, plan.returns_dtensor
+        self.n_params = sum(e.kind == "param" for e in self.entries)
+        self.grad_placements: list[tuple | None] = [None] * self.n_params
+        self._any_pending = plan.accumulate or bool(plan.pending_grads)
         # each op's decisions; the ops run as they are (no decisions): getitems, and a program for every size's
         # size computations (sym_size: numbers, not tensors)
         self.node_plans, self._as_is = _node_plans(captured.gm.graph, plan)
@@ -128,7 +129,6 @@ class ParallelProgram:
         # program, read from their objects at every call
         self.constants = [getattr(captured.gm, n.target) for n in captured.gm.graph.nodes
                           if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor)]
-        self.n_params = sum(e.kind == "param" for e in self.entries)
         # a mixed precision policy casts each parameter where an op reads it (after the program entered it in its
         # own dtype), so that a gradient is cast to reduce_dtype before any reduction of it: the ids of this
         # call's parameters as the program entered them (interpret)
