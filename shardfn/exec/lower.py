@@ -34,6 +34,7 @@ from ._graph_internals import annotated_as, boxed_graph, keep_linalg_error_check
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
 from ..strategy_search.plan import NodePlan, Plan
+from .direct_calls import direct_calls
 from .passes import recompute_checkpointed, regather_in_backward, simplify
 from .pieces import (VIEW_CALLS, as_dtensor, conform, contiguous, from_local, gradient_placements, local_piece,
                      map_leaves, piece_shape, placed, redistribute, runs_on_pieces, settled, view_of_piece,
@@ -125,6 +126,8 @@ class ParallelProgram:
         # which every value's shape at this call's sizes follows
         self.dynamic = captured.dynamic
         self._bindings: dict = {}
+        # (a world of one runs the graph on whole tensors: only DTensor outputs need their sizes)
+        self._reads_sizes = self.dynamic is not None and (mesh.size() > 1 or any(self.as_dtensor))
         # the graph's constant tensors (made inside fn, or read from outside it): extra inputs of the traced
         # program, read from their objects at every call
         self.constants = [getattr(captured.gm, n.target) for n in captured.gm.graph.nodes
@@ -139,6 +142,8 @@ class ParallelProgram:
         self._checkpointed = any(checkpoint_region(n) is not None for n in captured.gm.graph.nodes)
         # one rank holds everything: the captured graph itself runs, with nothing to lay out
         step = self.whole_step if mesh.size() == 1 else self.local_step
+        # a world of one runs the captured graph itself: untraced, with its ops called through torch's bindings
+        self._whole_graph = captured.gm if traced or mesh.size() > 1 else direct_calls(captured.gm)
         if traced:  # traced into forward/backward graphs; whether a call can run them directly: after the first
             self._run, self._graph_step = self._compile(step), None
         else:
@@ -275,16 +280,20 @@ class ParallelProgram:
         """A world of one: the captured graph on the whole tensors, as fn ran at capture (traced into forward and
         backward graphs on a process group, eager in a simulated world). The graph holds torch.autocast's casts
         already; they are not applied twice."""
-        used = [self._used(x, e.kind) for x, e in zip(locals_, self.entries)]
-        constants = locals_[len(self.entries):]
+        n = len(self.entries)
+        used = locals_[:n] if self.precision is None else [self._used(x, e.kind) for x, e in zip(locals_, self.entries)]
+        constants = locals_[n:]
         with contextlib.ExitStack() as stack:
             for device in _AUTOCAST_DEVICES:
-                stack.enter_context(torch.autocast(device, enabled=False))
+                if torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
             # an interpreter hands each node's annotations (its region) to the trace, and reads the graph's
             # constant tensors from the step's inputs (traced, they are its inputs, not tensors of the graph)
             if self._checkpointed or constants:
-                return [self._returned(o) for o in _ConstantsAsInputs(self.captured.gm, constants).run(*used)]
-            return [self._returned(o) for o in self.captured.gm(*used)]
+                outs = _ConstantsAsInputs(self.captured.gm, constants).run(*used)
+            else:
+                outs = self._whole_graph.forward(*used)
+        return outs if self.precision is None else [self._returned(o) for o in outs]
 
     # --- sizes that change (capture.dynamic) ------------------------------------------------------------
 
@@ -382,7 +391,8 @@ class ParallelProgram:
                 self.graphs[name] = simplify(gm, in_place=not inductor,
                                              one_in_flight=self.mesh.device_type == "cpu")
                 if not inductor:
-                    self.runners[name] = _saying_where(boxed_graph(gm), self.name, name)
+                    self.runners[name] = _saying_where(boxed_graph(direct_calls(self.graphs[name])), self.name,
+                                                       name)
                     return self.runners[name]
                 start = time.perf_counter()
                 code, cached = compile_graph(gm, example_inputs)
@@ -474,7 +484,7 @@ class ParallelProgram:
     def __call__(self, *args: torch.Tensor) -> list[torch.Tensor]:
         # parameters (first in entries) have the layout the plan gave them: their layouts are known
         n_params = self.n_params
-        if self.dynamic is not None:  # the symbols' values in this call (a traced program: the ones it holds)
+        if self._reads_sizes:  # the symbols' values in this call (a traced program: the ones it holds)
             self._bindings = self.dynamic.bindings(self._global_shapes(args))
         if self._graph_step is None and "backward" in self.graphs:
             self._graph_step = self._direct_graphs()

@@ -1,0 +1,74 @@
+"""A graph that runs eagerly, its aten ops called through torch's own Python bindings.
+
+A captured or traced graph calls each op as ``torch.ops.aten.<op>.<overload>(...)``: an OpOverload, whose call
+converts every argument to the op's schema types in a generic (boxed) way. The same op called as ``torch.mm``
+or ``x.view(...)`` goes through the bindings torch generates for each op, which parse arguments several times
+faster: a small op's call costs ~1 us there against 2-5 us (``aten.view.default`` with a size list: 4.7 us, the
+method 1.1 us, on a 2-core CPU). A graph of a few hundred small ops, a decoding step of a language model in a
+world of one, spends a third of its time in that conversion: on a GPU, such a step is bound by how fast ops are
+launched.
+
+:func:`direct_calls` gives a copy of a graph whose ops of the table below are called through their bindings.
+The table holds only ops whose binding takes the schema's arguments as the graph passes them (positional ones in
+order, keyword-only ones by name) and reaches the very overload the graph names for them: the function variant
+(``torch.<op>``, or ``torch._C._nn.<op>``) or the method (``x.<op>``); the result, its autograd and its dtype
+are the op's own. Ops outside the table (random ones, in-place ones, those without a binding such as
+``_unsafe_view`` or ``slice.Tensor``, those whose binding takes other arguments) keep their OpOverload call. The
+copy runs only: plans, explain and traces read the graph itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+__all__ = ["direct_calls"]
+
+# op packet name -> where its binding is: "function" (torch's variable functions, else torch._C._nn) or "method"
+_BINDINGS: dict[str, str] = {
+    **dict.fromkeys((
+        # matrix products and attention
+        "mm", "bmm", "addmm", "baddbmm", "embedding",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        # elementwise
+        "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid", "sin", "cos",
+        "abs", "reciprocal", "maximum", "minimum", "clamp", "erf", "where", "rsub", "relu",
+        "le", "lt", "ge", "gt", "eq", "ne", "bitwise_and", "bitwise_or", "bitwise_not", "logical_not",
+        # reductions, normalizations, joins
+        "mean", "sum", "amax", "_softmax", "_log_softmax", "native_layer_norm", "cat", "stack", "clone",
+        # views
+        "transpose", "unsqueeze", "squeeze", "t", "permute", "select", "detach",
+        # factories
+        "scalar_tensor", "arange", "full", "zeros", "ones", "empty",
+    ), "function"),
+    **dict.fromkeys(("silu", "gelu"), "nn"),
+    **dict.fromkeys(("view", "expand", "new_ones", "new_zeros", "new_empty", "new_full"), "method"),
+}
+
+
+def _binding(op: torch._ops.OpOverload):
+    """How to call ``op`` directly: ("call_function", the binding) or ("call_method", its name); None to keep it."""
+    if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+        return None
+    name = op._schema.name.split("::", 1)[1]
+    where = _BINDINGS.get(name)
+    if where is None:
+        return None
+    if where == "method":
+        return ("call_method", name) if hasattr(torch.Tensor, name) else None
+    found = getattr(torch._C._VariableFunctions if where == "function" else torch._C._nn, name, None)
+    return None if found is None else ("call_function", found)
+
+
+def direct_calls(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` (sharing its attributes) whose ops of the table are called through their bindings."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    changed = False
+    for node in graph.nodes:
+        direct = _binding(node.target) if node.op == "call_function" else None
+        if direct is not None:
+            node.op, node.target = direct
+            changed = True
+    return torch.fx.GraphModule(gm, graph) if changed else gm
