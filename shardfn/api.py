@@ -176,11 +176,13 @@ class _Engine:
     def _signature(self, args, kwargs, move: bool, world: int | None = None):
         """The call's arguments (those from other ranks moved, or stood in for), what moved, its cache key, its
         tensors and its argument objects."""
-        arrived = ()
-        if kwargs or not all(type(a) is torch.Tensor for a in args):
+        key, tensors, objects = self._key(args, kwargs, (), with_tensors=True)
+        if any(isinstance(t, DTensor) for t in tensors):  # (a DTensor may live on other ranks: moved first)
             args, kwargs, arrived = submesh.arrive(self.config, args, kwargs, move=move, world=world)
-        key, tensors, objects = self._key(args, kwargs, arrived, with_tensors=True)
-        return args, kwargs, arrived, key, tensors, objects
+            if arrived:
+                key, tensors, objects = self._key(args, kwargs, arrived, with_tensors=True)
+            return args, kwargs, arrived, key, tensors, objects
+        return args, kwargs, (), key, tensors, objects
 
     def _key(self, args, kwargs, arrived: tuple, with_tensors: bool = False, batch: dict[int, int] | None = None):
         key, tensors, objects = call_key(args, kwargs)
@@ -192,7 +194,7 @@ class _Engine:
         if self.optimizer_stage:
             key += (("optimizer stage", self.optimizer_stage, tuple(sorted(self.grad_targets.items()))),)
         if batch:  # (an uneven call's pieces: their rows follow from the batch's)
-            key = without_batch_rows(key) + (("batch rows", tuple(sorted(batch.items()))),)
+            key = without_batch_rows(key, tensors) + (("batch rows", tuple(sorted(batch.items()))),)
         return (key, tensors, objects) if with_tensors else key
 
     def _in_batch(self, t: torch.Tensor) -> bool:
@@ -285,8 +287,8 @@ class _Engine:
         counts apart: ranks may pass slices of other lengths, shardfn.uneven_batch)."""
         rows: tuple[int, ...] = ()
         if self.config.dataset_strategy == "data_parallel":
-            key = without_batch_rows(key)
             tensors = split_arguments(args, kwargs)[0]
+            key = without_batch_rows(key, tensors)
             rows = tuple(sorted(batch.items())) if batch else \
                 tuple(t.shape[0] for t in tensors if self._in_batch(t))
         ranks = self._ranks()
@@ -303,7 +305,9 @@ class _Engine:
         signature met again is traced into per-rank graphs at its sizes (Programs.trace_now), except in a world of
         one without Inductor, where the captured graph runs as it is either way. The ranks compare this call's
         signature, its sizes included, as for any program."""
-        here = dataclasses.replace(compiled, agreement=self._agreement(key, args, kwargs))
+        # (alone, an agreement compares nothing: the program's own serves, and a generation's token makes none)
+        here = compiled if alone(self._ranks()) else \
+            dataclasses.replace(compiled, agreement=self._agreement(key, args, kwargs))
         mesh = compiled.program.mesh
         if runtime.is_simulated() or (mesh.size() == 1 and not use_inductor(mesh.device_type)) \
                 or not self.programs.trace_now(compiled, key):

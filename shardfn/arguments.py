@@ -181,51 +181,44 @@ def batch_slices(config: ShardConfig, world: int) -> int:
     return math.prod(a.size for a in spec.dims[0]) if spec.dims else world
 
 
-class _TensorKey(tuple):
-    """One tensor's part of a signature (equal to the plain tuple): found again by :func:`without_sizes`."""
-
-    __slots__ = ()
-
-
-def _tensor_key(a: torch.Tensor):
+def _tensor_key(a: torch.Tensor) -> tuple:
+    """One tensor's part of a signature's structure: all but its sizes (those follow apart)."""
     if isinstance(a, DTensor):
-        return _TensorKey(("D", tuple(a.shape), a.dtype, a.requires_grad, tuple(a.placements),
-                           tuple(a.device_mesh.shape)))
-    return _TensorKey(("T", tuple(a.shape), a.dtype, a.requires_grad, a.device.type))
+        return ("D", a.dim(), a.dtype, a.requires_grad, tuple(a.placements), tuple(a.device_mesh.shape))
+    return ("T", a.dim(), a.dtype, a.requires_grad, a.device.type)
 
 
-def without_sizes(key: Any) -> Any:
-    """A signature with each tensor's shape replaced by its rank: the signature calls of other sizes share."""
-    if isinstance(key, _TensorKey):
-        return (key[0], len(key[1]), *key[2:])
-    if isinstance(key, tuple):
-        return tuple(without_sizes(k) for k in key)
-    return key
+def without_sizes(key: tuple) -> tuple:
+    """A signature without its tensors' sizes: the structure calls of other sizes share (see :func:`call_key`)."""
+    return (key[0], *key[2:])
 
 
-def without_batch_rows(key: Any) -> Any:
-    """A signature with the rows of each plain tensor (a data_parallel batch slice) left out: what ranks passing
-    slices of other lengths share."""
-    if isinstance(key, _TensorKey):
-        return (key[0], (None, *key[1][1:]) if key[0] == "T" and key[1] else key[1], *key[2:])
-    if isinstance(key, tuple):
-        return tuple(without_batch_rows(k) for k in key)
-    return key
+def without_batch_rows(key: tuple, tensors: list[torch.Tensor]) -> tuple:
+    """A signature with the rows of each plain tensor (a data_parallel batch slice; ``tensors``: the call's) left
+    out: what ranks passing slices of other lengths share."""
+    sizes = tuple((None, *s[1:]) if s and not isinstance(t, DTensor) else s for s, t in zip(key[1], tensors))
+    return (key[0], sizes, *key[2:])
 
 
 def call_key(args: Sequence[Any], kwargs: dict) -> tuple[tuple, list[torch.Tensor], list]:
-    """A call's signature (structure, tensors' shapes, dtypes, requires_grad, layouts, other values, grad mode,
-    autocast), its tensors (the program's inputs, in order) and its argument objects (by number)."""
+    """A call's signature, its tensors (the program's inputs, in order) and its argument objects (by number).
+
+    The signature is (structure, sizes, ...): the structure (containers, object types and attributes, other
+    values; each tensor's dtype, requires_grad, rank and layout; grad mode, autocast), then the tensors' shapes in
+    order; a caller appends what else tells its calls apart. Calls that differ in sizes alone share all but the
+    second (:func:`without_sizes`), found without walking the signature again (a generation asks at every token).
+    """
+    grad = torch.is_grad_enabled()
     if not kwargs and all(type(a) is torch.Tensor for a in args):  # the common call: plain tensors only
-        key = (("plain", tuple(_tensor_key(a) for a in args)), torch.is_grad_enabled(), _autocast_state())
-        return key, list(args), []
+        structure = ("plain", tuple(_tensor_key(a) for a in args), grad, _autocast_state())
+        return (structure, tuple(tuple(a.shape) for a in args)), list(args), []
     try:
         tensors, _, structure = split_arguments(args, kwargs)
     except TypeError:  # an argument shardfn cannot take apart: again with names, for an error that names it
         split_arguments(args, kwargs, names=True)
         raise
-    key = (structure.key(lambda i: _tensor_key(tensors[i])), torch.is_grad_enabled(), _autocast_state())
-    return key, tensors, structure.objects() if structure.n_objects else []
+    free = (structure.key(lambda i: _tensor_key(tensors[i])), grad, _autocast_state())
+    return (free, tuple(tuple(t.shape) for t in tensors)), tensors, structure.objects() if structure.n_objects else []
 
 
 def _autocast_state() -> tuple:
