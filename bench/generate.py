@@ -1,8 +1,9 @@
 """generate() on a sharded transformers Llama: seconds per token against the unsharded model, and captures.
 
-    python bench/generate.py [--world 1] [--layers 2] [--dim 64] [--tokens 24] [--prompt 8]
+    python bench/generate.py [--world 1] [--layers 2] [--dim 64] [--tokens 24] [--prompt 8] [--device cpu]
 
-The script starts its own gloo ranks (``--world``; 1 measures without oversubscribing the 2 cores). A Llama
+The script starts its own gloo ranks (``--world``; 1 measures without oversubscribing the 2 cores); with
+``--device cuda``, one rank on the GPU (NCCL, a world of one). A Llama
 (transformers, random weights) generates ``--tokens`` greedy tokens from a batch of 2 prompts, three ways, all
 in one run: unsharded; sharded whole with a Megatron parameter_plan and a StaticCache; the same with the default
 DynamicCache. The tokens of every way are asserted equal to the unsharded model's. Each model forward that
@@ -73,13 +74,21 @@ class _Timed:
     def _enter(self):
         self.depth += 1
         if self.depth == 1:
-            dist.barrier()
+            _wait_for_all()
             self.t = time.perf_counter()
 
     def _leave(self):
         self.depth -= 1
         if self.depth == 0:
+            _wait_for_all()
             self.times.append(time.perf_counter() - self.t)
+
+
+def _wait_for_all():
+    """Every rank here, and the GPU's queued work done."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    dist.barrier()
 
 
 def _generate(model, ids, args, cache: str):
@@ -95,17 +104,18 @@ def worker(rank, args, port):
     torch.set_num_threads(1)
     import shardfn as sf
 
-    sf.init()
-    reference = _llama(args)
+    sf.init(device=args.device)
+    reference = _llama(args).to(args.device)
     torch.manual_seed(1)
-    ids = torch.randint(0, 128, (2, args.prompt))
+    ids = torch.randint(0, 128, (2, args.prompt)).to(args.device)
     rows = []
     want = None
     for name, cache, sharded in (("unsharded", "static", False), ("shardfn, StaticCache", "static", True),
                                  ("unsharded", "dynamic", False), ("shardfn, DynamicCache", "dynamic", True)):
         model = copy.deepcopy(reference)
         if sharded:
-            model = sf.shard(model, in_strategy={}, parameter_plan=_megatron(args.layers, args.world))
+            model = sf.shard(model, in_strategy={}, parameter_plan=_megatron(args.layers, args.world),
+                             device=args.device)
         timed = _Timed(model)
         out = _generate(model, ids, args, cache)
         want = out if want is None else want
@@ -117,7 +127,7 @@ def worker(rank, args, port):
             floor = _fixed_shape_forward(model, ids, args)
     if rank == 0:
         print(f"Llama {args.layers} layers, dim {args.dim}, batch 2, prompt {args.prompt}, {args.tokens} tokens, "
-              f"{args.world} gloo rank(s), torch {torch.__version__}")
+              f"{args.world} {'gloo' if args.device == 'cpu' else args.device} rank(s), torch {torch.__version__}")
         print(f"{'':28s} {'first (s)':>10s} {'token (ms)':>11s} {'captures':>9s}")
         for name, first, token, captures in rows:
             print(f"{name:28s} {first:10.2f} {token * 1e3:11.2f} {captures or '':>9}")
@@ -156,7 +166,10 @@ def main():
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--prompt", type=int, default=8)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = p.parse_args()
+    if args.device == "cuda" and args.world != 1:
+        p.error("--device cuda runs a world of one (one GPU)")
     mp.start_processes(worker, args=(args, free_port()), nprocs=args.world, join=True, start_method="spawn")
 
 

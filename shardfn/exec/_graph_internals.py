@@ -31,7 +31,8 @@ def keep_linalg_error_checks() -> None:
 
 def boxed_graph(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
     """``gm`` as a function of one list of its inputs, which it clears (AOTAutograd's convention: the
-    ``_boxed_call`` mark). Where this torch has no boxed code generation, the inputs live until it returns."""
+    ``_boxed_call`` mark; ``.graph``: the graph it runs). Where this torch has no boxed code generation, the inputs
+    live until it returns."""
     # gm.forward, not gm(): a graph is no module of the user's, and module hooks (CommDebugMode's tracker)
     # would read the list it empties
     try:
@@ -45,7 +46,7 @@ def boxed_graph(gm: torch.fx.GraphModule) -> Callable[[list], Any]:
 
         def run(args: list) -> Any:
             return gm.forward(args)
-    run._boxed_call = True
+    run._boxed_call, run.graph = True, gm
     return run
 
 
