@@ -27,7 +27,7 @@ from .step_times import StepTimes
 from .strategy_search import Plan
 from .strategy_search.lru import LRU
 
-__all__ = ["Compiled", "Planned", "Programs", "cache_limit"]
+__all__ = ["Compiled", "Planned", "Programs", "cache_limit", "trace_after"]
 
 _log = logging.getLogger("shardfn")
 
@@ -37,6 +37,17 @@ def cache_limit() -> int:
     value = os.environ.get("SHARDFN_CACHE_SIZE", "16")
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"SHARDFN_CACHE_SIZE={value!r}: give a positive number of programs")
+    return int(value)
+
+
+def trace_after() -> int:
+    """After how many calls of one signature the program for every size traces it into per-rank graphs of its
+    own: ``SHARDFN_TRACE_AFTER``, default 16; 0 never. A trace costs many interpreted calls (4 gloo ranks on 2
+    cores, a 2-layer GPT-2 step: a trace ~3.1 s, an interpreted step ~0.16 s, a traced one ~0.035 s): traced at
+    once, the lengths of one generate() met again in the next would each pay one."""
+    value = os.environ.get("SHARDFN_TRACE_AFTER", "16")
+    if not value.isdigit():
+        raise ValueError(f"SHARDFN_TRACE_AFTER={value!r}: give a number of calls (0: never trace per size)")
     return int(value)
 
 
@@ -207,12 +218,14 @@ class Programs:
 
     def trace_now(self, compiled: Compiled, key: tuple) -> bool:
         """Whether a call of this signature, served by the program for every size, is to be traced into per-rank
-        graphs at its sizes: when the signature is met a second time, while the programs kept stay below
-        SHARDFN_CACHE_SIZE (a trace costs many interpreted steps: sizes met once, a generation's every token,
-        are not traced; sizes that recur, a few padded lengths, are)."""
+        graphs at its sizes: at its :func:`trace_after`-th call, while the programs kept stay below
+        SHARDFN_CACHE_SIZE (a trace costs many interpreted calls: sizes met a few times, a generation's tokens
+        in a few generate() calls, are not traced; sizes that recur all along, a few padded lengths, are). Every
+        rank counts the same calls: all trace at the same call."""
         met = compiled.met.get(key, lambda: [0])
         met[0] += 1
-        return met[0] >= 2 and len(self.by_signature) + 1 < cache_limit()
+        after = trace_after()
+        return after > 0 and met[0] >= after and len(self.by_signature) + 1 < cache_limit()
 
 
 def _sizes(tensors: list) -> tuple:

@@ -4,6 +4,7 @@ later size, results and gradients as eager's; a size the capture's guards reject
 
 import copy
 import logging
+import os
 
 import pytest
 import torch
@@ -142,15 +143,36 @@ def _data_parallel_body():
     reference = _gpt2()
     model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
     rank = dist.get_rank()
-    # 13 makes the program for every length (run interpreted); met again, it runs traced from that program
-    _steps(model, reference, lambda ids: ids[2 * rank: 2 * rank + 2], lambda loss: [loss.detach()],
-           lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1, LENGTHS[:2] + (13,))
+    # 13 makes the program for every length (run interpreted); met again, its second call (SHARDFN_TRACE_AFTER=2
+    # here) runs traced from that program
+    os.environ["SHARDFN_TRACE_AFTER"] = "2"
+    try:
+        _steps(model, reference, lambda ids: ids[2 * rank: 2 * rank + 2], lambda loss: [loss.detach()],
+               lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1, LENGTHS[:2] + (13,))
+    finally:
+        del os.environ["SHARDFN_TRACE_AFTER"]
     return _captures(model), len(sf.engine_of(model).programs)
 
 
 def test_data_parallel_steps_of_changing_length_on_real_ranks(gloo4):
     # two captures; traced programs for the first length and for 13, met twice
     assert gloo4.run(_data_parallel_body) == [(2, 2)] * 4
+
+
+def test_a_size_is_traced_at_its_sixteenth_call_by_default(monkeypatch):
+    # a trace costs ~20 interpreted steps: the lengths of one generate() met again in the next are not traced
+    from types import SimpleNamespace
+
+    from shardfn.programs import Programs
+    from shardfn.strategy_search.lru import LRU
+
+    programs, compiled = Programs("f"), SimpleNamespace(met=LRU(8))
+    assert [programs.trace_now(compiled, ("a",)) for _ in range(16)] == [False] * 15 + [True]
+    monkeypatch.setenv("SHARDFN_TRACE_AFTER", "0")
+    assert not any(programs.trace_now(compiled, ("b",)) for _ in range(40))
+    monkeypatch.setenv("SHARDFN_TRACE_AFTER", "often")
+    with pytest.raises(ValueError, match="SHARDFN_TRACE_AFTER='often'"):
+        programs.trace_now(compiled, ("c",))
 
 
 def test_guards_compiled_to_python_agree_with_sympy():
