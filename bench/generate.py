@@ -6,7 +6,8 @@ The script starts its own gloo ranks (``--world``; 1 measures without oversubscr
 ``--device cuda``, one rank on the GPU (NCCL, a world of one). A Llama
 (transformers, random weights) generates ``--tokens`` greedy tokens from a batch of 2 prompts, three ways, all
 in one run: unsharded; sharded whole with a Megatron parameter_plan and a StaticCache; the same with the default
-DynamicCache. The tokens of every way are asserted equal to the unsharded model's. Each model forward that
+DynamicCache (then a second generate() of the same lengths: "again"). The tokens of every way are asserted
+equal to the unsharded model's. Each model forward that
 generate() makes is timed (a hook around the model's call), so generate's own Python counts for none of them:
 
     first    the prompt's forward (shardfn: capture, plan and lowering of its signature)
@@ -125,6 +126,11 @@ def worker(rank, args, port):
                      statistics.median(timed.times[2:]), captures))
         if sharded and cache == "static" and args.world > 1:
             floor = _fixed_shape_forward(model, ids, args)
+        if sharded and cache == "dynamic":  # the same lengths again: served as before, no trace per length
+            timed.times.clear()
+            assert torch.equal(_generate(model, ids, args, cache), want)
+            rows.append((f"{name}, again", timed.times[0], statistics.median(timed.times[2:]),
+                         sf.engine_of(model).captures))
     if rank == 0:
         print(f"Llama {args.layers} layers, dim {args.dim}, batch 2, prompt {args.prompt}, {args.tokens} tokens, "
               f"{args.world} {'gloo' if args.device == 'cpu' else args.device} rank(s), torch {torch.__version__}")
