@@ -302,8 +302,9 @@ class _Engine:
     def _at_these_sizes(self, compiled: Compiled, key: tuple, args, kwargs) -> Compiled:
         """The program for every size, for a call of this signature. It runs interpreted over DTensors (no
         capture, no plan, no trace: the symbolic graph's plan at the sizes its values take now); on real ranks a
-        signature met again is traced into per-rank graphs at its sizes (Programs.trace_now), except in a world of
-        one without Inductor, where the captured graph runs as it is either way. The ranks compare this call's
+        signature called SHARDFN_TRACE_AFTER times is traced into per-rank graphs at its sizes
+        (Programs.trace_now), except in a world of one without Inductor, where the captured graph runs as it is
+        either way. The ranks compare this call's
         signature, its sizes included, as for any program."""
         # (alone, an agreement compares nothing: the program's own serves, and a generation's token makes none)
         here = compiled if alone(self._ranks()) else \

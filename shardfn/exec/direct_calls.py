@@ -51,7 +51,7 @@ def _binding(op: torch._ops.OpOverload):
     """How to call ``op`` directly: ("call_function", the binding) or ("call_method", its name); None to keep it."""
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
-    name = op._schema.name.split("::", 1)[1]
+    name = op.overloadpacket.__name__
     where = _BINDINGS.get(name)
     if where is None:
         return None

@@ -75,9 +75,10 @@ def _in_traced_strides(boxed: Callable, example_inputs: list) -> Callable:
 
 
 def _saying_where(run: Callable, program: str, graph: str) -> Callable:
-    """``run`` (a boxed graph; ``.graph`` the graph it runs, where it has one) whose errors also say which sharded callable's graph raised them, in which of its
-    calls on this rank: a collective that times out names only its transport's source line, and each rank prints
-    its own, so ranks stuck in different calls (or in one) show in their reports."""
+    """``run`` (a boxed graph; ``.graph``: the graph it runs, where it has one) whose errors also say which sharded
+    callable's graph raised them, in which of its calls on this rank: a collective that times out names only its
+    transport's source line, and each rank prints its own, so ranks stuck in different calls (or in one) show in
+    their reports."""
     calls = 0
 
     def saying(args: list) -> Any:
