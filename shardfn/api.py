@@ -177,12 +177,12 @@ class _Engine:
         """The call's arguments (those from other ranks moved, or stood in for), what moved, its cache key, its
         tensors and its argument objects."""
         key, tensors, objects = self._key(args, kwargs, (), with_tensors=True)
+        arrived = ()
         if any(isinstance(t, DTensor) for t in tensors):  # (a DTensor may live on other ranks: moved first)
             args, kwargs, arrived = submesh.arrive(self.config, args, kwargs, move=move, world=world)
             if arrived:
                 key, tensors, objects = self._key(args, kwargs, arrived, with_tensors=True)
-            return args, kwargs, arrived, key, tensors, objects
-        return args, kwargs, (), key, tensors, objects
+        return args, kwargs, arrived, key, tensors, objects
 
     def _key(self, args, kwargs, arrived: tuple, with_tensors: bool = False, batch: dict[int, int] | None = None):
         key, tensors, objects = call_key(args, kwargs)
@@ -349,7 +349,7 @@ class _Engine:
         if serving is not None:
             return self._at_these_sizes(serving, key, args, kwargs), False
         given = self._given_dims(args, kwargs, tensors)
-        dims = self.programs.dims_changed(key, tensors, given)
+        dims = self.programs.dims_changed(key, given)
         if not dims:
             return None, False
         _log.info("shardfn: %s: dims %s are traced as symbols (one program for every size)%s", self.name, dims,
@@ -365,7 +365,7 @@ class _Engine:
                          "program per size", self.name, dims, type(e).__name__, str(e).splitlines()[0])
             self.programs.no_symbols(key)
             return None, False
-        self.programs.keep_for_every_size(key, tensors, compiled)
+        self.programs.keep_for_every_size(key, compiled)
         return self._at_these_sizes(compiled, key, args, kwargs), True
 
     def _given_dims(self, args, kwargs, tensors: list) -> dict[int, tuple[int, ...]]:

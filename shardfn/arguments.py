@@ -30,7 +30,7 @@ from .capture.structure import split
 from .config import ShardConfig, is_container_entry
 from .layout import TensorLayout, TensorSpec, normalize_strategy, spec_of_dtensor
 
-__all__ = ["BoundCall", "bind", "call_key", "without_batch_rows", "without_sizes"]
+__all__ = ["BoundCall", "bind", "call_key", "sizes_of", "without_batch_rows", "without_sizes"]
 
 
 def _is_strategy(e: Any) -> bool:
@@ -191,6 +191,11 @@ def _tensor_key(a: torch.Tensor) -> tuple:
 def without_sizes(key: tuple) -> tuple:
     """A signature without its tensors' sizes: the structure calls of other sizes share (see :func:`call_key`)."""
     return (key[0], *key[2:])
+
+
+def sizes_of(key: tuple) -> tuple:
+    """A signature's tensors' shapes, in order (see :func:`call_key`)."""
+    return key[1]
 
 
 def without_batch_rows(key: tuple, tensors: list[torch.Tensor]) -> tuple:

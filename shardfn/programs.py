@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .agreement import Agreement
-from .arguments import without_sizes
+from .arguments import sizes_of, without_sizes
 from .capture.graph import CapturedGraph
 from .exec.lower import ParallelProgram
 from .layout import MeshSpec
@@ -107,7 +107,7 @@ class Compiled:
     sizes: tuple = ()
     verdicts: LRU = field(default_factory=lambda: LRU(4096))  # argument sizes -> why not served (None: served)
     met: LRU = field(default_factory=lambda: LRU(4096))  # signature -> [calls of it served] (real ranks trace
-    # the second)
+    # it at the SHARDFN_TRACE_AFTER-th: Programs.trace_now)
     times: StepTimes = field(default_factory=StepTimes)  # its calls' wall times: the plan's measured step
     # a program for every size: the same, leaving parameters' gradients pending for one bucketed reduction at
     # the end of an interpreted call's backward (api._synced_once); made on first use
@@ -182,7 +182,7 @@ class Programs:
         though one takes these sizes (its capture's guards reject them: a program for these sizes alone); or
         None where none takes them (no program for every size yet, or other dims changed)."""
         compiled = self.for_every_size.get(without_sizes(key))
-        sizes = _sizes(tensors)
+        sizes = sizes_of(key)
         if compiled is None or not compiled.takes(sizes):
             return None
         return compiled.rejects(sizes, tensors) or compiled
@@ -192,15 +192,14 @@ class Programs:
         serving = self.serving(key, tensors)
         return self.get(key) or (serving if isinstance(serving, Compiled) else None)
 
-    def dims_changed(self, key: tuple, tensors: list,
-                     given: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+    def dims_changed(self, key: tuple, given: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
         """The dims to trace as symbols for a call of a structure met before: those whose size differs from its
         first call's, those given (shard(dynamic=...)), and those an earlier program for every size had; {} for
         a structure met first (its sizes are remembered) or one whose symbolic capture failed."""
         free = without_sizes(key)
         if free in self.static_only:
             return {}
-        sizes = _sizes(tensors)
+        sizes = sizes_of(key)
         seen = self.sizes_seen.setdefault(free, sizes)
         earlier = self.for_every_size.get(free)
         dims = {j: tuple(sorted({*(d for d, (a, b) in enumerate(zip(now, then)) if a != b), *given.get(j, ()),
@@ -208,8 +207,8 @@ class Programs:
                 for j, (now, then) in enumerate(zip(sizes, seen))}
         return {j: d for j, d in dims.items() if d}
 
-    def keep_for_every_size(self, key: tuple, tensors: list, compiled: Compiled) -> None:
-        compiled.sizes = _sizes(tensors)
+    def keep_for_every_size(self, key: tuple, compiled: Compiled) -> None:
+        compiled.sizes = sizes_of(key)
         self.for_every_size[without_sizes(key)] = compiled
 
     def no_symbols(self, key: tuple) -> None:
@@ -227,6 +226,3 @@ class Programs:
         after = trace_after()
         return after > 0 and met[0] >= after and len(self.by_signature) + 1 < cache_limit()
 
-
-def _sizes(tensors: list) -> tuple:
-    return tuple(tuple(t.shape) for t in tensors)
