@@ -19,15 +19,19 @@ so do those split on every tensor dim already (a tensor-parallel bias).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
+from collections.abc import Mapping, MutableMapping
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from ._functional_collectives import all_gather_tensor, reduce_scatter_tensor
+from ._simulation_internals import local_values
+from .runtime import is_simulated, simulated_map
 
 __all__ = ["ShardedOptimizer", "check_stage", "gradient_targets", "piece_placements"]
 
@@ -54,7 +58,12 @@ def piece_placements(p: DTensor) -> tuple | None:
 
 class ShardedOptimizer(torch.optim.Optimizer):
     """``optimizer`` stepping pieces of its parameters (see the module's docs). Use it as the optimizer itself:
-    ``step``, ``zero_grad``, ``state_dict``/``load_state_dict``, ``param_groups`` (its own, over the pieces)."""
+    ``step``, ``zero_grad``, ``state_dict``/``load_state_dict``, ``param_groups`` and ``state``, both over the
+    model's parameters as torch's optimizers are (what torch.distributed.checkpoint's ``get_state_dict`` and LR
+    schedulers read), while the inner optimizer holds the pieces and their states.
+
+    A piece is a view of its parameter's local tensor, so weights loaded into the model at any moment (before or
+    after this wrapper was built, ``model.load_state_dict``, ``sf.load``) are what the next step starts from."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, stage: int, syncing=lambda p: True):
         self.inner, self.stage = optimizer, stage
@@ -62,12 +71,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.pieces: list[nn.Parameter] = []
         for p in self.params:
             target = piece_placements(p)
-            if target is None:
-                self.pieces.append(p)
-            else:
-                with torch.no_grad():
-                    piece = p.detach().redistribute(p.device_mesh, target)  # a slice: no collective
-                self.pieces.append(nn.Parameter(piece, requires_grad=p.requires_grad))
+            self.pieces.append(p if target is None else
+                               nn.Parameter(_piece_view(p, target), requires_grad=p.requires_grad))
+        self._param_of = {id(q): p for p, q in zip(self.params, self.pieces)}
+        self._provisional: dict[int, int] = {}  # id(piece) -> its states' versions, made only for state_dict()
         self._ready: list = []  # stage 2: parameters whose summed gradients await their reduce-scatter
         if stage == 2:
             for p, piece in zip(self.params, self.pieces):
@@ -76,20 +83,36 @@ class ShardedOptimizer(torch.optim.Optimizer):
         swap = {id(p): q for p, q in zip(self.params, self.pieces)}
         for group in optimizer.param_groups:
             group["params"] = [swap[id(p)] for p in group["params"]]
-        # torch.optim.Optimizer's own bookkeeping (hooks, the step LR schedulers count), over the inner
-        # optimizer's groups and state: a scheduler changing a group's lr changes the inner optimizer's
+        # torch.optim.Optimizer's own bookkeeping (hooks, the step LR schedulers count)
         for hooks in ("step_pre", "step_post", "state_dict_pre", "state_dict_post", "load_state_dict_pre",
                       "load_state_dict_post"):
             setattr(self, f"_optimizer_{hooks}_hooks", OrderedDict())
-        self.param_groups, self.state, self.defaults = optimizer.param_groups, optimizer.state, optimizer.defaults
+        self.defaults = optimizer.defaults
+        self._groups: tuple = ((), [])
         self._patch_step_function()
+
+    @property
+    def param_groups(self) -> list["_Group"]:
+        """The inner optimizer's groups as the model's parameters' groups: read afresh, since the inner
+        optimizer's ``load_state_dict`` replaces its groups (an LR scheduler must reach the new ones)."""
+        inner = self.inner.param_groups
+        if self._groups[0] != tuple(map(id, inner)):
+            self._groups = (tuple(map(id, inner)), [_Group(g, self._param_of) for g in inner])
+        return self._groups[1]
+
+    @property
+    def state(self) -> "_StateByParameter":
+        """The inner optimizer's states, keyed by the model's parameters (each state's tensors: pieces)."""
+        return _StateByParameter(self.inner.state, self.params, self.pieces)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        self._drop_provisional()
         for p, piece in zip(self.params, self.pieces):
             if piece is p:
                 continue
+            _follow(p, piece)
             g = p.grad
             if g is None:  # stage 2: the hook has put it in the piece already
                 continue
@@ -128,16 +151,185 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     t.grad.zero_()
 
     def state_dict(self):
+        """The inner optimizer's state dict (states of pieces: DTensors that torch.distributed.checkpoint saves
+        and reshards). Parameters with no state yet get the states their first step would make, provisional: a
+        fresh optimizer's state dict has entries to load a checkpoint into (``sf.load``), and where nothing is
+        loaded into them, the next step drops them and starts as torch's optimizer would."""
+        self._make_provisional()
         return self.inner.state_dict()
 
     def load_state_dict(self, state_dict):
+        """Loads a state dict as torch's optimizers do; its tensors may also be whole (an ordinary optimizer's,
+        a full state dict) or DTensors in another layout: each is laid out as this rank's piece."""
         self.inner.load_state_dict(state_dict)
+        self._provisional.clear()
+        for piece in self.pieces:
+            state = self.inner.state.get(piece)
+            if isinstance(piece, DTensor) and state:
+                for key, value in state.items():
+                    state[key] = _as_piece(value, piece, key)
+
+    def _make_provisional(self) -> None:
+        """States for the pieces that have none, made by the inner optimizer's own step at learning rate 0 from
+        zero gradients (the values a first step starts from; the pieces do not move), step counts set back to 0."""
+        empty = [q for q in self.pieces if q.requires_grad and not self.inner.state.get(q)]
+        if not empty:
+            return
+        grads = {id(q): q.grad for q in empty}
+        rates = [g.get("lr") for g in self.inner.param_groups]
+        try:
+            for q in empty:
+                q.grad = torch.zeros_like(q)
+            for group in self.inner.param_groups:
+                if "lr" in group:
+                    group["lr"] = 0.0 * group["lr"]
+            with _only(self.inner, empty):
+                self.inner.step()
+        finally:
+            for group, lr in zip(self.inner.param_groups, rates):
+                if lr is not None:
+                    group["lr"] = lr
+            for q in empty:
+                q.grad = grads[id(q)]
+        for q in empty:
+            state = self.inner.state.get(q, {})
+            for key, value in state.items():
+                if key == "step" and isinstance(value, torch.Tensor):
+                    value.zero_()
+            self._provisional[id(q)] = _versions(state)
+
+    def _drop_provisional(self) -> None:
+        """Provisional states nothing was loaded into (their tensors unwritten) are dropped before a step."""
+        if not self._provisional:
+            return
+        for q in self.pieces:
+            if id(q) in self._provisional and _versions(self.inner.state.get(q, {})) == self._provisional[id(q)]:
+                self.inner.state.pop(q, None)
+        self._provisional.clear()
 
     def add_param_group(self, param_group):
         raise NotImplementedError("shard_optimizer: add parameter groups to the optimizer before sharding it")
 
     def __repr__(self) -> str:
         return f"ShardedOptimizer(stage={self.stage}, {self.inner!r})"
+
+
+class _Group(MutableMapping):
+    """One of the inner optimizer's parameter groups as the user sees it: its "params" the model's parameters,
+    every other entry the inner group's own (a learning rate set here is the one the step uses)."""
+
+    def __init__(self, group: dict, param_of: dict[int, nn.Parameter]):
+        self._group, self._params = group, [param_of[id(q)] for q in group["params"]]
+
+    def __getitem__(self, key):
+        return self._params if key == "params" else self._group[key]
+
+    def __setitem__(self, key, value):
+        if key == "params":
+            raise ValueError("shard_optimizer: a group's parameters are fixed once the optimizer is sharded")
+        self._group[key] = value
+
+    def __delitem__(self, key):
+        del self._group[key]
+
+    def __iter__(self):
+        return iter(self._group)
+
+    def __len__(self) -> int:
+        return len(self._group)
+
+    def __repr__(self) -> str:
+        return repr({k: v for k, v in self._group.items() if k != "params"})
+
+
+class _StateByParameter(Mapping):
+    """The inner optimizer's states keyed by the model's parameters instead of their pieces."""
+
+    def __init__(self, state: dict, params: list, pieces: list):
+        self._state = state
+        self._piece = {p: q for p, q in zip(params, pieces)}
+
+    def __getitem__(self, p):
+        return self._state[self._piece.get(p, p)]
+
+    def __iter__(self):
+        return (p for p, q in self._piece.items() if q in self._state)
+
+    def __len__(self) -> int:
+        return sum(q in self._state for q in self._piece.values())
+
+
+@contextlib.contextmanager
+def _only(optimizer: torch.optim.Optimizer, params: list):
+    """``optimizer``'s groups holding only ``params`` for the duration (a step that touches nothing else)."""
+    keep = {id(q) for q in params}
+    saved = [g["params"] for g in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["params"] = [q for q in group["params"] if id(q) in keep]
+    try:
+        yield
+    finally:
+        for group, ps in zip(optimizer.param_groups, saved):
+            group["params"] = ps
+
+
+def _versions(state: dict) -> tuple:
+    return tuple(v._version if not isinstance(v, DTensor) else v.to_local()._version
+                 for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _as_piece(value, piece: DTensor, key: str):
+    """A loaded state tensor in ``piece``'s layout: whole (of the parameter's shape) -> this rank's slice with no
+    collective; a DTensor laid out otherwise -> redistributed; scalars (a step count) as they are."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) != tuple(piece.shape):
+        return value
+    if isinstance(value, DTensor):
+        same = value.device_mesh == piece.device_mesh and tuple(value.placements) == tuple(piece.placements)
+        return value if same else value.redistribute(piece.device_mesh, piece.placements)
+    return distribute_tensor(value.to(piece.device), piece.device_mesh, piece.placements, src_data_rank=None)
+
+
+def _chunk(local: torch.Tensor, t: int, k: int, c: int) -> torch.Tensor:
+    """torch.chunk's piece ``c`` of ``k`` along dim ``t`` (empty past the last), as a view."""
+    n, rows = _rows(local.shape[t], k), local.shape[t]
+    start = min(c * n, rows)
+    return local.narrow(t, start, max(0, min(n, rows - start)))
+
+
+def _local_view(p: DTensor, target: tuple) -> torch.Tensor:
+    """This rank's part of ``p``'s local tensor in ``target`` placements (one more mesh dim splitting it), a
+    view; in a simulated world each rank's view of its own value."""
+    d = next(d for d, (a, b) in enumerate(zip(p.placements, target)) if a != b)
+    t, k, mesh = target[d].dim, p.device_mesh.size(d), p.device_mesh
+    local = p.to_local()
+    if not is_simulated():
+        return _chunk(local, t, k, mesh.get_local_rank(d))
+    coordinate = {int(r): c[d] for r, c in zip(mesh.mesh.flatten(), _coordinates(mesh.mesh.shape))}
+    return simulated_map(local, lambda r, values: _chunk(values[r], t, k, coordinate[r]))
+
+
+def _coordinates(shape) -> list[tuple[int, ...]]:
+    return [tuple(int(i) for i in torch.unravel_index(torch.tensor(n), shape)) for n in range(math.prod(shape))]
+
+
+def _piece_view(p: DTensor, target: tuple) -> DTensor:
+    """``p``'s piece in ``target`` placements sharing ``p``'s memory: a step of the piece is a step of ``p``'s
+    own slice, and whatever is written into ``p`` is what the piece holds."""
+    with torch.no_grad():
+        return DTensor.from_local(_local_view(p.detach(), target), p.device_mesh, target, run_check=False,
+                                  shape=p.shape, stride=p.stride())
+
+
+def _follow(p: DTensor, piece: DTensor) -> None:
+    """Where ``p``'s memory was replaced (``p.data = ...``), the piece takes its slice's values."""
+    fresh, own = _local_view(p.detach(), tuple(piece.placements)), piece.to_local()
+    if _addresses(fresh) != _addresses(own):
+        own.copy_(fresh)
+
+
+def _addresses(t: torch.Tensor) -> tuple:
+    values = local_values(t) or {0: t}
+    return tuple((r, v.data_ptr(), tuple(v.shape)) for r, v in sorted(values.items()))
 
 
 def _split(p: DTensor, piece: DTensor) -> tuple[int, int]:
