@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -61,8 +62,10 @@ def _problem(path: str) -> str | None:
     if os.path.lexists(path) and not os.path.islink(path):
         return (f"shardfn.save: path {path!r} exists and is not a checkpoint written by shardfn.save (a link to "
                 "its current version); save to a new path, or move the existing one away")
-    if not os.path.isdir(parent):
-        return f"shardfn.save: the folder {parent!r} of path {path!r} does not exist; create it first"
+    try:
+        os.makedirs(parent, exist_ok=True)  # as dcp.save does
+    except OSError as e:
+        return f"shardfn.save: the folder {parent!r} of path {path!r} could not be created: {e}"
     if not os.access(parent, os.W_OK):
         return f"shardfn.save: the folder {parent!r} of path {path!r} is not writable"
     return None
@@ -160,11 +163,84 @@ def load(target: dict[str, Any] | nn.Module, path: str | os.PathLike) -> None:
     if files is not None:
         _load_safetensors(state_dict, files, path, _tied_names(module) if module is not None else {})
     else:
+        folder = os.path.realpath(path)
+        _check_names(state_dict, dcp.FileSystemReader(folder).read_metadata(), path, module is not None)
         group, _, _ = _world()
         with _quiet():
-            dcp.load(state_dict, checkpoint_id=os.path.realpath(path), process_group=group, no_dist=group is None)
+            dcp.load(state_dict, checkpoint_id=folder, process_group=group, no_dist=group is None)
     if module is not None:
         check_loaded_buffers(module)
+
+
+def _tensors(value: Any, prefix: str = "") -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(name, global shape) of every tensor in a nested state dict, named as torch.distributed.checkpoint
+    flattens it (keys joined by dots)."""
+    if isinstance(value, torch.Tensor):
+        yield prefix, tuple(value.shape)
+    elif isinstance(value, Mapping):
+        for key, v in value.items():
+            yield from _tensors(v, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(value, (list, tuple)) and any(isinstance(v, (torch.Tensor, Mapping)) for v in value):
+        for i, v in enumerate(value):
+            yield from _tensors(v, f"{prefix}.{i}" if prefix else str(i))
+
+
+def _check_names(state_dict: dict[str, Any], metadata, path: str, is_module: bool) -> None:
+    """The target's tensors against the checkpoint's, before anything is read (every rank reads the same
+    metadata, so every rank raises alike): a name missing on either side or a shape that differs is an error
+    naming it. Checkpoint tensors under a name nothing in the target starts with (an optimizer's states
+    beside a model loaded alone) are not asked for. The targets of all ranks count as one (a pipeline stage's
+    optimizer states are on its own ranks only), so every rank decides alike."""
+    stored = {n: tuple(m.size) for n, m in metadata.state_dict_metadata.items() if hasattr(m, "size")}
+    wanted = dict(_tensors(state_dict))
+    group, _, world = _world()
+    if group is not None:
+        every = [None] * world
+        dist.all_gather_object(every, wanted, group=group)
+        wanted = {n: shape for w in every for n, shape in w.items()}
+    missing = [n for n in wanted if n not in stored]
+    shapes = [f"{n} has shape {wanted[n]} in the target but {stored[n]} in the checkpoint"
+              for n in wanted if n in stored and stored[n] != wanted[n]]
+    roots = {str(k).split(".")[0] for k in state_dict}  # (an optimizer's state dict with no states yet too)
+    extra = [n for n in stored if n not in wanted and n.split(".")[0] in roots]
+    if not (missing or shapes or extra):
+        return
+    problems = shapes
+    if missing:
+        problems.append(f"{len(missing)} of the target's tensors are not in the checkpoint ({_few(missing)})"
+                        + _prefix_hint(missing, stored, is_module))
+    if extra:
+        problems.append(f"{len(extra)} of the checkpoint's tensors are not in the target ({_few(extra)})"
+                        + _states_hint(extra))
+    raise ValueError(f"shardfn.load: {path!r} does not fit the target, nothing was loaded: " + "; ".join(problems))
+
+
+def _few(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def _prefix_hint(missing: list[str], stored: dict, is_module: bool) -> str:
+    """Where the checkpoint holds the missing names under one prefix, or holds them without the target's."""
+    prefixes = {s[:-len(n)] for n in missing for s in stored if s.endswith("." + n)}
+    if len(prefixes) == 1 and all(any(s.endswith("." + n) for s in stored) for n in missing):
+        (prefix,) = prefixes
+        target = "model.state_dict()" if is_module else "the state dict"
+        nested = "".join(f"{{{k!r}: " for k in prefix.rstrip(".").split("."))
+        return (f": the checkpoint holds them under the prefix {prefix!r}; load with "
+                f"sf.load({nested}{target}{'}' * prefix.count('.')}, path)")
+    bare = {n.split(".", 1)[0] for n in missing if "." in n and n.split(".", 1)[1] in stored}
+    if len(bare) == 1 and all("." in n and n.split(".", 1)[1] in stored for n in missing):
+        return (f": the checkpoint holds them without the prefix {next(iter(bare)) + '.'!r}; load that part of "
+                "the target on its own (sf.load(model, path) for a module's state)")
+    return ""
+
+
+def _states_hint(extra: list[str]) -> str:
+    if any(".state." in n for n in extra):
+        return (": the target has no optimizer states to load them into (a torch optimizer makes them at its "
+                "first step): take the target from torch.distributed.checkpoint.state_dict.get_state_dict(model, "
+                "optimizer), which makes them, or from an sf.shard_optimizer optimizer's state_dict()")
+    return ""
 
 
 def safetensors_files(path: str) -> dict[str, str] | None:

@@ -78,7 +78,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ready: list = []  # stage 2: parameters whose summed gradients await their reduce-scatter
         if stage == 2:
             for p, piece in zip(self.params, self.pieces):
-                if piece is not p:
+                if piece is not p and p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._hook(piece, syncing))
         swap = {id(p): q for p, q in zip(self.params, self.pieces)}
         for group in optimizer.param_groups:

@@ -162,6 +162,13 @@ class Pipeline:
             for k in range(len(sets[0])):
                 runtime.make_group(tuple(r[k] for r in sets), device)
             runtime.make_group(self._everyone(), device)
+        # a stage's parameters on the ranks outside it hold nothing and get no gradient there: they ask for none,
+        # so no optimizer keeps states for them here (get_state_dict steps every parameter that asks, and a
+        # checkpoint would then hold a never-advancing copy of the stage's step counts beside the real one)
+        for i, s in enumerate(stages):
+            if dist.get_rank() not in self._ranks(i):
+                for p in s.parameters():
+                    p.requires_grad_(False)
 
     # -- running -----------------------------------------------------------------------------------------------
 

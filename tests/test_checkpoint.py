@@ -38,11 +38,125 @@ def test_bad_paths_are_refused_before_writing(tmp_path):
     (tmp_path / "plain").mkdir()
     with pytest.raises(ValueError, match="exists and is not a checkpoint written by shardfn.save.*new path"):
         sf.save(_plain_state(0), tmp_path / "plain")
-    with pytest.raises(ValueError, match="does not exist; create it first"):
-        sf.save(_plain_state(0), tmp_path / "missing" / "ckpt")
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         sf.load(_plain_state(0), tmp_path / "none")
     assert sorted(os.listdir(tmp_path)) == ["plain"]
+
+
+def test_a_save_into_folders_that_do_not_exist_creates_them(tmp_path):
+    sf.save(_plain_state(0), tmp_path / "runs" / "a" / "ckpt")  # as dcp.save does
+    loaded = _plain_state(1)
+    sf.load(loaded, tmp_path / "runs" / "a" / "ckpt")
+    assert all(torch.equal(v, _plain_state(0)[k]) for k, v in loaded.items())
+
+
+def _trained_block():
+    torch.manual_seed(0)
+    model = GPTBlock()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 8, 16)).square().mean().backward()
+    opt.step()
+    return model, opt
+
+
+def test_a_checkpoint_that_does_not_fit_is_named_and_nothing_is_loaded(tmp_path):
+    model, opt = _trained_block()
+    sf.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ckpt")
+    torch.manual_seed(1)
+    fresh = GPTBlock()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    # the module alone: its names are under "model." in the checkpoint
+    with pytest.raises(ValueError, match=r"under the prefix 'model\.'; load with sf\.load\(\{'model': "
+                                         r"model\.state_dict\(\)\}, path\)"):
+        sf.load(fresh, tmp_path / "ckpt")
+    # one level too deep: the checkpoint's names have no "model.model."
+    with pytest.raises(ValueError, match=r"without the prefix 'model\.'"):
+        sf.load({"model": {"model": fresh.state_dict()}}, tmp_path / "ckpt")
+    # a torch optimizer that has not stepped has no states to load the saved ones into
+    with pytest.raises(ValueError, match=r"checkpoint's tensors are not in the target \(optim\.state\.0\.step.*"
+                                         r"get_state_dict\(model, optimizer\)"):
+        sf.load({"model": fresh.state_dict(), "optim": torch.optim.AdamW(fresh.parameters()).state_dict()},
+                tmp_path / "ckpt")
+    # another shape
+    with pytest.raises(ValueError, match=r"model\.ln1\.weight has shape \(32,\) in the target but \(16,\)"):
+        sf.load({"model": GPTBlock(32, 4).state_dict()}, tmp_path / "ckpt")
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing written
+    sf.load({"model": fresh.state_dict()}, tmp_path / "ckpt")  # the model alone, beside the optimizer's states
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+
+
+WAYS = ["data_parallel", "level1", "megatron_dp", "zero1", "zero2_no_sync", "mixed_precision", "pipeline"]
+OTHER_WORLD = ["data_parallel", "megatron_dp", "zero2_no_sync", "mixed_precision"]
+
+
+def _resumed(results) -> dict[str, dict[str, float]]:
+    for code, out, _ in results:
+        assert code == 0, out[-6000:]
+    lines = [line.split() for line in results[0][1].splitlines() if line.startswith("RESUMED ")]
+    gaps = {w[1]: {k: float(v) for k, v in (x.split("=") for x in w[4:])} for w in lines}
+    assert all(set(g) == {"loss", "params", "states", "lr"} for g in gaps.values()), gaps
+    return gaps
+
+
+def test_a_resume_is_the_uninterrupted_run_for_every_way_of_training(tmp_path):
+    """tests/scripts/resume.py: each way trained, saved and trained on; then fresh processes load the checkpoint
+    and train the same steps: on the same 4 ranks every loss, parameter, optimizer state and the LR equal the
+    uninterrupted run's bit for bit; on 2 ranks within summation order (bf16 compute: its rounding, which AdamW's
+    normalised step carries into the parameters)."""
+    from tests.harness import free_port
+
+    def launch(world, phase, ways):
+        port = str(free_port())
+        envs = [dict(RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                     SHARDFN_TIMEOUT="60") for r in range(world)]
+        return run_ranks("tests/scripts/resume.py", envs, phase, str(tmp_path), ",".join(ways), timeout=400)
+
+    _resumed(launch(4, "run", WAYS))
+    same = _resumed(launch(4, "resume", WAYS))
+    assert sorted(same) == sorted(WAYS)
+    assert all(v == 0.0 for gaps in same.values() for v in gaps.values()), same
+    other = _resumed(launch(2, "resume", OTHER_WORLD))
+    assert sorted(other) == sorted(OTHER_WORLD)
+    for way, gaps in other.items():
+        bf16 = way == "mixed_precision"
+        assert gaps["loss"] <= (1e-3 if bf16 else 1e-5) and gaps["lr"] == 0, (way, gaps)
+        assert gaps["params"] <= (2e-2 if bf16 else 1e-4) and gaps["states"] <= (1e-3 if bf16 else 1e-6), (way, gaps)
+
+
+def _leaving_body(folder):
+    """A model trained sharded (Megatron x data parallel) written as an ordinary transformers model: the full state
+    dict on rank 0 (torch.distributed.checkpoint's get_model_state_dict), save_pretrained there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from tests.scripts.resume import MegatronDP
+
+    way = MegatronDP()
+    way.step(0)
+    full = get_model_state_dict(way.models[0], options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        way.models[0].save_pretrained(folder, state_dict=dict(full))  # (it empties the dict it is given)
+    sf.save(way.models[0].state_dict(), os.path.join(folder, "sharded"))
+    ids = torch.randint(64, (2, 8), generator=torch.Generator().manual_seed(5))
+    logits = way.models[0](ids[way.rows()]).logits.detach()  # the sharded model's, for this rank's rows
+    return ids, way.rows(), logits, (full if dist.get_rank() == 0 else None)
+
+
+def test_leaving_shardfn_a_trained_model_is_an_ordinary_transformers_model(gloo4, tmp_path):
+    import transformers
+
+    from tests.scripts.resume import gpt2
+
+    ids, rows, sharded_logits, full = gloo4.run(_leaving_body, str(tmp_path))[0]
+    back = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()  # what save_pretrained wrote
+    plain = gpt2().eval()
+    plain.load_state_dict(full)
+    torch.testing.assert_close(back(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    torch.testing.assert_close(back(ids[rows]).logits, sharded_logits, rtol=1e-5, atol=1e-5)
+    # and the sharded checkpoint (4 ranks' pieces) read whole into an ordinary model in one process
+    offline = gpt2().eval()
+    sf.load(offline, tmp_path / "sharded")
+    torch.testing.assert_close(offline(ids).logits, plain(ids).logits, rtol=0, atol=0)
+    # the way back in: save_pretrained's folder into a sharded model (tests/test_transformers_models.py)
 
 
 def _round_trip_body(path):

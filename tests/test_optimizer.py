@@ -184,3 +184,65 @@ def test_a_parameter_smaller_than_the_world_in_a_simulated_world(stage):
         assert [on_rank(opt.state[bias]["exp_avg"], r).numel() for r in range(WORLD)] == [1, 0, 0, 0]
         torch.testing.assert_close(on_rank(opt.state[bias]["exp_avg"].full_tensor(), 2),
                                    ref_opt.state[reference[2].bias]["exp_avg"], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", [1])  # (stage 2 differs in where gradients go, not in the pieces)
+def test_weights_loaded_after_wrapping_are_what_the_step_starts_from(stage):
+    # the pieces are views of the parameters: a load after sf.shard_optimizer (or after a step) is not undone by
+    # the next step, which steps the loaded weights as torch's AdamW steps them
+    with simulated_world(WORLD):
+        model, opt, reference, ref_opt = train_both(stage, WORLD, _slice, steps=1)
+        torch.manual_seed(7)
+        loaded = GPTBlock(16, 4)
+        model.load_state_dict(loaded.state_dict())
+        reference.load_state_dict(loaded.state_dict())
+        torch.manual_seed(8)
+        x = torch.randn(8, 4, 16)
+        (model(_slice(x)).square().mean() / WORLD).backward()
+        reference(x).square().mean().backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        _assert_trained_alike(model, reference, WORLD)
+
+
+@pytest.mark.parametrize("stage", [2])
+def test_an_lr_set_after_load_state_dict_reaches_the_step(stage):
+    with simulated_world(WORLD):
+        model, opt, _, _ = train_both(stage, WORLD, _slice, steps=1)
+        opt.load_state_dict(opt.state_dict())  # (torch's load_state_dict replaces the inner groups)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0)  # lr 0 from now on
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        assert [g["lr"] for g in opt.param_groups] == [0.0]
+        (model(_slice(torch.randn(8, 4, 16))).square().mean()).backward()
+        opt.step()
+        scheduler.step()
+        for n, p in model.named_parameters():
+            assert torch.equal(on_rank(p.full_tensor(), 0), on_rank(before[n], 0)), n
+        # param_groups and state are over the model's parameters, as torch's optimizers' are
+        params = list(model.parameters())
+        assert opt.param_groups[0]["params"] == params and set(opt.state) == set(params)
+
+
+def test_torch_checkpoint_apis_read_and_write_a_sharded_optimizer():
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    with simulated_world(WORLD):
+        model, opt, reference, ref_opt = train_both(2, WORLD, _slice, steps=2)
+        names = {p: n for n, p in reference.named_parameters()}
+        full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+        assert set(full["state"]) == set(names.values())
+        for q, name in names.items():  # whole, keyed by parameter names: the unsharded AdamW's
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(on_rank(full["state"][name][key], 3), ref_opt.state[q][key], rtol=1e-4,
+                                           atol=1e-6)
+        sharded = get_optimizer_state_dict(model, opt)
+        assert all(isinstance(s["exp_avg"], DTensor) for s in sharded["state"].values())
+        # a fresh model and sharded optimizer take the whole states: each rank keeps its slice
+        fresh, fresh_opt, _, _ = train_both(2, WORLD, _slice, steps=0)
+        set_optimizer_state_dict(fresh, fresh_opt, full, options=StateDictOptions(full_state_dict=True))
+        for (name, p), piece in zip(fresh.named_parameters(), fresh_opt.pieces):
+            got = fresh_opt.state[p]["exp_avg"]
+            assert got.placements == piece.placements, name
+            torch.testing.assert_close(on_rank(got.full_tensor(), 1), on_rank(full["state"][name]["exp_avg"], 1))
