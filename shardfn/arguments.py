@@ -69,13 +69,13 @@ def _align(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str
 def _across_object(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str]]:
     """One strategy for an object (a KV cache, whose tensors have no entries of their own): each of its tensors
     with as many dims as the strategy names takes it; the others (a StaticCache's 0-dim counter) take the
-    default, as if the entry were None."""
+    default, as if the entry were None. (A cache before its first call may hold its counters alone.)"""
     n = len(entry.tensor_map) if isinstance(entry, TensorLayout) else len(entry)
     tensors = split(value)[0]
-    if tensors and not any(t.dim() == n for t in tensors):
+    dims = sorted({t.dim() for t in tensors if t.dim() > 0})
+    if dims and n not in dims:
         raise ValueError(f"{where} = {entry!r} lays out {n}-dim tensors but {what} is a {type(value).__name__} "
-                         f"whose tensors have {sorted({t.dim() for t in tensors})} dims; give a strategy for its "
-                         "tensors' dims, or None")
+                         f"whose tensors have {dims} dims; give a strategy for its tensors' dims, or None")
     return [(entry, where) if t.dim() == n else (None, where) for t in tensors]
 
 
