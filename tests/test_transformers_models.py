@@ -140,8 +140,9 @@ def test_generate_with_a_static_cache_on_real_ranks(gloo4):
 
 # generate() on the model as it trains: dataset_strategy="data_parallel" over every rank (tp 1) or data x tensor
 # parallel on a 2 x 2 (dp, tp) mesh with a Megatron plan (tp 2); each rank passes its rows and the cache holds
-# them. Every case runs once at least; DP x TP, the case that failed, with both caches on real ranks.
-@pytest.mark.parametrize("tp, cache", [(1, "dynamic"), (2, "static")])
+# them. Each case runs once (a real case costs ~3x a simulated one): DP x TP, the case that failed, with both
+# caches on real ranks (their traced graphs), pure data parallel simulated.
+@pytest.mark.parametrize("tp, cache", [(1, "dynamic"), (1, "static")])
 def test_data_parallel_generate_gives_each_rank_its_rows_on_simulated_ranks(tp, cache):
     from shardfn.runtime import simulated_map
 
@@ -151,9 +152,9 @@ def test_data_parallel_generate_gives_each_rank_its_rows_on_simulated_ranks(tp, 
 
 
 def _rows_body():
-    for tp, cache in [(2, "dynamic"), (2, "static"), (1, "static")]:
-        i = dist.get_rank() // tp
-        generate_rows_and_compare(tp, cache, dist.get_world_size(), lambda t, i=i: t[2 * i: 2 * i + 2])
+    i = dist.get_rank() // 2
+    for cache in ("dynamic", "static"):
+        generate_rows_and_compare(2, cache, dist.get_world_size(), lambda t: t[2 * i: 2 * i + 2])
     return True
 
 
