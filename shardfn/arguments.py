@@ -154,6 +154,7 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
     bound = BoundCall([], [], [], [], [])
     if config.dataset_strategy == "data_parallel":
         bound.batch = _batch_axes(tensors, strategies, names, world)
+        arguments = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
     for leaf, (s, arg), where in zip(tensors, strategies, names, strict=True):
         if isinstance(leaf, DTensor):
             shape = tuple(leaf.shape)
@@ -161,7 +162,7 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
             fixed = held if s is None else normalize_strategy(s, shape, world, arg, where)
         elif config.dataset_strategy == "data_parallel":
             shape, held = _batch_slice(leaf, s, arg, where, world, bound.batch,
-                                       (rows or {}).get(len(bound.tensors)))
+                                       (rows or {}).get(len(bound.tensors)), inside=id(leaf) not in arguments)
             fixed = held
         else:
             shape = tuple(leaf.shape)
@@ -206,12 +207,12 @@ def _batch_strategy(s: Any, arg: str, where: str, world: int) -> TensorSpec:
 
 
 def _batch_slice(leaf: torch.Tensor, s: Any, arg: str, where: str, world: int, batch: tuple[Axis, ...],
-                 rows: int | None) -> tuple[tuple[int, ...], TensorSpec]:
+                 rows: int | None, inside: bool) -> tuple[tuple[int, ...], TensorSpec]:
     """A data_parallel tensor's global shape and how it arrives: this rank's rows, split on dim 0 over the axes
-    its strategy names, or the batch's. A 0-dim tensor inside an argument (a StaticCache's counter) has no
-    rows: every rank holds it alike, whole."""
+    its strategy names, or the batch's. A 0-dim tensor ``inside`` an argument (a StaticCache's counter) has no
+    rows: every rank holds it alike, whole (a 0-dim argument could be a number)."""
     if leaf.dim() == 0:
-        if _nested(where):
+        if inside:
             return (), TensorSpec.replicated(0)
         raise ValueError(f"{where}: data_parallel inputs need a batch dim 0; got a 0-dim tensor (pass a "
                          "Python number instead, or use dataset_strategy='full_batch')")
@@ -221,11 +222,6 @@ def _batch_slice(leaf: torch.Tensor, s: Any, arg: str, where: str, world: int, b
     if s is not None:  # (the given strategy's own checks against the shape: its length)
         held = normalize_strategy(s, shape, world, f"{where} (data_parallel)")
     return shape, held
-
-
-def _nested(where: str) -> bool:
-    """Whether a tensor's name (split_arguments') is that of a tensor inside an argument, not an argument."""
-    return "." in where or "[" in where
 
 
 def batch_slices(config: ShardConfig, world: int) -> int:
