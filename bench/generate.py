@@ -1,6 +1,7 @@
 """generate() on a sharded transformers Llama: seconds per token against the unsharded model, and captures.
 
     python bench/generate.py [--world 1] [--layers 2] [--dim 64] [--tokens 24] [--prompt 8] [--device cpu]
+                             [--dp-tp]
 
 The script starts its own gloo ranks (``--world``; 1 measures without oversubscribing the 2 cores); with
 ``--device cuda``, one rank on the GPU (NCCL, a world of one). A Llama
@@ -15,6 +16,10 @@ generate() makes is timed (a hook around the model's call), so generate's own Py
              program; with a DynamicCache: from the second token on, the program for every cache length)
     captures the captures (and plans) the sharded model made: one per signature, one for every size of a
              structure whose sizes changed
+
+``--dp-tp`` (an even ``--world``): the model as it trains data x tensor parallel instead, sharded with
+dataset_strategy="data_parallel" on a (world/2, 2) ("dp", "tp") mesh and the Megatron plan over "tp"; each rank
+passes its dp row's 2 prompts (other prompts on each row), and the unsharded model generates those same rows.
 
 With ``--world`` above 1 it also times the sharded model's cached forward at one fixed decoding shape (the same
 call again and again): the floor a token costs on these ranks, against which a StaticCache's token is compared.
@@ -50,16 +55,28 @@ def _llama(args):
     return tf.LlamaForCausalLM(config).eval()
 
 
-def _megatron(layers: int, world: int) -> dict:
+def _megatron(layers: int, world: int, layout=None) -> dict:
+    """Column- then row-parallel weights: split ``world`` ways, or over ``layout``'s "tp" axis."""
+    column, row = ((world, 1), (1, world)) if layout is None else (layout("tp", "None"), layout("None", "tp"))
     plan = {}
     for i in range(layers):
         for n in ("q_proj", "k_proj", "v_proj"):
-            plan[f"model.layers.{i}.self_attn.{n}.weight"] = (world, 1)
+            plan[f"model.layers.{i}.self_attn.{n}.weight"] = column
         for n in ("gate_proj", "up_proj"):
-            plan[f"model.layers.{i}.mlp.{n}.weight"] = (world, 1)
-        plan[f"model.layers.{i}.self_attn.o_proj.weight"] = (1, world)
-        plan[f"model.layers.{i}.mlp.down_proj.weight"] = (1, world)
+            plan[f"model.layers.{i}.mlp.{n}.weight"] = column
+        plan[f"model.layers.{i}.self_attn.o_proj.weight"] = row
+        plan[f"model.layers.{i}.mlp.down_proj.weight"] = row
     return plan
+
+
+def _shard(model, args):
+    import shardfn as sf
+
+    if not args.dp_tp:
+        return sf.shard(model, in_strategy={}, parameter_plan=_megatron(args.layers, args.world), device=args.device)
+    layout = sf.Layout((args.world // 2, 2), ("dp", "tp"))
+    return sf.shard(model, in_strategy={"input_ids": layout("dp", "None")}, dataset_strategy="data_parallel",
+                    parameter_plan=_megatron(args.layers, args.world, layout), device=args.device)
 
 
 class _Timed:
@@ -109,15 +126,16 @@ def worker(rank, args, port):
     sf.init(device=args.device)
     reference = _llama(args).to(args.device)
     torch.manual_seed(1)
-    ids = torch.randint(0, 128, (2, args.prompt)).to(args.device)
+    ids = torch.randint(0, 128, (2 * (args.world // 2 if args.dp_tp else 1), args.prompt)).to(args.device)
+    if args.dp_tp:  # this rank's dp row's 2 prompts
+        ids = ids[2 * (rank // 2): 2 * (rank // 2) + 2]
     rows = []
     want = None
     for name, cache, sharded in (("unsharded", "static", False), ("shardfn, StaticCache", "static", True),
                                  ("unsharded", "dynamic", False), ("shardfn, DynamicCache", "dynamic", True)):
         model = copy.deepcopy(reference)
         if sharded:
-            model = sf.shard(model, in_strategy={}, parameter_plan=_megatron(args.layers, args.world),
-                             device=args.device)
+            model = _shard(model, args)
         timed = _Timed(model)
         out = _generate(model, ids, args, cache)
         want = out if want is None else want
@@ -133,8 +151,9 @@ def worker(rank, args, port):
             rows.append((f"{name}, again", timed.times[0], statistics.median(timed.times[2:]),
                          sf.engine_of(model).captures))
     if rank == 0:
-        print(f"Llama {args.layers} layers, dim {args.dim}, batch 2, prompt {args.prompt}, {args.tokens} tokens, "
-              f"{args.world} {'gloo' if args.device == 'cpu' else args.device} rank(s), torch {torch.__version__}")
+        print(f"Llama {args.layers} layers, dim {args.dim}, batch 2{' a dp row' if args.dp_tp else ''}, prompt "
+              f"{args.prompt}, {args.tokens} tokens, {args.world} {'gloo' if args.device == 'cpu' else args.device} "
+              f"rank(s){', data x tensor parallel' if args.dp_tp else ''}, torch {torch.__version__}")
         print(f"{'':28s} {'first (s)':>10s} {'token (ms)':>11s} {'captures':>9s}")
         for name, first, token, captures in rows:
             print(f"{name:28s} {first:10.2f} {token * 1e3:11.2f} {captures or '':>9}")
@@ -156,12 +175,14 @@ def _fixed_shape_forward(model, ids, args) -> float:
     token = ids[:, -1:]
     times = []
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(args.prompt), use_cache=True)
+        # (data_parallel takes every tensor for batch rows: there the cache's own counter gives the positions)
+        position = (lambda i: {}) if args.dp_tp else (lambda i: {"cache_position": torch.arange(i, i + 1)})
+        model(input_ids=ids, past_key_values=cache, use_cache=True,
+              **({} if args.dp_tp else {"cache_position": torch.arange(args.prompt)}))
         for i in range(calls):
             dist.barrier()
             t = time.perf_counter()
-            model(input_ids=token, past_key_values=cache, cache_position=torch.tensor([args.prompt + i]),
-                  use_cache=True)
+            model(input_ids=token, past_key_values=cache, use_cache=True, **position(args.prompt + i))
             times.append(time.perf_counter() - t)
     return statistics.median(times[2:])
 
@@ -174,7 +195,10 @@ def main():
     p.add_argument("--tokens", type=int, default=24)
     p.add_argument("--prompt", type=int, default=8)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--dp-tp", action="store_true", help="the model as it trains: data x tensor parallel")
     args = p.parse_args()
+    if args.dp_tp and (args.world < 2 or args.world % 2):
+        p.error("--dp-tp needs an even --world of 2 or more (a (world/2, 2) mesh)")
     if args.device == "cuda" and args.world != 1:
         p.error("--device cuda runs a world of one (one GPU)")
     mp.start_processes(worker, args=(args, free_port()), nprocs=args.world, join=True, start_method="spawn")

@@ -264,12 +264,13 @@ def call_mode(module: Any, accumulating: bool) -> str:
 
 def inputs_alike(config, args, kwargs) -> dict[str, int]:
     """Digests of a call's tensor inputs that every rank holds alike: whole full-batch inputs, replicated
-    DTensors ({} where inputs are not compared: inputs_not_compared)."""
+    DTensors, data_parallel's 0-dim tensors inside arguments (a StaticCache's counter: no rows, held whole) ({}
+    where inputs are not compared: inputs_not_compared)."""
     if not inputs_compared():
         return {}
     tensors, names, _ = split_arguments(args, kwargs, names=True)
     return digests_of_alike({name: t for name, t in zip(names, tensors)
-                             if config.dataset_strategy == "full_batch" or isinstance(t, DTensor)})
+                             if config.dataset_strategy == "full_batch" or isinstance(t, DTensor) or t.dim() == 0})
 
 
 def describe_call(who: str, config, args, kwargs, mode: str) -> dict[str, str]:

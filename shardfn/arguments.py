@@ -26,9 +26,9 @@ from torch.distributed.tensor import DTensor
 
 from . import _pytree_internals as pytree
 from .capture import split_arguments
-from .capture.structure import split
+from .capture.structure import kept_as_is, split
 from .config import ShardConfig, is_container_entry
-from .layout import TensorLayout, TensorSpec, normalize_strategy, spec_of_dtensor
+from .layout import Axis, TensorLayout, TensorSpec, normalize_strategy, spec_of_dtensor
 
 __all__ = ["BoundCall", "bind", "call_key", "sizes_of", "without_batch_rows", "without_sizes"]
 
@@ -59,9 +59,24 @@ def _align(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str
             raise ValueError(f"{where} names {unknown} but {what} has only the keys {list(value)}")
         return [s for k, v in value.items() for s in _align(v, entry.get(k), f"{where}[{k!r}]", f"{what}[{k!r}]")]
     if len(pytree.tree_leaves(value)) == 1 and pytree.tree_leaves(value)[0] is value:
+        if _is_strategy(entry) and hasattr(value, "__dict__") and not kept_as_is(value):
+            return _across_object(value, entry, where, what)
         raise ValueError(f"{where} is {entry!r} but {what} is a {type(value).__name__}, not a tensor; use None")
     raise ValueError(f"{where} is {entry!r} but {what} is a {type(value).__name__}; give None, or for a tuple, "
                      "list or dict of tensors an entry of the same shape")
+
+
+def _across_object(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str]]:
+    """One strategy for an object (a KV cache, whose tensors have no entries of their own): each of its tensors
+    with as many dims as the strategy names takes it; the others (a StaticCache's 0-dim counter) take the
+    default, as if the entry were None. (A cache before its first call may hold its counters alone.)"""
+    n = len(entry.tensor_map) if isinstance(entry, TensorLayout) else len(entry)
+    tensors = split(value)[0]
+    dims = sorted({t.dim() for t in tensors if t.dim() > 0})
+    if dims and n not in dims:
+        raise ValueError(f"{where} = {entry!r} lays out {n}-dim tensors but {what} is a {type(value).__name__} "
+                         f"whose tensors have {dims} dims; give a strategy for its tensors' dims, or None")
+    return [(entry, where) if t.dim() == n else (None, where) for t in tensors]
 
 
 def _strategies(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwargs: dict) -> list:
@@ -126,6 +141,7 @@ class BoundCall:
     shapes: list[tuple[int, ...]]  # global shapes
     held: list[TensorSpec]  # how each arrives: whole, this rank's batch slice, a DTensor's own layout
     fixed: list[TensorSpec | None]  # the layout asked for, or None for the search to decide
+    batch: tuple[Axis, ...] = ()  # data_parallel: the axes that split the batch (dim 0 of inputs and outputs)
 
 
 def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwargs: dict,
@@ -136,25 +152,17 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
     tensors, names, _ = split_arguments(args, kwargs, names=True, where=lambda: name)
     strategies = _strategies(config, fn, name, args, kwargs)
     bound = BoundCall([], [], [], [], [])
+    if config.dataset_strategy == "data_parallel":
+        bound.batch = _batch_axes(tensors, strategies, names, world)
+        arguments = {id(a) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
     for leaf, (s, arg), where in zip(tensors, strategies, names, strict=True):
         if isinstance(leaf, DTensor):
             shape = tuple(leaf.shape)
             held = spec_of_dtensor(leaf, world, where, config.ranks)
             fixed = held if s is None else normalize_strategy(s, shape, world, arg, where)
         elif config.dataset_strategy == "data_parallel":
-            if leaf.dim() == 0:
-                raise ValueError(f"{where}: data_parallel inputs need a batch dim 0; got a 0-dim tensor (pass a "
-                                 "Python number instead, or use dataset_strategy='full_batch')")
-            dp = (world,) + (1,) * (leaf.dim() - 1)
-            given = normalize_strategy(dp if s is None else s, None, world, arg, where)
-            splits = math.prod(a.size for a in given.dims[0])
-            if any(given.dims[1:]) or given.partial or (splits == 1 and world > 1):
-                raise ValueError(
-                    f"{arg} = {s!r}: with dataset_strategy='data_parallel' each input arrives split on dim 0 only "
-                    f"(this rank's batch slice); give the device axes that split dim 0 and no other dim (ranks "
-                    f"along other axes pass equal slices), or None for all {world} ranks: use None or {dp!r}")
-            shape = ((rows or {}).get(len(bound.tensors), leaf.shape[0] * splits),) + tuple(leaf.shape[1:])
-            held = normalize_strategy(dp if s is None else s, shape, world, f"{where} (data_parallel)")
+            shape, held = _batch_slice(leaf, s, arg, where, world, bound.batch,
+                                       (rows or {}).get(len(bound.tensors)), inside=id(leaf) not in arguments)
             fixed = held
         else:
             shape = tuple(leaf.shape)
@@ -165,7 +173,55 @@ def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwar
         bound.shapes.append(shape)
         bound.held.append(held)
         bound.fixed.append(fixed)
+    if config.dataset_strategy == "data_parallel" and not any(_plain_batch(t) for t in tensors) and bound.held:
+        bound.batch = bound.held[0].dims[0] if bound.held[0].dims else ()  # DTensors alone: as the first lies
     return bound
+
+
+def _batch_axes(tensors: list[torch.Tensor], strategies: list, names: list[str], world: int) -> tuple[Axis, ...]:
+    """The axes that split a data_parallel call's batch: those the first batch input given a strategy names
+    (input_ids' "dp" on a (dp, tp) mesh), else every rank. Batch tensors without a strategy of their own (a
+    KV cache's, an attention mask generate() makes) hold this rank's rows of the same batch: split alike."""
+    for leaf, (s, arg), where in zip(tensors, strategies, names):
+        if s is not None and _plain_batch(leaf):
+            return _batch_strategy(s, arg, where, world).dims[0]
+    return normalize_strategy((world,), None, world, "data_parallel").dims[0]
+
+
+def _plain_batch(t: torch.Tensor) -> bool:
+    return not isinstance(t, DTensor) and t.dim() > 0
+
+
+def _batch_strategy(s: Any, arg: str, where: str, world: int) -> TensorSpec:
+    """A data_parallel input's given strategy, checked: it splits dim 0 alone (this rank's batch slice)."""
+    given = normalize_strategy(s, None, world, arg, where)
+    splits = math.prod(a.size for a in given.dims[0]) if given.dims else 1
+    if not given.dims or any(given.dims[1:]) or given.partial or (splits == 1 and world > 1):
+        dp = (world,) + (1,) * (max(len(given.dims), 1) - 1)
+        raise ValueError(
+            f"{arg} = {s!r}: with dataset_strategy='data_parallel' each input arrives split on dim 0 only "
+            f"(this rank's batch slice); give the device axes that split dim 0 and no other dim (ranks "
+            f"along other axes pass equal slices), or None for the batch's axes (all {world} ranks unless an "
+            f"input names them): use None or {dp!r}")
+    return given
+
+
+def _batch_slice(leaf: torch.Tensor, s: Any, arg: str, where: str, world: int, batch: tuple[Axis, ...],
+                 rows: int | None, inside: bool) -> tuple[tuple[int, ...], TensorSpec]:
+    """A data_parallel tensor's global shape and how it arrives: this rank's rows, split on dim 0 over the axes
+    its strategy names, or the batch's. A 0-dim tensor ``inside`` an argument (a StaticCache's counter) has no
+    rows: every rank holds it alike, whole (a 0-dim argument could be a number)."""
+    if leaf.dim() == 0:
+        if inside:
+            return (), TensorSpec.replicated(0)
+        raise ValueError(f"{where}: data_parallel inputs need a batch dim 0; got a 0-dim tensor (pass a "
+                         "Python number instead, or use dataset_strategy='full_batch')")
+    axes = batch if s is None else _batch_strategy(s, arg, where, world).dims[0]
+    shape = (leaf.shape[0] * math.prod(a.size for a in axes) if rows is None else rows,) + tuple(leaf.shape[1:])
+    held = TensorSpec((axes,) + ((),) * (leaf.dim() - 1))
+    if s is not None:  # (the given strategy's own checks against the shape: its length)
+        held = normalize_strategy(s, shape, world, f"{where} (data_parallel)")
+    return shape, held
 
 
 def batch_slices(config: ShardConfig, world: int) -> int:

@@ -95,3 +95,49 @@ def test_keyword_tensors_in_data_parallel_are_batch_slices():
         ref = reference_lin(whole_x).masked_fill(whole_mask, 0.0)
         for r in range(world):
             torch.testing.assert_close(on_rank(y, r), on_rank(ref, r)[4 * r: 4 * r + 4])
+
+
+class _Cache:
+    """A KV cache as transformers' are: a plain object holding its tensors, and a 0-dim counter (StaticCache's)."""
+
+    def __init__(self, keys, seen):
+        self.keys, self.seen = keys, seen
+
+
+def _append(x, cache):
+    cache.keys = torch.cat([cache.keys, x[:, None]], dim=1)  # the cache's update, written back to the caller's
+    cache.seen = cache.seen + 1
+    return cache.keys.sum(1) * cache.seen
+
+
+@pytest.mark.parametrize("given", [{}, {"cache": sf.Layout((2, 2), ("dp", "tp"))("dp", "None", "None")}],
+                         ids=["the batch's axes", "a layout for the object"])
+def test_data_parallel_cache_tensors_are_this_ranks_rows_of_the_batch(given):
+    # input_ids split over "dp" only, the cache's tensors (no strategy of their own) over every rank: a cat of 2
+    # rows with 1 (generate() on a data x tensor parallel model)
+    from shardfn.runtime import simulated_map
+    from tests.harness import on_rank
+
+    mesh = sf.Layout((2, 2), ("dp", "tp"))
+    with simulated_world(4):
+        x, keys = torch.randn(4, 8), torch.randn(4, 3, 8)
+        mine = lambda t: simulated_map(t, lambda r, v: v[r][2 * (r // 2): 2 * (r // 2) + 2].clone())  # noqa: E731
+        f = sf.shard(_append, in_strategy={"x": mesh("dp", "None"), **given}, dataset_strategy="data_parallel")
+        cache, want_cache = _Cache(mine(keys), torch.tensor(3.0)), _Cache(keys, torch.tensor(3.0))
+        for _ in range(2):
+            y = f(mine(x), cache)
+            want = _append(x, want_cache)
+            for r in range(4):
+                torch.testing.assert_close(on_rank(y, r), on_rank(mine(want), r))
+                torch.testing.assert_close(on_rank(cache.keys, r), on_rank(mine(want_cache.keys), r))
+                assert float(on_rank(cache.seen, r)) == float(want_cache.seen)
+        held = {i.name: [str(p) for p in i.held] for i in sf.explain(f, mine(x), cache).inputs}
+        assert held["input 0"] == held["input 1.keys"] == ["S(0)", "R"] and held["input 1.seen"] == ["R", "R"]
+
+
+def test_a_layout_for_an_object_must_fit_its_tensors():
+    with simulated_world(4):
+        f = sf.shard(_append, in_strategy={"cache": (4, 1)}, dataset_strategy="data_parallel")
+        with pytest.raises(ValueError, match=r"in_strategy\['cache'\] = \(4, 1\) lays out 2-dim tensors but argument "
+                                             r"'cache' is a _Cache whose tensors have \[3\] dims"):
+            f(torch.randn(1, 8), cache=_Cache(torch.randn(1, 3, 8), torch.tensor(3.0)))

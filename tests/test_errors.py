@@ -31,6 +31,17 @@ def _module(**kw):
     return lambda: sf.shard(BasicBlock(), in_strategy=((4, 1),), **kw)(torch.randn(8, 32))
 
 
+class _Cache:
+    def __init__(self, keys):
+        self.keys = keys
+
+
+def _cache_layout_of_other_dims():
+    f = sf.shard(lambda x, cache: x + cache.keys.sum(1), in_strategy={"cache": (4, 1)},
+                 dataset_strategy="data_parallel")
+    f(torch.randn(2, 8), _Cache(torch.randn(2, 3, 8)))
+
+
 def _nested():
     inner = sf.shard(lambda x: x + 1, in_strategy=((4, 1),))
     sf.shard(lambda x: inner(x) * 2, in_strategy=((4, 1),))(torch.randn(8, 4))
@@ -204,6 +215,9 @@ BAD = {
     "data_parallel strategy other than the batch split": (lambda: sf.shard(
         lambda x: x * 2, in_strategy=((1, 4),), dataset_strategy="data_parallel")(torch.randn(2, 8)), ValueError,
         ["with dataset_strategy='data_parallel' each input arrives split", "use None or (4, 1)"]),
+    "a layout for an object that fits none of its tensors": (_cache_layout_of_other_dims, ValueError,
+        ["in_strategy['cache'] = (4, 1) lays out 2-dim tensors", "is a _Cache whose tensors have [3] dims",
+         "give a strategy for its tensors' dims, or None"]),
     # fn and how it is used
     "fn not callable": (lambda: sf.shard(42, in_strategy=(None,)), TypeError, ["fn must be a function or an "
                                                                                 "nn.Module"]),

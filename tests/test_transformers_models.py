@@ -1,6 +1,7 @@
 """transformers models trained sharded, whole or one layer in place, against the unsharded model: losses and
 gradients equal at every step, on 4 simulated ranks and on 4 real gloo ranks (tests/transformers_models.py); and
-generate() on a sharded Llama, the unsharded model's tokens."""
+generate() on a sharded Llama, the unsharded model's tokens (and, on the model as it trains data parallel, each
+rank's rows' tokens and scores)."""
 
 import pytest
 import torch
@@ -9,7 +10,8 @@ from torch.distributed._local_tensor import local_tensor_mode
 
 from shardfn.runtime import simulated_world
 from tests.harness import on_rank
-from tests.transformers_models import MODELS, MODES, generate_and_compare, train_and_compare
+from tests.transformers_models import (MODELS, MODES, generate_and_compare, generate_rows_and_compare,
+                                       train_and_compare)
 
 WORLD = 4
 # (Gemma 3 is here for what its Python does on real ranks, the same in every way: two ways of it suffice)
@@ -134,3 +136,27 @@ def test_generate_with_a_static_cache_on_real_ranks(gloo4):
     # the traced per-rank graphs, every decoding step after the first on the cached program (a program for every
     # size on real ranks: tests/test_dynamic.py)
     assert gloo4.run(_generate_body, "static") == [[2]] * 4
+
+
+# generate() on the model as it trains: dataset_strategy="data_parallel" over every rank (tp 1) or data x tensor
+# parallel on a 2 x 2 (dp, tp) mesh with a Megatron plan (tp 2); each rank passes its rows and the cache holds
+# them. Each case runs once (a real case costs ~3x a simulated one): DP x TP, the case that failed, with both
+# caches on real ranks (their traced graphs), pure data parallel simulated.
+@pytest.mark.parametrize("tp, cache", [(1, "dynamic"), (1, "static")])
+def test_data_parallel_generate_gives_each_rank_its_rows_on_simulated_ranks(tp, cache):
+    from shardfn.runtime import simulated_map
+
+    with simulated_world(WORLD):
+        generate_rows_and_compare(tp, cache, WORLD, lambda t: simulated_map(
+            t, lambda r, v: v[r][2 * (r // tp): 2 * (r // tp) + 2].clone()), ranks=WORLD)
+
+
+def _rows_body():
+    i = dist.get_rank() // 2
+    for cache in ("dynamic", "static"):
+        generate_rows_and_compare(2, cache, dist.get_world_size(), lambda t: t[2 * i: 2 * i + 2])
+    return True
+
+
+def test_data_parallel_generate_gives_each_rank_its_rows_on_real_ranks(gloo4):
+    assert gloo4.run(_rows_body) == [True] * 4

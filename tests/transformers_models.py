@@ -218,3 +218,49 @@ def generate_and_compare(way: str, cache: str, world: int) -> list[int]:
         got = _generate(model, ids, cache)
     assert got.shape[1] == ids.shape[1] + NEW_TOKENS and torch.equal(got, want), (got, want)
     return [engine.captures for engine in engines]
+
+
+def megatron_layout(spec: Spec, layout: sf.Layout, prefix: str = "") -> dict:
+    """megatron()'s plan on a (dp, tp) layout: each split dim over "tp", the weights whole over "dp"."""
+    return {name: layout(*("tp" if n > 1 else "None" for n in s)) for name, s in megatron(spec, 2, prefix).items()}
+
+
+def generate_rows_and_compare(tp: int, cache: str, world: int, mine: Callable, ranks: int = 1,
+                              new_tokens: int = 3) -> None:
+    """Greedy generate() with a Llama sharded as it trains data parallel: dataset_strategy="data_parallel" over
+    every rank (``tp`` 1) or a (dp, tp) mesh with a Megatron plan (``tp`` 2; input_ids laid out over "dp", and
+    a StaticCache's tensors too); ``cache`` "dynamic" or "static".
+    ``mine(t)`` gives this rank's rows of a batch of 2 rows per dp slice (the tp ranks of a slice alike); ``ranks``:
+    how many ranks' values each tensor holds (a simulated world's). Its tokens and scores must be the unsharded
+    model's for those rows, on every rank."""
+    spec = MODELS["llama"]
+    torch.manual_seed(0)
+    reference = spec.make().eval()
+    ids = torch.randint(0, VOCAB, (2 * (world // tp), 5))
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_scores=True,
+                  return_dict_in_generate=True)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    with torch.no_grad():
+        want = reference.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    model = copy.deepcopy(reference)
+    if tp == 1:
+        model = sf.shard(model, in_strategy={}, dataset_strategy="data_parallel")
+    else:
+        layout = sf.Layout((world // tp, tp), ("dp", "tp"))
+        plan = {k: v for i in range(len(_get(model, spec.layers)))
+                for k, v in megatron_layout(spec, layout, f"{spec.layers}.{i}.").items()}
+        given = {"input_ids": layout("dp", "None")}
+        if cache == "static":  # (the DynamicCache's tensors take the batch's axes by default; this one is told)
+            given["past_key_values"] = layout("dp", "None", "None", "None")
+        model = sf.shard(model, in_strategy=given, dataset_strategy="data_parallel", parameter_plan=plan)
+    with torch.no_grad(), warnings.catch_warnings():
+        if not has_dtensor_rule(torch.ops.aten.index.Tensor):
+            warnings.filterwarnings("ignore", ".*aten.index.Tensor", ReplicatedFallbackWarning)
+        got = model.generate(mine(ids), attention_mask=mine(torch.ones_like(ids)), **kwargs)
+    assert len(got.scores) == len(want.scores) == new_tokens
+    for r in range(ranks):
+        assert torch.equal(on_rank(got.sequences, r), on_rank(mine(want.sequences), r)), (r, got.sequences)
+        for step, (g, w) in enumerate(zip(got.scores, want.scores)):
+            torch.testing.assert_close(on_rank(g, r), on_rank(mine(w), r), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"rank {r}, token {step}'s scores: {m}")

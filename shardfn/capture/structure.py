@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from .. import _pytree_internals as pytree
 
-__all__ = ["Structure", "split"]
+__all__ = ["Structure", "kept_as_is", "split"]
 
 _SCALARS = (str, bytes, int, float, bool, complex, type(None), torch.dtype, torch.device, torch.layout,
             torch.memory_format, torch.Size)
@@ -172,7 +172,7 @@ def split(value: Any, where: Callable[[], str] = lambda: "fn", path: str | None 
             return _Argument(copies[id(x)])
         if id(x) in seen:
             return _Shared(seen[id(x)])
-        if _kept_as_is(x):
+        if kept_as_is(x):
             return x
         if not hasattr(x, "__dict__"):
             if not _holds_tensors(x, set()):
@@ -190,7 +190,7 @@ def split(value: Any, where: Callable[[], str] = lambda: "fn", path: str | None 
     return tensors, names, Structure(root, len(seen))
 
 
-def _kept_as_is(x: Any) -> bool:
+def kept_as_is(x: Any) -> bool:
     """Values a call cannot change and a trace reads as constants: hashed by their contents (enums, frozen
     dataclasses, tuples of those), modules (their tensors are parameters and buffers), functions, classes."""
     if isinstance(x, (torch.nn.Module, type)) or callable(x):

@@ -104,9 +104,8 @@ def build_request(config: ShardConfig, name: str, call: BoundCall, captured: Cap
     """What the search is asked for one call: each graph input's arriving and fixed layouts, each output's, and
     the objective. ``param_specs``: the parameters' fixed layouts (parameter_plan's, or those laid out already).
     ``accumulate``, ``optimizer_stage``, ``pending_grads``, ``notes``, ``arrivals``: as PlanRequest's."""
-    batch_axes = call.held[0].dims[0] if call.held and call.held[0].dims else ()
     return PlanRequest(tuple(_input_requests(config, captured, call, param_specs, mesh_spec)),
-                       tuple(_output_requests(config, name, captured, world, mesh_spec, batch_axes)),
+                       tuple(_output_requests(config, name, captured, world, mesh_spec, call.batch)),
                        grad=torch.is_grad_enabled(), level=config.level, profile=profile,
                        keep_split=_data_parallel_dims(config, call, mesh_spec), accumulate=accumulate,
                        optimizer_stage=optimizer_stage, pending_grads=frozenset(pending_grads),
@@ -148,9 +147,9 @@ def _argument_origin(config: ShardConfig, call: BoundCall, j: int) -> str:
 
 def _data_parallel_dims(config: ShardConfig, call: BoundCall, mesh_spec: MeshSpec) -> tuple[int, ...]:
     """Under data parallelism, the mesh dims the batch is split over: it stays split over them."""
-    if config.dataset_strategy != "data_parallel" or not call.held:
+    if config.dataset_strategy != "data_parallel" or not call.batch:
         return ()
-    placements = to_placements(call.held[0], mesh_spec)
+    placements = to_placements(TensorSpec((call.batch,)), mesh_spec)
     return tuple(d for d, p in enumerate(placements) if not p.is_replicate())
 
 
