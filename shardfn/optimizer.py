@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from ._functional_collectives import all_gather_tensor, reduce_scatter_tensor
-from ._simulation_internals import local_values
 from .runtime import is_simulated, simulated_map
 
 __all__ = ["ShardedOptimizer", "check_stage", "gradient_targets", "piece_placements"]
@@ -74,6 +73,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.pieces.append(p if target is None else
                                nn.Parameter(_piece_view(p, target), requires_grad=p.requires_grad))
         self._param_of = {id(q): p for p, q in zip(self.params, self.pieces)}
+        self._piece_of = {id(p): q for p, q in zip(self.params, self.pieces)}
+        with torch.no_grad():  # (no_grad: to_local() is the local tensor itself, whose identity is checked)
+            self._viewed = [None if q is p else p.to_local() for p, q in zip(self.params, self.pieces)]
         self._provisional: dict[int, int] = {}  # id(piece) -> its states' versions, made only for state_dict()
         self._ready: list = []  # stage 2: parameters whose summed gradients await their reduce-scatter
         if stage == 2:
@@ -103,16 +105,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @property
     def state(self) -> "_StateByParameter":
         """The inner optimizer's states, keyed by the model's parameters (each state's tensors: pieces)."""
-        return _StateByParameter(self.inner.state, self.params, self.pieces)
+        return _StateByParameter(self.inner.state, self._param_of, self._piece_of)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         self._drop_provisional()
-        for p, piece in zip(self.params, self.pieces):
+        for i, (p, piece) in enumerate(zip(self.params, self.pieces)):
             if piece is p:
                 continue
-            _follow(p, piece)
+            if p.to_local() is not self._viewed[i]:  # the parameter's memory was replaced (p.data = ...)
+                self._viewed[i] = p.to_local()
+                piece.to_local().copy_(_local_view(p, tuple(piece.placements)))
             g = p.grad
             if g is None:  # stage 2: the hook has put it in the piece already
                 continue
@@ -245,18 +249,17 @@ class _Group(MutableMapping):
 class _StateByParameter(Mapping):
     """The inner optimizer's states keyed by the model's parameters instead of their pieces."""
 
-    def __init__(self, state: dict, params: list, pieces: list):
-        self._state = state
-        self._piece = {p: q for p, q in zip(params, pieces)}
+    def __init__(self, state: dict, param_of: dict[int, nn.Parameter], piece_of: dict[int, nn.Parameter]):
+        self._state, self._param_of, self._piece_of = state, param_of, piece_of
 
     def __getitem__(self, p):
-        return self._state[self._piece.get(p, p)]
+        return self._state[self._piece_of.get(id(p), p)]
 
     def __iter__(self):
-        return (p for p, q in self._piece.items() if q in self._state)
+        return (self._param_of.get(id(q), q) for q in self._state)
 
     def __len__(self) -> int:
-        return sum(q in self._state for q in self._piece.values())
+        return len(self._state)
 
 
 @contextlib.contextmanager
@@ -303,7 +306,8 @@ def _local_view(p: DTensor, target: tuple) -> torch.Tensor:
     t, k, mesh = target[d].dim, p.device_mesh.size(d), p.device_mesh
     local = p.to_local()
     if not is_simulated():
-        return _chunk(local, t, k, mesh.get_local_rank(d))
+        coordinate = mesh.get_coordinate()  # (None outside the mesh, where the local tensor is empty)
+        return _chunk(local, t, k, coordinate[d] if coordinate is not None else 0)
     coordinate = {int(r): c[d] for r, c in zip(mesh.mesh.flatten(), _coordinates(mesh.mesh.shape))}
     return simulated_map(local, lambda r, values: _chunk(values[r], t, k, coordinate[r]))
 
@@ -318,18 +322,6 @@ def _piece_view(p: DTensor, target: tuple) -> DTensor:
     with torch.no_grad():
         return DTensor.from_local(_local_view(p.detach(), target), p.device_mesh, target, run_check=False,
                                   shape=p.shape, stride=p.stride())
-
-
-def _follow(p: DTensor, piece: DTensor) -> None:
-    """Where ``p``'s memory was replaced (``p.data = ...``), the piece takes its slice's values."""
-    fresh, own = _local_view(p.detach(), tuple(piece.placements)), piece.to_local()
-    if _addresses(fresh) != _addresses(own):
-        own.copy_(fresh)
-
-
-def _addresses(t: torch.Tensor) -> tuple:
-    values = local_values(t) or {0: t}
-    return tuple((r, v.data_ptr(), tuple(v.shape)) for r, v in sorted(values.items()))
 
 
 def _split(p: DTensor, piece: DTensor) -> tuple[int, int]:

@@ -50,6 +50,15 @@ def train_both(stage, world, slice_of, steps=3, micro=1, optimizer=lambda ps: to
     return model, opt, reference, ref_opt
 
 
+def _step_both(model, opt, reference, ref_opt, x):
+    """One step of the data-parallel model on this rank's rows of ``x`` and of the unsharded one on all of it."""
+    (model(_slice(x)).square().mean() / WORLD).backward()
+    reference(x).square().mean().backward()
+    for o in (opt, ref_opt):
+        o.step()
+        o.zero_grad()
+
+
 def _assert_trained_alike(model, reference, ranks):
     for name, q in reference.named_parameters():
         whole = model.get_parameter(name).full_tensor()
@@ -173,12 +182,7 @@ def test_a_parameter_smaller_than_the_world_in_a_simulated_world(stage):
         opt = sf.shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), model, stage=stage)
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
         for _ in range(3):
-            x = torch.randn(8, 16)
-            (model(_slice(x)).square().mean() / WORLD).backward()
-            reference(x).square().mean().backward()
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad()
+            _step_both(model, opt, reference, ref_opt, torch.randn(8, 16))
         _assert_trained_alike(model, reference, WORLD)
         bias = opt.pieces[-1]
         assert [on_rank(opt.state[bias]["exp_avg"], r).numel() for r in range(WORLD)] == [1, 0, 0, 0]
@@ -197,12 +201,7 @@ def test_weights_loaded_after_wrapping_are_what_the_step_starts_from(stage):
         model.load_state_dict(loaded.state_dict())
         reference.load_state_dict(loaded.state_dict())
         torch.manual_seed(8)
-        x = torch.randn(8, 4, 16)
-        (model(_slice(x)).square().mean() / WORLD).backward()
-        reference(x).square().mean().backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        _step_both(model, opt, reference, ref_opt, torch.randn(8, 4, 16))
         _assert_trained_alike(model, reference, WORLD)
 
 

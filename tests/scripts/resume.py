@@ -23,6 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
+from tests.test_pipeline import MLP
 
 SAVE_AT, AFTER, BATCH, LENGTH, VOCAB = 1, 2, 8, 8, 64
 transformers.logging.set_verbosity_error()
@@ -144,15 +145,6 @@ class MixedPrecision(DataParallel):
     def build(self):
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return [sf.shard(gpt2(), in_strategy=(None,), dataset_strategy="data_parallel", mp_policy=policy)]
-
-
-class MLP(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x):
-        return x + self.b(torch.relu(self.a(x)))
 
 
 class Pipeline(Way):
