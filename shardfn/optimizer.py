@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
 from ._functional_collectives import all_gather_tensor, reduce_scatter_tensor
+from ._simulation_internals import local_values
 from .runtime import is_simulated, simulated_map
 
 __all__ = ["ShardedOptimizer", "check_stage", "gradient_targets", "piece_placements"]
@@ -114,9 +115,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i, (p, piece) in enumerate(zip(self.params, self.pieces)):
             if piece is p:
                 continue
-            if p.to_local() is not self._viewed[i]:  # the parameter's memory was replaced (p.data = ...)
+            if p.to_local() is not self._viewed[i]:  # the parameter's local tensor was replaced (p.data = ...)
                 self._viewed[i] = p.to_local()
-                piece.to_local().copy_(_local_view(p, tuple(piece.placements)))
+                fresh, own = _local_view(p, tuple(piece.placements)), piece.to_local()
+                if _addresses(fresh) != _addresses(own):  # (not where it is a new view of the same memory)
+                    own.copy_(fresh)
             g = p.grad
             if g is None:  # stage 2: the hook has put it in the piece already
                 continue
@@ -314,6 +317,13 @@ def _local_view(p: DTensor, target: tuple) -> torch.Tensor:
 
 def _coordinates(shape) -> list[tuple[int, ...]]:
     return [tuple(int(i) for i in torch.unravel_index(torch.tensor(n), shape)) for n in range(math.prod(shape))]
+
+
+def _addresses(t: torch.Tensor) -> tuple:
+    """Where ``t``'s elements start, and its shape (each rank's, in a simulated world): a view of one memory
+    (strides aside, which a size-1 dim leaves free) or not."""
+    values = local_values(t) or {0: t}
+    return tuple((r, v.data_ptr(), tuple(v.shape)) for r, v in sorted(values.items()))
 
 
 def _piece_view(p: DTensor, target: tuple) -> DTensor:

@@ -17,8 +17,11 @@ from .solver import Infeasible, Problem, Solution, solve
 __all__ = ["solve_level"]
 
 
-def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: float) -> Solution:
-    """Choose candidates for the level's objective (see the README's *Search* section)."""
+def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: float,
+                budget: float | None = None) -> Solution:
+    """Choose candidates for the level's objective (see the README's *Search* section); levels 0 and 2 within
+    ``budget`` bytes of the pricing's memory estimate (the profile's memory where None)."""
+    budget = profile.memory_bytes if budget is None else budget
     unary_time = [c + r for c, r in zip(t.compute, t.reductions)]
     upper_time = sum(float(c.max()) for c in unary_time) + sum(float(m.max()) for _, _, m in t.edges) + 1e-12
 
@@ -30,8 +33,7 @@ def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: f
     time_problem = Problem(unary_time, kept_split(t.edges, upper_time))
     if level == 2:  # (the fastest plan first: it is the answer where it fits)
         try:
-            sol = solve(Problem(time_problem.costs, time_problem.edges, (t.memory, profile.memory_bytes)),
-                        time_limit_s)
+            sol = solve(Problem(time_problem.costs, time_problem.edges, (t.memory, budget)), time_limit_s)
         except Infeasible:
             raise ValueError(
                 f"level=2: no plan fits the per-rank memory of the {profile.name} profile "
@@ -43,13 +45,28 @@ def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: f
         costs = [mem + eps * c for mem, c in zip(t.memory, unary_time)]
         scale = sum(float(m.max()) for m in t.memory) + 1.0
         return solve(Problem(costs, kept_split([(u, v, eps * m) for u, v, m in t.edges], scale)), time_limit_s)
+    best = _best_ratio(t, unary_time, upper_time, kept_split, time_limit_s, None)
+    if t.memory_of(best.choice) > budget:  # the best ratio does not fit: the best that does
+        try:
+            best = _best_ratio(t, unary_time, upper_time, kept_split, time_limit_s, budget)
+        except Infeasible:
+            raise ValueError(
+                f"level=0: no plan fits the per-rank memory of the {profile.name} profile "
+                f"({profile.memory_bytes / 2**30:.1f} GiB); use level=1 (least memory) or more ranks"
+            ) from None
+    return best
+
+
+def _best_ratio(t: Terms, unary_time, upper_time: float, kept_split, time_limit_s: float,
+                budget: float | None) -> Solution:
+    """Level 0 by Dinkelbach's rounds, within ``budget`` bytes of memory where one is given."""
     eps = 1e-6 * max(sum(float(s.max()) for s in t.savings), 1e-12) / upper_time
     lam, best = 0.0, None
     for _ in range(50):
         costs = [-s + lam * r + eps * c for s, r, c in zip(t.savings, t.reductions, unary_time)]
         scale = sum(float(np.abs(s).max()) for s in t.savings) + (lam + 1) * upper_time
-        sol = solve(Problem(costs, kept_split([(u, v, (lam + eps) * m) for u, v, m in t.edges], scale)),
-                    time_limit_s)
+        sol = solve(Problem(costs, kept_split([(u, v, (lam + eps) * m) for u, v, m in t.edges], scale),
+                            None if budget is None else (t.memory, budget)), time_limit_s)
         saved, comm = t.savings_of(sol.choice), t.comm_of(sol.choice)
         best = sol
         if comm <= 0 or saved - lam * comm <= 1e-9 * max(saved, 1e-12):

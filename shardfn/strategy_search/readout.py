@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import torch
 import torch.fx
@@ -30,7 +32,7 @@ from .problem import StrategyProblem, computed_from, splits
 from .request import PlanRequest
 from .solver import Solution
 
-__all__ = ["read_plan"]
+__all__ = ["OverBudget", "read_plan"]
 
 aten = torch.ops.aten
 
@@ -40,7 +42,9 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     captured, decisions, mesh_shape = problem.captured, problem.decisions, problem.mesh_shape
     needs_grad, held, level = problem.needs_grad, request.held(), request.level
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
-    live, live_backward = _live_bytes(problem, chosen, needs_grad - problem.recomputed, request.optimizer_stage)
+    returned = [r.placements for r in request.outputs]
+    live, live_backward, resident = _live_bytes(problem, chosen, needs_grad - problem.recomputed,
+                                                request.optimizer_stage, returned)
     nodes = {}
     for v, (d, c) in enumerate(zip(decisions, chosen)):
         if d.node is not None:
@@ -129,6 +133,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     regathers, _ = _gathers_in_buckets(regathers, regathered, first)
     bwd_colls += regathers
     peak = max(max(live.values(), default=0), max(live_backward.values(), default=0))  # forward and backward
+    _check_budget(problem, request, peak, resident)
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     if solution.timed_out:
         notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
@@ -258,15 +263,18 @@ def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: 
     return out, first + len(renumber)
 
 
-def _live_bytes(problem: StrategyProblem, chosen, kept,
-                optimizer_stage: int = 0) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int]]:
+def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0,
+                returned: Sequence | None = None) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int], int]:
     """Per-rank bytes alive as each node of the chosen plan runs, forward and backward, with liveness; the step's
     peak is the largest of either. Returns (forward: each node's bytes once it has run, backward: each node's
-    bytes as its backward runs, for the nodes whose backward runs).
+    bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold throughout).
 
     Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
     optimizer states) are alive throughout; a value ``kept`` for backward stays alive once made; any other value
-    lives until its last reader. Then the backward in reverse program order, from where the forward ended: the
+    lives until its last reader. The outputs leave in the layouts the call returns them in (``returned``: a
+    whole value gathered onto every rank holds all of its bytes there), alive from the end of the forward
+    through the backward (what the caller computes from them keeps them). Then the backward in reverse program
+    order, from where the forward ended: the
     outputs' gradients arrive; each op's backward makes its inputs' gradients (where one is not there yet: readers'
     gradients are summed into one), then its own gradient is consumed and its kept value released (its readers'
     backwards, which read it, have run). A checkpointed region's values come back, all of them, when the walk
@@ -292,7 +300,18 @@ def _live_bytes(problem: StrategyProblem, chosen, kept,
     def own_bytes(node) -> int:  # what computing it allocates: a view none
         return 0 if node.op == "call_function" and cm.is_view_op(node) else local_bytes(node)
 
-    live, at = 0, {}
+    def returned_bytes() -> int:  # what the exit makes: an output returned in another layout than its own
+        extra = 0
+        for out, placements in zip(problem.captured.output_nodes, returned or ()):
+            if not isinstance(out, torch.fx.Node) or not isinstance(out.meta.get("val"), torch.Tensor):
+                continue
+            own = _chosen_output(out, by_node)
+            if own is not None and tuple(own) != tuple(placements):
+                v = out.meta["val"]
+                extra += cm.local_numel(v.shape, placements, mesh_shape) * v.element_size()
+        return extra
+
+    live, at, resident = 0, {}, 0
     transient: dict[torch.fx.Node, int] = {}
     saved: dict[torch.fx.Node, int] = {}  # values held for backward: released as the backward walk passes them
     for i, node in enumerate(order):
@@ -300,17 +319,20 @@ def _live_bytes(problem: StrategyProblem, chosen, kept,
             copies = parameter_copies(by_node[node].outputs[0], mesh_shape, optimizer_stage,
                                       node.meta["val"].dim()) if node in trainable else 1
             live += local_bytes(node) * copies
+            resident = live
         elif node.op == "call_function":
             nbytes = own_bytes(node)
             live += nbytes
             (saved if node in kept else transient)[node] = nbytes
+        elif node.op == "output":
+            live += returned_bytes()
         at[node] = int(live)
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a in transient:
                 live -= transient.pop(a)
     needs_grad = problem.needs_grad
     if not needs_grad:
-        return at, {}
+        return at, {}, resident
     regions: dict[int, list[torch.fx.Node]] = {}
     for n in problem.recomputed:
         regions.setdefault(checkpoint_region(n), []).append(n)
@@ -338,4 +360,49 @@ def _live_bytes(problem: StrategyProblem, chosen, kept,
             back[node] = int(live)
             live -= grads.pop(node, 0)
         live -= saved.pop(node, 0)
-    return at, back
+    return at, back, resident
+
+
+def _chosen_output(node: torch.fx.Node, by_node: dict):
+    """The placements the plan gives ``node``'s value (a getitem's: its producer's output it names)."""
+    c = by_node.get(node)
+    if c is not None:
+        return c.outputs[0]
+    if is_getitem(node) and node.args[0] in by_node:
+        outs = by_node[node.args[0]].outputs
+        return outs[node.args[1]] if isinstance(node.args[1], int) and node.args[1] < len(outs) else None
+    return None
+
+
+class OverBudget(ValueError):
+    """The plan read off a solution holds more than the device's memory (``peak`` bytes a rank)."""
+
+    def __init__(self, peak: int, message: str):
+        super().__init__(message)
+        self.peak = peak
+
+
+def _check_budget(problem: StrategyProblem, request: PlanRequest, peak: int, resident: int) -> None:
+    """No plan over the device's memory is returned: the error gives the figures and what would fit."""
+    budget = request.profile.memory_bytes
+    if peak <= budget:
+        return
+    GiB = 2**30
+    trainable = sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in problem.trainable)
+    world = math.prod(problem.mesh_shape)
+    states = trainable * parameter_copies((), problem.mesh_shape)  # value, gradient, AdamW's two moments
+    ways = []
+    if states > budget * world:
+        ways.append(f"more ranks: the parameters, gradients and optimizer states alone are {states / GiB:.1f} GiB, "
+                    f"at least {math.ceil(states / budget)} ranks split over all of them")
+    if request.level != 1:
+        ways.append("level=1 (least memory)")
+    if request.level != 1 and request.optimizer_stage < 2 and problem.trainable:
+        ways.append("sf.shard_optimizer(opt, model, stage=2) (optimizer states and gradients of whole "
+                    "parameters split)")
+    ways.append(f"recompute (torch.utils.checkpoint around layers) or a shorter sequence or smaller batch: "
+                f"activations, outputs and gathered parameters take {(peak - resident) / GiB:.1f} GiB a rank")
+    raise OverBudget(peak,
+        f"level={request.level}: no plan found fits the per-rank memory of the {request.profile.name} profile "
+        f"({budget / GiB:.1f} GiB): this plan's peak is {peak / GiB:.1f} GiB a rank, of which parameters, "
+        f"gradients, optimizer states and inputs {resident / GiB:.1f} GiB. What would fit: " + "; ".join(ways))

@@ -22,12 +22,13 @@ from .levels import solve_level
 from .plan import Plan
 from .pricing import Pricing
 from .problem import CandidateLists, build_problem
-from .readout import read_plan
+from .readout import OverBudget, read_plan
 from .request import PlanRequest, search_time_limit
 
 __all__ = ["make_plan"]
 
 log = logging.getLogger("shardfn")
+_BUDGET_ROUNDS = 3  # solves a plan over the memory gets before the error
 
 
 def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, request: PlanRequest) -> Plan:
@@ -37,11 +38,21 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
                    lambda p: f"{len(p.decisions)} decisions, {sum(len(d.candidates) for d in p.decisions)} candidates")
     pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype)
     terms = step("pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
-    solution = step("solve", lambda: solve_level(request.level, terms, request.profile, time_limit_s),
-                    lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
-                              + ("optimal" if s.optimal else f"gap {s.gap:.2%}"))
-    plan = step("read-out", lambda: read_plan(problem, request, mesh_spec, pricing, terms, solution),
-                lambda p: f"{len(p.collectives)} collectives")
+    budget = request.profile.memory_bytes
+    for attempt in range(_BUDGET_ROUNDS):
+        solution = step("solve", lambda: solve_level(request.level, terms, request.profile, time_limit_s, budget),
+                        lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
+                                  + ("optimal" if s.optimal else f"gap {s.gap:.2%}"))
+        try:
+            plan = step("read-out", lambda: read_plan(problem, request, mesh_spec, pricing, terms, solution),
+                        lambda p: f"{len(p.collectives)} collectives")
+            break
+        except OverBudget as e:
+            # the solve bounds the pricing's estimate of memory, the read-out walks the plan's liveness: where
+            # the walk finds more, solve again within a budget smaller by what it found over
+            if request.level == 1 or attempt == _BUDGET_ROUNDS - 1:
+                raise
+            budget -= 1.05 * (e.peak - request.profile.memory_bytes) + 2**20
     if solution.timed_out:
         log.warning("shardfn: the strategy search stopped at its time limit (%.0f s, SHARDFN_SEARCH_TIME_LIMIT); "
                     "the plan is the best found, within %.2f%% of the best bound", time_limit_s, 100 * solution.gap)

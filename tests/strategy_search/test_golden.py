@@ -1,6 +1,8 @@
 """Golden plans on simulated worlds (no processes): Alpa's MLP, Megatron's transformer layer, and the three
 levels each winning on their own objective."""
 
+import re
+
 import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -132,6 +134,40 @@ def test_level_2_respects_the_memory_limit():
     assert len(weights) == 100 and all(not w[0].is_replicate() for w in weights)
     with pytest.raises(ValueError, match="level=2: no plan fits"):
         sf.explain(_deep_mlp(400), x, in_strategy=(None,), world_size=4, level=2, device="cuda")
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_no_level_returns_a_plan_over_the_memory_and_the_error_says_what_would_fit(level):
+    # 20 trainable 32768^2 layers: 86 GB of weights, 344 GB with gradients and AdamW's states: more than 4 H100s
+    # hold whatever the split; every level says so with the figures (once levels 0 and 1 returned such a plan)
+    with torch.device("meta"):
+        wide = torch.nn.Sequential(*[torch.nn.Linear(32768, 32768, bias=False) for _ in range(20)])
+    with pytest.raises(ValueError, match=rf"level={level}: no plan (found )?fits the per-rank memory") as e:
+        sf.explain(wide, torch.empty(64, 32768, device="meta"), in_strategy=(None,), world_size=4, level=level,
+                   device="cuda")
+    if level == 1:  # the least-memory plan: its figures and the ways out
+        assert re.search(r"peak is \d+\.\d GiB a rank.*more ranks: the parameters, gradients and optimizer "
+                         r"states alone are 320\.0 GiB, at least 5 ranks.*recompute", str(e.value))
+
+
+def test_level_0_keeps_the_memory_limit_where_a_plan_within_it_exists():
+    # 25 trainable 16384^2 layers: 107 GB with gradients and AdamW's states replicated (level 0's best ratio),
+    # 27 GB split over 4 ranks: level 0 gives the best ratio among the plans that fit
+    with torch.device("meta"):
+        deep = torch.nn.Sequential(*[torch.nn.Linear(16384, 16384, bias=False) for _ in range(25)])
+    plan = sf.explain(deep, torch.empty(1024, 16384, device="meta"), in_strategy=(None,), world_size=4, level=0,
+                      device="cuda")
+    assert 0 < plan.cost.peak_bytes <= 80e9
+
+
+def test_the_peak_counts_outputs_as_the_call_returns_them():
+    # y = x @ w split by rows on 8 ranks: returned whole, every rank holds all of y's 256 MiB (it once counted
+    # only its piece, the same peak as y returned split)
+    x, w = torch.empty(8192, 1024, device="meta"), torch.empty(1024, 8192, device="meta")
+    peaks = {out: sf.explain(lambda x, w: x @ w, x, w, world_size=8, in_strategy=((8, 1), None), out_strategy=out,
+                             level=2, device="cuda").cost.peak_bytes for out in (None, ((8, 1),))}
+    y = 8192 * 8192 * 4
+    assert peaks[None] - peaks[((8, 1),)] == y  # the whole copy made at the exit, beside the piece
 
 
 def test_updates_of_buffers_are_written_where_the_buffers_are_held():
