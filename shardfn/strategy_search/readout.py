@@ -43,8 +43,8 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     needs_grad, held, level = problem.needs_grad, request.held(), request.level
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
     returned = [r.placements for r in request.outputs]
-    live, live_backward, resident = _live_bytes(problem, chosen, needs_grad - problem.recomputed,
-                                                request.optimizer_stage, returned)
+    live, live_backward, resident, outputs = _live_bytes(problem, chosen, needs_grad - problem.recomputed,
+                                                         request.optimizer_stage, returned)
     nodes = {}
     for v, (d, c) in enumerate(zip(decisions, chosen)):
         if d.node is not None:
@@ -133,7 +133,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     regathers, _ = _gathers_in_buckets(regathers, regathered, first)
     bwd_colls += regathers
     peak = max(max(live.values(), default=0), max(live_backward.values(), default=0))  # forward and backward
-    _check_budget(problem, request, peak, resident)
+    _check_budget(problem, request, peak, resident, outputs)
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     if solution.timed_out:
         notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
@@ -264,10 +264,11 @@ def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: 
 
 
 def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0,
-                returned: Sequence | None = None) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int], int]:
+                returned: Sequence | None = None) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int], int, int]:
     """Per-rank bytes alive as each node of the chosen plan runs, forward and backward, with liveness; the step's
     peak is the largest of either. Returns (forward: each node's bytes once it has run, backward: each node's
-    bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold throughout).
+    bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold throughout;
+    the bytes the exit adds for the outputs).
 
     Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
     optimizer states) are alive throughout; a value ``kept`` for backward stays alive once made; any other value
@@ -311,7 +312,7 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
                 extra += cm.local_numel(v.shape, placements, mesh_shape) * v.element_size()
         return extra
 
-    live, at, resident = 0, {}, 0
+    live, at, resident, outputs = 0, {}, 0, 0
     transient: dict[torch.fx.Node, int] = {}
     saved: dict[torch.fx.Node, int] = {}  # values held for backward: released as the backward walk passes them
     for i, node in enumerate(order):
@@ -325,14 +326,15 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
             live += nbytes
             (saved if node in kept else transient)[node] = nbytes
         elif node.op == "output":
-            live += returned_bytes()
+            outputs = returned_bytes()
+            live += outputs
         at[node] = int(live)
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a in transient:
                 live -= transient.pop(a)
     needs_grad = problem.needs_grad
     if not needs_grad:
-        return at, {}, resident
+        return at, {}, resident, outputs
     regions: dict[int, list[torch.fx.Node]] = {}
     for n in problem.recomputed:
         regions.setdefault(checkpoint_region(n), []).append(n)
@@ -360,7 +362,7 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
             back[node] = int(live)
             live -= grads.pop(node, 0)
         live -= saved.pop(node, 0)
-    return at, back, resident
+    return at, back, resident, outputs
 
 
 def _chosen_output(node: torch.fx.Node, by_node: dict):
@@ -377,12 +379,12 @@ def _chosen_output(node: torch.fx.Node, by_node: dict):
 class OverBudget(ValueError):
     """The plan read off a solution holds more than the device's memory (``peak`` bytes a rank)."""
 
-    def __init__(self, peak: int, message: str):
+    def __init__(self, peak: int, outputs: int, message: str):
         super().__init__(message)
-        self.peak = peak
+        self.peak, self.outputs = peak, outputs
 
 
-def _check_budget(problem: StrategyProblem, request: PlanRequest, peak: int, resident: int) -> None:
+def _check_budget(problem: StrategyProblem, request: PlanRequest, peak: int, resident: int, outputs: int) -> None:
     """No plan over the device's memory is returned: the error gives the figures and what would fit."""
     budget = request.profile.memory_bytes
     if peak <= budget:
@@ -395,14 +397,18 @@ def _check_budget(problem: StrategyProblem, request: PlanRequest, peak: int, res
     if states > budget * world:
         ways.append(f"more ranks: the parameters, gradients and optimizer states alone are {states / GiB:.1f} GiB, "
                     f"at least {math.ceil(states / budget)} ranks split over all of them")
-    if request.level != 1:
+    if request.level != 1 and peak - outputs > budget:
         ways.append("level=1 (least memory)")
-    if request.level != 1 and request.optimizer_stage < 2 and problem.trainable:
+    if request.level != 1 and request.optimizer_stage < 2 and resident > budget / 4:
         ways.append("sf.shard_optimizer(opt, model, stage=2) (optimizer states and gradients of whole "
                     "parameters split)")
+    if outputs > 0.1 * budget:
+        ways.append(f"outputs returned split (out_strategy, or dataset_strategy='data_parallel': each rank its "
+                    f"rows) or not at all (a model's logits where only its loss is wanted): returned whole, they "
+                    f"take {outputs / GiB:.1f} GiB on every rank")
     ways.append(f"recompute (torch.utils.checkpoint around layers) or a shorter sequence or smaller batch: "
-                f"activations, outputs and gathered parameters take {(peak - resident) / GiB:.1f} GiB a rank")
-    raise OverBudget(peak,
+                f"activations and gathered parameters take {(peak - resident - outputs) / GiB:.1f} GiB a rank")
+    raise OverBudget(peak, outputs,
         f"level={request.level}: no plan found fits the per-rank memory of the {request.profile.name} profile "
         f"({budget / GiB:.1f} GiB): this plan's peak is {peak / GiB:.1f} GiB a rank, of which parameters, "
         f"gradients, optimizer states and inputs {resident / GiB:.1f} GiB. What would fit: " + "; ".join(ways))

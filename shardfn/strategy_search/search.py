@@ -38,21 +38,27 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
                    lambda p: f"{len(p.decisions)} decisions, {sum(len(d.candidates) for d in p.decisions)} candidates")
     pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype)
     terms = step("pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
-    budget = request.profile.memory_bytes
+    budget, over = request.profile.memory_bytes, None
     for attempt in range(_BUDGET_ROUNDS):
-        solution = step("solve", lambda: solve_level(request.level, terms, request.profile, time_limit_s, budget),
-                        lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
-                                  + ("optimal" if s.optimal else f"gap {s.gap:.2%}"))
         try:
+            solution = step("solve", lambda: solve_level(request.level, terms, request.profile, time_limit_s,
+                                                         budget),
+                            lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
+                                      + ("optimal" if s.optimal else f"gap {s.gap:.2%}"))
             plan = step("read-out", lambda: read_plan(problem, request, mesh_spec, pricing, terms, solution),
                         lambda p: f"{len(p.collectives)} collectives")
             break
         except OverBudget as e:
             # the solve bounds the pricing's estimate of memory, the read-out walks the plan's liveness: where
             # the walk finds more, solve again within a budget smaller by what it found over
-            if request.level == 1 or attempt == _BUDGET_ROUNDS - 1:
-                raise
+            over = e
+            if request.level == 1 or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes:
+                raise  # (outputs returned whole that alone exceed the memory: no plan can fit)
             budget -= 1.05 * (e.peak - request.profile.memory_bytes) + 2**20
+        except ValueError:
+            if over is None:
+                raise
+            raise over from None  # (nothing fits the lower budget: the figures of the plan that did not fit)
     if solution.timed_out:
         log.warning("shardfn: the strategy search stopped at its time limit (%.0f s, SHARDFN_SEARCH_TIME_LIMIT); "
                     "the plan is the best found, within %.2f%% of the best bound", time_limit_s, 100 * solution.gap)

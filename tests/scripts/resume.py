@@ -1,8 +1,9 @@
 """One rank of a training run that is saved, killed and resumed, for every way of training shardfn offers:
 python resume.py PHASE FOLDER WAY[,WAY...]
 
-  run     trains each way SAVE_AT steps, saves it (FOLDER/WAY), trains AFTER more steps and writes what the
-          uninterrupted run reached (losses, parameters, optimizer states, the LR) to FOLDER/WAY.pt (rank 0)
+  run     trains each way SAVE_AT steps, saves it (FOLDER/WAY: sf.save, or torch's dcp.async_save), trains AFTER
+          more steps and writes what the uninterrupted run reached (losses, parameters, optimizer states, the LR)
+          to FOLDER/WAY.RANK.pt
   resume  in fresh processes (another world size too): builds each way anew, loads FOLDER/WAY, trains the same
           AFTER steps and prints one line per way: RESUMED WAY <largest differences against the uninterrupted run>
 
@@ -15,6 +16,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
@@ -53,6 +55,7 @@ class Way:
     zero = 0        # sf.shard_optimizer's stage (0: the torch optimizer as it is)
     micro = 1       # micro-batches a step (all but the last inside sf.no_sync)
     recipe = "dcp"  # "dcp": get_state_dict / set_state_dict; "plain": model.state_dict() / opt.state_dict()
+    writer = "sf"   # "sf": sf.save / sf.load; "dcp_async": torch's dcp.async_save / dcp.load
 
     def __init__(self):
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -134,7 +137,7 @@ class MegatronDP(DataParallel):
 
 
 class Zero1(DataParallel):
-    zero = 1
+    zero, writer = 1, "dcp_async"
 
 
 class Zero2NoSync(DataParallel):
@@ -201,7 +204,10 @@ def run(folder: str, name: str) -> None:
     way = WAYS[name]()
     for step in range(SAVE_AT):
         way.step(step)
-    sf.save(way.state(), os.path.join(folder, name))
+    if way.writer == "sf":
+        sf.save(way.state(), os.path.join(folder, name))
+    else:
+        dcp.async_save(way.state(), checkpoint_id=os.path.join(folder, name)).result()
     losses = [way.step(SAVE_AT + i) for i in range(AFTER)]
     summary = {"losses": losses, "world": dist.get_world_size(), **way.summary()}
     torch.save(summary, os.path.join(folder, f"{name}.{dist.get_rank()}.pt"))  # (a pipeline rank's own stage)
@@ -214,7 +220,10 @@ def _largest(got: dict, want: dict) -> float:
 def resume(folder: str, name: str) -> str:
     way = WAYS[name]()
     state = way.state()  # (a fresh optimizer's states made to load into)
-    sf.load(state, os.path.join(folder, name))
+    if way.writer == "sf":
+        sf.load(state, os.path.join(folder, name))
+    else:
+        dcp.load(state, checkpoint_id=os.path.join(folder, name))
     way.set_state(state)
     losses = [way.step(SAVE_AT + i) for i in range(AFTER)]
     got, want = way.summary(), torch.load(os.path.join(folder, f"{name}.{dist.get_rank()}.pt"))

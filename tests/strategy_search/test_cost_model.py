@@ -137,10 +137,14 @@ def test_memory_over_the_forward_and_the_backward_by_hand():
                        "mm_1": 240}
     backward = [(n.name, n.backward_live_bytes) for n in reversed(plan.nodes.values())
                 if n.backward_live_bytes is not None]
-    # mm_1's backward: the output's gradient arrives (48), relu's (24) and w2's (16) are made; then mm_1's gradient
-    # and kept value go (-96); relu's backward makes mm's gradient (24), then its own two go; mm's makes w1's (32)
-    assert backward == [("mm_1", 240 + 48 + 24 + 16), ("detach", 232), ("relu", 232 + 24), ("mm", 256 - 48 + 32)]
-    assert plan.cost.peak_bytes == 328  # the step's peak: in the backward, above the forward's 240
+    # the output is returned whole (6, 4): 96 B on every rank from the exit on, through the backward (the caller's
+    # loss keeps it). mm_1's backward: the output's gradient arrives (48), relu's (24) and w2's (16) are made; then
+    # mm_1's gradient and kept value go (-96); relu's backward makes mm's gradient (24), then its own two go; mm's
+    # makes w1's (32)
+    out = 96
+    assert backward == [("mm_1", 240 + out + 48 + 24 + 16), ("detach", 232 + out), ("relu", 232 + out + 24),
+                        ("mm", 256 + out - 48 + 32)]
+    assert plan.cost.peak_bytes == 328 + out  # the step's peak: in the backward, above the forward's 240 + 96
 
 
 def test_the_memory_line_runs_through_the_backward_and_its_peak_is_the_plans():
