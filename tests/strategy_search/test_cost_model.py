@@ -128,6 +128,28 @@ def test_a_profile_of_one_link_loads_as_before(tmp_path):
     assert cm.load_profile(str(new)) == cm.H100
 
 
+def test_layout_links_are_checked_and_reach_the_mesh():
+    import shardfn as sf
+    from shardfn.layout import Axis, common_mesh, normalize_strategy
+
+    layout = sf.Layout((8, 8), ("dp", "tp"), links=("inter", "intra"))
+    assert layout("dp", "None").links == ("inter", "intra")
+    for bad in (("inter",), ("inter", "nvlink"), "intra"):
+        with pytest.raises(ValueError, match="links must give each of the 2 axes .*'intra'.*'inter'"):
+            sf.Layout((8, 8), ("dp", "tp"), links=bad)
+    # a user axis split into several mesh dims gives each its link; dims no Layout names keep the default (None)
+    spec = normalize_strategy(layout("dp", "tp"), (8, 8), 64, "x")
+    mesh = common_mesh([spec], 64, links={Axis(8, 8): "intra", Axis(8, 1): "inter"})
+    assert mesh.links == ("intra", "inter")
+    assert common_mesh([spec], 64).links is None
+    with pytest.raises(ValueError, match="disagree on the link"):
+        common_mesh([spec], 64, links={Axis(64, 1): "inter", Axis(8, 1): "intra"})
+    # the mesh is cut where a node ends: a tensor split over 64 ranks on 8-rank nodes is split over 8 x 8
+    whole = normalize_strategy((64,), (64,), 64, "x")
+    assert common_mesh([whole], 64).shape == (64,)
+    assert common_mesh([whole], 64, node=8).shape == (8, 8)
+
+
 def test_a_custom_function_costs_the_flops_of_its_forward():
     from shardfn.capture import capture
 
