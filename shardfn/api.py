@@ -130,7 +130,7 @@ class _Engine:
         batch = [j for j, t in enumerate(tensors) if self._in_batch(t)]
         with runtime.outside_simulation():  # (the held splits; the rows are the slices')
             call = bind(self.config, self.fn, self.name, args, kwargs, world, rows=dict.fromkeys(batch, 0))
-            mesh_spec = self._mesh_spec(call, self._param_specs(world), world)
+            mesh_spec = self._mesh_spec(call, self._param_specs(world), world, device)
         moves = {j: uneven_batch.rows_of([rows[r][i] for r in ranks], call.held[j], mesh_spec, call.names[j])
                  for i, j in enumerate(batch)}
         moved = list(tensors)
@@ -409,7 +409,8 @@ class _Engine:
         with runtime.outside_simulation():
             call = call or bind(self.config, self.fn, self.name, args, kwargs, world)
             param_specs = self._param_specs(world)
-            mesh_spec = self._mesh_spec(call, param_specs, world)
+            profile = profile_for(device)
+            mesh_spec = self._mesh_spec(call, param_specs, world, device, profile)
             captured = self._capture(args, kwargs, call, device, dynamic)
             self.captures += 1
             planned = captured if not dynamic else dataclasses.replace(
@@ -417,7 +418,7 @@ class _Engine:
             accumulate = self._accumulating() and torch.is_grad_enabled()
             moves, moved = submesh.arrival_records(arrived, self.name)
             request = build_request(self.config, self.name, call, planned, param_specs, mesh_spec, world,
-                                    profile_for(device), accumulate, self.optimizer_stage,
+                                    profile, accumulate, self.optimizer_stage,
                                     pending_grads=self.grad_targets.keys(), arrivals=moves,
                                     notes=((_dynamic_note(captured, dynamic),) if dynamic else ()) + moved)
             plan = make_plan(planned, mesh_of(mesh_spec), mesh_spec, request)
@@ -425,12 +426,16 @@ class _Engine:
         return Planned(captured, plan, mesh_spec, tuple(parameters.slot(self.module, n) for n in params),
                        tuple(parameters.slot(self.module, n) for n in buffers), dict(dynamic or {}))
 
-    def _mesh_spec(self, call: BoundCall, param_specs: dict[str, TensorSpec], world: int) -> MeshSpec:
-        """The call's mesh: the one every given layout fits on."""
+    def _mesh_spec(self, call: BoundCall, param_specs: dict[str, TensorSpec], world: int, device: str,
+                   profile=None) -> MeshSpec:
+        """The call's mesh: the one every given layout fits on, cut where a node ends (no mesh dim mixes the
+        ranks within a node with ranks across nodes, so work can be split within a node alone)."""
         out_given = [normalize_strategy(s, None, world, f"out_strategy[{i}]")
                      for i, s in enumerate(self.config.out_strategy or ()) if s is not None]
+        profile = profile or profile_for(device)
         return common_mesh([*call.held, *(f for f in call.fixed if f is not None), *param_specs.values(),
-                            *out_given], world, _alias_names(self.config.strategies()))
+                            *out_given], world, _alias_names(self.config.strategies()),
+                           _axis_links(self.config.strategies()), profile.devices_per_node)
 
     def _capture(self, args, kwargs, call: BoundCall, device: str, dynamic: dict | None = None) -> CapturedGraph:
         shapes = iter(call.shapes)
@@ -555,6 +560,20 @@ def _alias_names(strategies) -> dict:
     return names
 
 
+def _axis_links(strategies) -> dict:
+    """The links the user's Layouts give their axes ({axis: "intra"/"inter"}); Layouts that disagree on one axis
+    are an error."""
+    links: dict = {}
+    for s in strategies:
+        if isinstance(s, TensorLayout) and s.links is not None:
+            for i, link in enumerate(s.links):
+                axis = Axis(s.device_matrix[i], math.prod(s.device_matrix[i + 1 :]))
+                if links.setdefault(axis, link) != link:
+                    raise ValueError(f"in_strategy: the Layouts given say both {links[axis]!r} and {link!r} for "
+                                     f"axis {s.alias_name[i]!r}; give every Layout of one call the same links")
+    return links
+
+
 # --- public objects -----------------------------------------------------------------------------------------
 
 
@@ -611,7 +630,8 @@ def _shard_module(module: nn.Module, engine: _Engine, example_inputs=None) -> nn
     # call's, or, given example inputs, the plan for them, made now (parameters on meta stay meta pieces)
     specs = engine._param_specs(world)
     given = [normalize_strategy(s, None, world, "in_strategy") for s in engine.config.strategies()]
-    mesh_spec = common_mesh([*specs.values(), *given], world, _alias_names(engine.config.strategies()))
+    mesh_spec = common_mesh([*specs.values(), *given], world, _alias_names(engine.config.strategies()),
+                            _axis_links(engine.config.strategies()), profile_for(device).devices_per_node)
     mesh = runtime.device_mesh(mesh_spec, device, engine._ranks())
     for name, p in list(module.named_parameters()):
         spec = specs.get(name, TensorSpec.replicated(p.dim()))

@@ -6,10 +6,16 @@ rank working at once (so ranks sharing a machine see each other's load, as in tr
 
 - matmul throughput per dtype (fp32; TF32 and bf16 on CUDA), from square matmuls;
 - memory bandwidth, from copying a large tensor, and the fixed cost of one op (adding to a 1-element tensor);
-- per collective kind (all_reduce, all_gather, reduce_scatter, all_to_all, run as the programs run them:
-  functional collectives, the ranks starting together), latency and inverse bandwidth, from a 4 KiB and a 4 MiB
-  operand: the cost model's alpha-beta formula solved for both (the whole latency counted per hop, none as a
-  fixed launch cost). In a world of one these stay the built-in profile's.
+- per mesh dim (``--mesh 8x8``: the mesh you train on; by default one dim of every rank) and per collective
+  kind (all_reduce, all_gather, reduce_scatter, all_to_all, run as the programs run them: functional
+  collectives over that dim's groups, every group at once, the ranks starting together), latency and inverse
+  bandwidth, from a 4 KiB and a 4 MiB operand: the cost model's alpha-beta formula (``cost_model.ring_terms``)
+  solved for both (the whole latency counted per hop, none as a fixed launch cost). Each dim is intra-node or
+  inter-node as plans will take it (``cost_model.mesh_links``); each link's figures are the slowest of its
+  dims, and a link no dim measured (the network, on one machine) keeps the built-in profile's. In a world of
+  one they all stay the built-in profile's;
+- the ranks of one node: on CUDA the GPUs a node has (and at least the ranks sharing this host); on the CPU 0
+  (every rank one machine) where all ranks share one host, else the ranks a host runs.
 
 Each figure is the lower quartile of repeated timings (noise on a shared machine only adds time).
 
@@ -21,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import socket
 import statistics
 import time
 from typing import Callable
@@ -30,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from . import runtime
-from .strategy_search.cost_model import CPU, H100, DeviceProfile, save_profile
+from .layout import MeshSpec, mesh_axes
+from .strategy_search.cost_model import CPU, H100, DeviceProfile, Link, mesh_links, ring_terms, save_profile
 
 __all__ = ["calibrate"]
 
@@ -77,28 +86,21 @@ def _slowest(values: list[float], device: str) -> list[float]:
     return t.tolist()
 
 
-# (hops, share of the operand each rank moves) of each collective on n ranks, as cost_model's formulas count them
-_RING = {"all_reduce": lambda n: (2 * (n - 1), 2 * (n - 1) / n),
-         "all_gather": lambda n: (n - 1, (n - 1) / n),
-         "reduce_scatter": lambda n: (n - 1, (n - 1) / n),
-         "all_to_all": lambda n: (n - 1, (n - 1) / (n * n))}
-
-
-def _collectives(world: int, device: str, repeat: int) -> tuple[tuple[str, float, float], ...]:
-    """(kind, alpha, beta) of each collective as the programs run them (functional collectives, the ranks
-    starting together), solved from a 4 KiB and a 4 MiB operand."""
+def _collectives(group, n: int, device: str, repeat: int) -> tuple[tuple[str, float, float], ...]:
+    """(kind, alpha, beta) of each collective over ``group`` (``n`` ranks; every rank of the world runs its own
+    group's at once) as the programs run them (functional collectives, the ranks starting together), solved
+    from a 4 KiB and a 4 MiB operand."""
     from . import _functional_collectives as funcol
 
-    group = dist.group.WORLD
     run = {"all_reduce": lambda x: funcol.all_reduce(x, "sum", group),
-           "all_gather": lambda x: funcol.all_gather_tensor(x[: x.numel() // world], 0, group),
+           "all_gather": lambda x: funcol.all_gather_tensor(x[: x.numel() // n], 0, group),
            "reduce_scatter": lambda x: funcol.reduce_scatter_tensor(x, "sum", 0, group),
            "all_to_all": lambda x: funcol.all_to_all_single(x, None, None, group)}
     sizes = (4 * 2**10, 4 * 2**20)
     timed = []
     for kind, op in run.items():
         for nbytes in sizes:
-            x = torch.ones(nbytes // 4 // world * world, device=device)
+            x = torch.ones(nbytes // 4 // n * n, device=device)
 
             def once():
                 dist.barrier()  # every rank starts it together
@@ -110,15 +112,62 @@ def _collectives(world: int, device: str, repeat: int) -> tuple[tuple[str, float
     out = []
     for k, kind in enumerate(run):
         small, big = timed[2 * k], timed[2 * k + 1]
-        hops, share = _RING[kind](world)
+        hops, share = ring_terms(kind, n)
         out.append((kind, small / hops, max(big - small, 1e-9) / (share * (sizes[1] - sizes[0]))))
     return tuple(out)
 
 
-def calibrate(device: str | None = None, repeat: int = 10) -> DeviceProfile:
-    """A DeviceProfile measured on this machine by every rank of the world (a collective: call it on all)."""
+def _devices_per_node(device: str, world: int) -> int:
+    """The ranks of one node: the most ranks sharing a host (on CUDA at least the GPUs a node has); 0 on the
+    CPU where every rank shares this host."""
+    per_host = world
+    if world > 1:
+        hosts: list = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname())
+        per_host = max(hosts.count(h) for h in set(hosts))
+    if device == "cuda":
+        return max(per_host, torch.cuda.device_count())
+    return 0 if per_host == world else per_host
+
+
+def _links(base: DeviceProfile, mesh: tuple[int, ...], per_node: int, device: str, repeat: int):
+    """(intra-node link, inter-node link, measured_dims): each mesh dim's collectives measured over its groups;
+    a link's figures the slowest of its dims (alpha and beta each), a link no dim measured the base's."""
+    devmesh = None
+    if any(n > 1 for n in mesh):
+        devmesh = runtime.device_mesh(MeshSpec(mesh_axes(mesh), tuple(f"d{i}" for i in range(len(mesh)))), device)
+    links = mesh_links(mesh, dataclasses.replace(base, devices_per_node=per_node))
+    measured, by_link = [], {"intra": {}, "inter": {}}
+    for d, n in enumerate(mesh):
+        if n <= 1:
+            continue
+        for kind, alpha, beta in _collectives(devmesh.get_group(d), n, device, repeat):
+            measured.append((d, n, links[d], kind, alpha, beta))
+            a, b = by_link[links[d]].get(kind, (0.0, 0.0))
+            by_link[links[d]][kind] = (max(a, alpha), max(b, beta))
+    out = []
+    for name, built_in in (("intra", base.intra_node), ("inter", base.inter_node)):
+        kinds = by_link[name]
+        if not kinds:
+            out.append(built_in)
+            continue
+        alpha, beta = kinds.get("all_reduce", next(iter(kinds.values())))
+        out.append(Link(alpha, beta, 0.0, tuple((k, a, b) for k, (a, b) in kinds.items())))
+    return out[0], out[1], tuple(measured)
+
+
+def calibrate(device: str | None = None, repeat: int = 10, mesh: tuple[int, ...] | None = None) -> DeviceProfile:
+    """A DeviceProfile measured on this machine by every rank of the world (a collective: call it on all).
+    ``mesh``: the mesh dims to measure collectives over, outer first (their product the world; None: one dim of
+    every rank)."""
     device = runtime.resolve_device(device)
     world = runtime.init(device=device).size()
+    mesh = (world,) if mesh is None else tuple(mesh)
+    if not mesh or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in mesh) \
+            or math.prod(mesh) != world:
+        raise ValueError(f"calibrate: mesh must be positive mesh dim sizes whose product is the world's {world} "
+                         f"ranks (e.g. mesh=(8, 8) or --mesh 8x8 on 64 ranks; None for one dim of every rank), "
+                         f"got {mesh!r}")
     base = H100 if device == "cuda" else CPU
     n = 2048 if device == "cuda" else 512
     fp32 = _matmul_flops(torch.float32, device, n, repeat)
@@ -139,25 +188,30 @@ def calibrate(device: str | None = None, repeat: int = 10) -> DeviceProfile:
         half, tf32 = 1 / inverse[2], 1 / inverse[3]
     one = torch.ones(1, device=device)
     op_s = _slowest([_seconds(lambda: one + 1, device, repeat * 10)], device)[0]  # an op's fixed cost
-    alpha, launch, beta, per_kind = base.alpha_s, base.launch_s, base.beta_s_per_byte, ()
-    if world > 1:
-        per_kind = _collectives(world, device, repeat)
-        alpha, beta = next((a, b) for kind, a, b in per_kind if kind == "all_reduce")
-        launch = 0.0
+    per_node = _devices_per_node(device, world)
+    intra, inter, dims = _links(base, mesh, per_node, device, repeat)
     memory = base.memory_bytes
     if device == "cuda":
         memory = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     return dataclasses.replace(base, name=f"{base.name}-measured", flops_per_s=fp32, mem_bytes_per_s=bandwidth,
-                               alpha_s=alpha, launch_s=launch, beta_s_per_byte=beta, memory_bytes=memory,
-                               half_flops_per_s=half, tf32_flops_per_s=tf32, per_kind=per_kind, op_s=op_s)
+                               memory_bytes=memory, intra_node=intra, inter_node=inter, devices_per_node=per_node,
+                               half_flops_per_s=half, tf32_flops_per_s=tf32, op_s=op_s, measured_dims=dims)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="where to write the profile (JSON)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None)
+    parser.add_argument("--mesh", default=None,
+                        help="the mesh dims to measure collectives over, outer first, e.g. 8x8 (default: one dim)")
     args = parser.parse_args(argv)
-    profile = calibrate(args.device)
+    mesh = None
+    if args.mesh:
+        try:
+            mesh = tuple(int(n) for n in args.mesh.lower().split("x"))
+        except ValueError:
+            parser.error(f"--mesh {args.mesh!r}: give mesh dim sizes joined by x, e.g. --mesh 8x8")
+    profile = calibrate(args.device, mesh=mesh)
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
         save_profile(profile, args.out)

@@ -66,10 +66,13 @@ class TensorSpec:
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """A row-major device mesh over the whole world: axes outer first, with their names."""
+    """A row-major device mesh over the whole world: axes outer first, with their names, and the link each
+    runs over where the user said (``Layout(..., links=...)``: "intra" within a node, "inter" between nodes;
+    None: the device profile's default). A plan's mesh has every dim's link resolved."""
 
     axes: tuple[Axis, ...]
     names: tuple[str, ...]
+    links: tuple[str | None, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -90,9 +93,15 @@ class Layout:
     ``ranks`` names the global ranks of the matrix, row-major (Paddle's ProcessMesh): ``Layout((2, 2), ("dp",
     "mp"), ranks=(4, 5, 6, 7))``. A shard call whose layouts name ranks runs on those ranks only (a sub-mesh);
     without ``ranks`` the matrix lies over the ranks its call runs on.
+
+    ``links`` says which link each axis's collectives run over, one entry per axis: ``"intra"`` (within a node:
+    NVLink on an H100 node) or ``"inter"`` (between nodes: the network): ``Layout((8, 8), ("dp", "tp"),
+    links=("inter", "intra"))``. Without it the device profile decides: the innermost axes whose ranks fit in
+    one node (``DeviceProfile.devices_per_node``, 8 on CUDA) are intra-node, the rest inter-node.
     """
 
-    def __init__(self, device_matrix: Sequence[int], alias_name: Sequence[str], ranks: Sequence[int] | None = None):
+    def __init__(self, device_matrix: Sequence[int], alias_name: Sequence[str], ranks: Sequence[int] | None = None,
+                 links: Sequence[str] | None = None):
         if not isinstance(device_matrix, (tuple, list)) or not device_matrix:
             raise TypeError(f"Layout: device_matrix must be a non-empty tuple of ints, got {device_matrix!r}")
         for size in device_matrix:
@@ -111,6 +120,7 @@ class Layout:
         self.device_matrix = tuple(device_matrix)
         self.alias_name = tuple(alias_name)
         self.ranks = None if ranks is None else _check_ranks(ranks, self.device_matrix)
+        self.links = None if links is None else _check_links(links, self.alias_name)
 
     def __call__(self, *tensor_map: str | tuple[str, ...]) -> "TensorLayout":
         used: set[str] = set()
@@ -131,11 +141,24 @@ class Layout:
                     )
                 used.add(name)
             dims.append(names)
-        return TensorLayout(self.device_matrix, self.alias_name, tuple(dims), self.ranks)
+        return TensorLayout(self.device_matrix, self.alias_name, tuple(dims), self.ranks, self.links)
 
     def __repr__(self) -> str:
         ranks = "" if self.ranks is None else f", ranks={self.ranks!r}"
-        return f"Layout({self.device_matrix!r}, {self.alias_name!r}{ranks})"
+        links = "" if self.links is None else f", links={self.links!r}"
+        return f"Layout({self.device_matrix!r}, {self.alias_name!r}{ranks}{links})"
+
+
+LINK_NAMES = ("intra", "inter")
+
+
+def _check_links(links: Sequence[str], alias_name: tuple[str, ...]) -> tuple[str, ...]:
+    if not isinstance(links, (tuple, list)) or len(links) != len(alias_name) or \
+            any(link not in LINK_NAMES for link in links):
+        raise ValueError(f"Layout: links must give each of the {len(alias_name)} axes {alias_name!r} its link, "
+                         f"'intra' (within a node: NVLink) or 'inter' (between nodes: the network), e.g. "
+                         f"links={tuple(['inter'] * (len(alias_name) - 1) + ['intra'])!r}; got {links!r}")
+    return tuple(links)
 
 
 def _check_ranks(ranks: Sequence[int], device_matrix: tuple[int, ...]) -> tuple[int, ...]:
@@ -162,6 +185,7 @@ class TensorLayout:
     alias_name: tuple[str, ...]
     tensor_map: tuple[tuple[str, ...], ...]
     ranks: tuple[int, ...] | None = None  # the global ranks of the matrix, row-major; None: the call's ranks
+    links: tuple[str, ...] | None = None  # per axis, "intra" or "inter" (Layout's links); None: the profile's
 
     def axis(self, name: str) -> Axis:
         i = self.alias_name.index(name)
@@ -170,7 +194,8 @@ class TensorLayout:
     def __repr__(self) -> str:
         entries = ", ".join(repr(d[0]) if len(d) == 1 else (repr(d) if d else "'None'") for d in self.tensor_map)
         ranks = "" if self.ranks is None else f", ranks={self.ranks!r}"
-        return f"Layout({self.device_matrix!r}, {self.alias_name!r}{ranks})({entries})"
+        links = "" if self.links is None else f", links={self.links!r}"
+        return f"Layout({self.device_matrix!r}, {self.alias_name!r}{ranks}{links})({entries})"
 
 
 def _where(arg: str, tensor: str) -> str:
@@ -266,17 +291,24 @@ def mesh_axes(shape: tuple[int, ...]) -> tuple[Axis, ...]:
     return tuple(Axis(size, math.prod(shape[i + 1 :])) for i, size in enumerate(shape))
 
 
-def common_mesh(specs: Sequence[TensorSpec], world_size: int, names: dict[Axis, str] | None = None) -> MeshSpec:
+def common_mesh(specs: Sequence[TensorSpec], world_size: int, names: dict[Axis, str] | None = None,
+                links: dict[Axis, str] | None = None, node: int = 0) -> MeshSpec:
     """The coarsest row-major mesh over the world on which every spec's axes are unions of mesh dims.
 
     Every axis cuts rank space at its stride and at stride * size; those cuts must form a divisibility chain
     (1 | c1 | c2 | ... | world) for one mesh to serve all. ``names`` names a mesh dim after the user's alias when
-    a user axis maps onto exactly one mesh dim.
+    a user axis maps onto exactly one mesh dim. ``links`` ({user axis: "intra"/"inter"}, from Layouts' links):
+    every mesh dim within a user axis runs over that axis's link, and each such axis is a mesh dim (or several).
+    ``node``: the ranks of one node (the device profile's devices_per_node; 0: one node); the mesh is cut there
+    too where that nests with the other cuts, so that no mesh dim mixes ranks within a node with ranks across
+    nodes (else work could not be split within a node alone).
     """
     cuts = {1, world_size}
     for spec in specs:
         for axis in spec.axes():
             cuts.update((axis.stride, axis.span))
+    for axis in links or {}:
+        cuts.update((axis.stride, axis.span))
     chain = sorted(cuts)
     for lo, hi in zip(chain, chain[1:]):
         if hi % lo:
@@ -285,6 +317,8 @@ def common_mesh(specs: Sequence[TensorSpec], world_size: int, names: dict[Axis, 
                 f"rank space at {lo} and {hi}, and {lo} does not divide {hi}; use split counts whose device "
                 "matrices nest (e.g. all powers of two)"
             )
+    if 1 < node < world_size and all(c % node == 0 or node % c == 0 for c in cuts):
+        chain = sorted(cuts | {node})
     axes = tuple(Axis(hi // lo, lo) for lo, hi in reversed(list(zip(chain, chain[1:]))))
     if not axes:
         axes = (Axis(1, 1),)
@@ -292,7 +326,20 @@ def common_mesh(specs: Sequence[TensorSpec], world_size: int, names: dict[Axis, 
     labels = tuple(names.get(a, f"d{i}") for i, a in enumerate(axes))
     if len(set(labels)) != len(labels):
         labels = tuple(f"d{i}" for i in range(len(axes)))
-    return MeshSpec(axes, labels)
+    return MeshSpec(axes, labels, _mesh_links(axes, links) if links else None)
+
+
+def _mesh_links(axes: tuple[Axis, ...], links: dict[Axis, str]) -> tuple[str | None, ...]:
+    """Each mesh dim's link: that of the user axis it lies within (None where no user axis with a link holds it)."""
+    out = []
+    for m in axes:
+        said = {a: link for a, link in links.items() if a.stride <= m.stride and m.span <= a.span}
+        if len(set(said.values())) > 1:
+            raise ValueError(f"the Layouts given disagree on the link of the ranks {m.stride} apart: "
+                             f"{', '.join(f'an axis of {a.size} ranks says {link!r}' for a, link in said.items())}; "
+                             "give every Layout of one call the same links")
+        out.append(next(iter(said.values()), None))
+    return tuple(out)
 
 
 def _mesh_dims_of(axis: Axis, mesh: MeshSpec) -> list[int]:

@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from .reshard import region
 from .strategy_search._summary import collective_module, folded_layers, layer_of
-from .strategy_search.plan import placements_text
+from .strategy_search.plan import mesh_text, placements_text
 
 if TYPE_CHECKING:
     from .strategy_search.plan import Plan
@@ -164,7 +164,7 @@ class _Page:
         self.params = {i.name for i in plan.inputs if i.kind == "param"}
         self.tensors: dict[str, dict] = {}
         self.first_shown: str | None = None
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(plan.mesh.names, plan.mesh.shape))
+        mesh = mesh_text(plan.mesh)
         self.title = f"shardfn plan: mesh [{mesh}], level {plan.level}"
         self._input_ids: dict[str, str] = {}  # input name -> its tensor's id
         self.by_name: dict[str, str] = {}  # a written-out tensor's name (as collectives name it) -> its id
@@ -217,7 +217,7 @@ class _Page:
 
     def header(self) -> str:
         plan, cost = self.plan, self.plan.cost
-        facts = [("mesh", " x ".join(f"{n}={s}" for n, s in zip(plan.mesh.names, plan.mesh.shape))
+        facts = [("mesh", mesh_text(plan.mesh)
                   + f" ({math.prod(plan.mesh.shape)} ranks)"),
                  ("level", f"{plan.level}: {_OBJECTIVES.get(plan.level, '?')}"),
                  ("objective", f"ratio {cost.ratio:.3g} (compute saved {_seconds(cost.saved_s)} per "

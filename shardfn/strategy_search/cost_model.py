@@ -12,6 +12,16 @@ reduce_scatter     c + (n-1) alpha + (n-1)/n B beta      (B = input before scatt
 all_to_all         c + (n-1) alpha + (n-1)/n^2 B beta    (B = input)
 =================  ==============================================
 
+(:func:`ring_terms` holds the hops and volumes; ``shardfn.calibrate`` solves the same formulas for alpha and beta.)
+
+Each mesh dim has its own link (:class:`Link`: alpha, beta, launch cost): a profile has one within a node
+(``intra_node``: NVLink on an H100 node) and one between nodes (``inter_node``: the network). By default a mesh
+dim is intra-node when its ranks and those of every dim inside it fit in one node (the innermost dims whose
+product is at most ``DeviceProfile.devices_per_node``, as DTensor's ``MeshTopoInfo`` assumes), else inter-node;
+``sf.Layout(..., links=...)`` says otherwise (:func:`mesh_links`). Every collective runs over one mesh dim (a
+redistribution is lowered one dim at a time, as DTensor's is), and a dim whose ring crosses nodes is priced
+whole at the inter-node link, its slowest (not hierarchically).
+
 A redistribution is lowered per mesh dim (:func:`redistribute_collectives`); its backward is the dual
 (:func:`backward_collectives`): the gradient flows from the consumer's placement back to the producer's, and a
 gradient that the consumer left as a pending sum (it used a replicated input in work split over that dim) is
@@ -46,30 +56,72 @@ __all__ = [
     "save_profile",
     "CommOp",
     "DeviceProfile",
+    "LINKS",
+    "Link",
     "backward_collectives",
     "collective_seconds",
     "local_numel",
+    "mesh_links",
     "redistribute_collectives",
+    "ring_terms",
 ]
+
+LINKS = ("intra", "inter")  # a mesh dim's link: within one node, or between nodes
+
+
+@dataclass(frozen=True)
+class Link:
+    """The alpha-beta constants of the ring a mesh dim's collectives run on."""
+
+    alpha_s: float  # per-hop latency
+    beta_s_per_byte: float  # inverse bandwidth per rank (1 / bus bandwidth)
+    launch_s: float = 0.0  # fixed cost of issuing one collective (software, kernel launch)
+    # measured per collective kind (shardfn.calibrate): (kind, alpha_s, beta_s_per_byte), which replace alpha,
+    # beta and the launch cost for that kind
+    per_kind: tuple[tuple[str, float, float], ...] = ()
+
+    def constants(self, kind: str) -> tuple[float, float, float]:
+        """(alpha, beta, launch) of collective ``kind`` on this link."""
+        for k, alpha, beta in self.per_kind:
+            if k == kind:
+                return alpha, beta, 0.0
+        return self.alpha_s, self.beta_s_per_byte, self.launch_s
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """Roofline and link constants of one device kind. Override by building your own profile."""
+    """Roofline and link constants of one device kind. Override by building your own profile
+    (``dataclasses.replace``) and saving it for SHARDFN_PROFILE (:func:`save_profile`)."""
 
     name: str
     flops_per_s: float  # sustained matmul throughput, fp32 (full precision: no TF32)
     mem_bytes_per_s: float  # memory bandwidth, for memory-bound (elementwise) ops
-    alpha_s: float  # per-hop collective latency
-    launch_s: float  # fixed cost of issuing one collective (software, kernel launch)
-    beta_s_per_byte: float  # inverse link bandwidth
     memory_bytes: float  # per-device memory, the budget of level 2
+    intra_node: Link  # between the ranks of one node
+    inter_node: Link  # between nodes
+    # ranks one node holds: a mesh dim whose ranks, with those of the dims inside it, number at most this many
+    # runs within a node (intra_node), others between nodes; 0: every rank in one node
+    devices_per_node: int = 0
     half_flops_per_s: float = 0.0  # bf16/fp16 matmul throughput (0: as fp32)
     tf32_flops_per_s: float = 0.0  # fp32 matmuls when TF32 is allowed (0: as fp32)
-    # measured per collective kind (shardfn.calibrate): (kind, alpha_s, beta_s_per_byte), which replace the
-    # shared alpha, beta and launch cost for that kind
-    per_kind: tuple[tuple[str, float, float], ...] = ()
     op_s: float = 0.0  # the fixed cost of running one op (dispatch), whatever its size and split
+    # what shardfn.calibrate measured per dim of the mesh it ran on: (mesh dim, its size, its link, kind,
+    # alpha_s, beta_s_per_byte); each link's per_kind is the slowest of its dims
+    measured_dims: tuple[tuple[int, int, str, str, float, float], ...] = ()
+
+    def __post_init__(self):
+        if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
+                or self.devices_per_node < 0:
+            raise ValueError(f"DeviceProfile {self.name!r}: devices_per_node must be a non-negative int (the ranks "
+                             f"of one node; 0: every rank in one node), got {self.devices_per_node!r}")
+        for field in ("intra_node", "inter_node"):
+            if not isinstance(getattr(self, field), Link):
+                raise TypeError(f"DeviceProfile {self.name!r}: {field} must be a cost_model.Link(alpha_s, "
+                                f"beta_s_per_byte, launch_s), got {getattr(self, field)!r}")
+
+    def link(self, name: str) -> Link:
+        """The link named ``name``: "intra" (within a node) or "inter" (between nodes)."""
+        return self.intra_node if name == "intra" else self.inter_node
 
     def matmul_flops_per_s(self, dtype: torch.dtype) -> float:
         """Throughput for ops computing in ``dtype``; fp32 uses TF32's when torch allows it on CUDA."""
@@ -80,11 +132,23 @@ class DeviceProfile:
         return self.flops_per_s
 
 
-# A CPU rank with gloo over loopback/TCP, and an H100 SXM with NVLink (NCCL). Order-of-magnitude constants:
-# they rank plans, they do not predict wall time to the percent. H100 matmul rates as measured on one H100 (a
-# GPT block: fp32 without TF32 ~60 TFLOP/s, bf16 ~800 TFLOP/s), TF32 between.
-CPU = DeviceProfile("cpu", 5e10, 2e10, 5e-5, 2e-5, 1 / 2e9, 16e9)
-H100 = DeviceProfile("h100", 6e13, 3e12, 1e-5, 5e-6, 1 / 4.5e11, 80e9, half_flops_per_s=8e14,
+# A CPU rank with gloo over loopback/TCP, and an H100 SXM node (NCCL). Order-of-magnitude constants: they rank
+# plans, they do not predict wall time to the percent. H100 matmul rates as measured on one H100 (a GPT block: fp32
+# without TF32 ~60 TFLOP/s, bf16 ~800 TFLOP/s), TF32 between.
+#
+# H100 links (per GPU, one direction), from the hardware's data sheets:
+# - within a node, NVLink 4: 18 links x 25 GB/s each way = 450 GB/s per GPU (900 GB/s bidirectional, NVIDIA's
+#   H100 SXM figure), through NVSwitch to all 8 GPUs of an HGX/DGX H100 node;
+# - between nodes, InfiniBand NDR: one 400 Gb/s ConnectX-7 per GPU (DGX H100) = 50 GB/s per GPU, a ninth of
+#   NVLink (DTensor's MeshTopoInfo takes 0.22 of the intra-node bandwidth);
+# - latency per ring hop: a few microseconds over NVLink, ~10 us across the network (a switch and the NIC's PCIe
+#   each way); DTensor's MeshTopoInfo takes 0.6 us and 2.7 us per hop after a 6.6 us base, which NCCL's
+#   measured small-message times (tens of microseconds for 8 GPUs) exceed; a collective's launch ~5 us.
+# A CPU world runs on one machine (devices_per_node 0); its network link is 10 Gb Ethernet with TCP's latency.
+CPU = DeviceProfile("cpu", 5e10, 2e10, 16e9, intra_node=Link(5e-5, 1 / 2e9, 2e-5),
+                    inter_node=Link(1e-4, 1 / 1.25e9, 2e-5), devices_per_node=0)
+H100 = DeviceProfile("h100", 6e13, 3e12, 80e9, intra_node=Link(3e-6, 1 / 4.5e11, 5e-6),
+                     inter_node=Link(1e-5, 1 / 5e10, 5e-6), devices_per_node=8, half_flops_per_s=8e14,
                      tf32_flops_per_s=4e14)
 
 
@@ -103,17 +167,54 @@ def save_profile(profile: DeviceProfile, path: str) -> None:
 
 
 def load_profile(path: str) -> DeviceProfile:
-    """A profile saved by :func:`save_profile`; a clear error where the file is not one."""
+    """A profile saved by :func:`save_profile`; a clear error where the file is not one. A profile saved before
+    links were per mesh dim (one alpha, beta and launch cost) prices every dim with its one link."""
     fields = {f.name for f in dataclasses.fields(DeviceProfile)}
     try:
         with open(path) as f:
             data = json.load(f)
+        if "intra_node" not in data and "alpha_s" in data:  # one link for every dim
+            one = {"alpha_s": data["alpha_s"], "beta_s_per_byte": data["beta_s_per_byte"],
+                   "launch_s": data.get("launch_s", 0.0), "per_kind": data.get("per_kind", ())}
+            data = {**data, "intra_node": one, "inter_node": one, "devices_per_node": 0}
         data = {k: v for k, v in data.items() if k in fields}
-        data["per_kind"] = tuple(tuple(entry) for entry in data.get("per_kind", ()))
+        for link in ("intra_node", "inter_node"):
+            entry = dict(data[link])
+            entry["per_kind"] = tuple(tuple(k) for k in entry.get("per_kind", ()))
+            data[link] = Link(**entry)
+        data["measured_dims"] = tuple(tuple(entry) for entry in data.get("measured_dims", ()))
         return DeviceProfile(**data)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"SHARDFN_PROFILE={path!r} is not a readable device profile ({e}); make one with "
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise ValueError(f"SHARDFN_PROFILE={path!r} is not a readable device profile ({e!r}); make one with "
                          "python -m shardfn.calibrate --out PATH, or unset SHARDFN_PROFILE") from e
+
+
+def mesh_links(mesh_shape: Sequence[int], profile: DeviceProfile,
+               given: Sequence[str | None] | None = None) -> tuple[str, ...]:
+    """The link each mesh dim's collectives run over, "intra" or "inter": ``given[d]`` where the caller said
+    (``sf.Layout(..., links=...)``), else "intra" where the dim's ranks and those of every dim inside it fit in
+    one node (the product of ``mesh_shape[d:]`` is at most ``profile.devices_per_node``; 0: every rank in one
+    node), as DTensor's MeshTopoInfo assumes of a row-major mesh over ranks numbered node by node."""
+    per_node = profile.devices_per_node
+    links = []
+    for d in range(len(mesh_shape)):
+        said = given[d] if given is not None and d < len(given) else None
+        if said is None:
+            said = "intra" if not per_node or math.prod(mesh_shape[d:]) <= per_node else "inter"
+        links.append(said)
+    return tuple(links)
+
+
+def ring_terms(kind: str, n: int) -> tuple[float, float]:
+    """(hops, share of the operand each rank moves) of collective ``kind`` on a ring of ``n`` ranks: its seconds
+    are ``launch + hops * alpha + share * bytes * beta`` (the one place these formulas live)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if kind in ("all_gather", "reduce_scatter"):
+        return n - 1, (n - 1) / n
+    if kind == "all_to_all":
+        return n - 1, (n - 1) / (n * n)
+    raise ValueError(f"unknown collective {kind!r}")
 
 
 @dataclass(frozen=True)
@@ -129,26 +230,20 @@ class CommOp:
 
 
 def collective_seconds(op: CommOp, mesh_shape: Sequence[int], profile: DeviceProfile,
-                       latency_share: float = 1.0) -> float:
-    """Alpha-beta seconds of ``op`` on a ring. ``latency_share``: the part of the collective's fixed costs (its
-    launch, the latency of each hop) this operand bears: less than 1 for a gradient reduction fused with others
-    into one collective (strategy_search.buckets)."""
+                       latency_share: float = 1.0, links: Sequence[str] | None = None) -> float:
+    """Alpha-beta seconds of ``op`` on a ring over its mesh dim's link. ``latency_share``: the part of the
+    collective's fixed costs (its launch, the latency of each hop) this operand bears: less than 1 for a gradient
+    reduction fused with others into one collective (strategy_search.buckets). ``links``: each mesh dim's link
+    (:func:`mesh_links`; None: the profile's default split)."""
     n = mesh_shape[op.mesh_dim]
     if n <= 1:
         return 0.0
-    a, b, B, c = profile.alpha_s, profile.beta_s_per_byte, op.nbytes, profile.launch_s
-    for kind, alpha, beta in profile.per_kind:
-        if kind == op.kind:
-            a, b, c = alpha, beta, 0.0
+    name = links[op.mesh_dim] if links is not None else mesh_links(mesh_shape, profile)[op.mesh_dim]
+    a, b, c = profile.link(name).constants(op.kind)
     a, c = a * latency_share, c * latency_share
     c += 2 * op.copied / profile.mem_bytes_per_s  # read and write
-    if op.kind == "all_reduce":
-        return c + 2 * (n - 1) * a + 2 * (n - 1) / n * B * b
-    if op.kind in ("all_gather", "reduce_scatter"):
-        return c + (n - 1) * a + (n - 1) / n * B * b
-    if op.kind == "all_to_all":
-        return c + (n - 1) * a + (n - 1) / (n * n) * B * b
-    raise ValueError(f"unknown collective {op.kind!r}")
+    hops, share = ring_terms(op.kind, n)
+    return c + hops * a + share * op.nbytes * b
 
 
 def local_numel(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> int:

@@ -17,7 +17,7 @@ from ..config import Precision
 from ..layout import Axis, MeshSpec
 from ._summary import summary_lines
 
-__all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "parse_placement", "placements_text"]
+__all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "mesh_text", "parse_placement", "placements_text"]
 
 Placements = tuple[Placement, ...]
 
@@ -155,7 +155,7 @@ class Plan:
         return sum((kind is None or c.kind == kind) and (phase is None or c.phase == phase) for c in self.collectives)
 
     def _header(self) -> str:
-        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh.names, self.mesh.shape))
+        mesh = mesh_text(self.mesh)
         return (f"shardfn plan  mesh [{mesh}]  level {self.level}  "
                 f"compute {self.cost.compute_s * 1e3:.3f} ms  comm {self.cost.comm_s * 1e3:.3f} ms  "
                 f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank"
@@ -254,7 +254,8 @@ class Plan:
         return json.dumps(
             {
                 "shardfn_plan_format": PLAN_FORMAT,
-                "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names)},
+                "mesh": {"shape": list(self.mesh.shape), "names": list(self.mesh.names),
+                         **({"links": list(self.mesh.links)} if self.mesh.links is not None else {})},
                 "level": self.level,
                 "nodes": [{"key": key, **enc(_fields(n))} for key, n in self.nodes.items()],  # key: the node's name
                 "inputs": [enc(_fields(i)) for i in self.inputs],
@@ -317,6 +318,15 @@ def _placements(items) -> Placements | None:
     return tuple(parse_placement(p) for p in items)
 
 
+def mesh_text(mesh: MeshSpec) -> str:
+    """``dp=8 x tp=8``, each dim's link after it where a dim of more than one rank runs between nodes
+    (``dp=8 (inter) x tp=8 (intra)``)."""
+    links = mesh.links or (None,) * len(mesh.shape)
+    across = any(link == "inter" and n > 1 for link, n in zip(links, mesh.shape))
+    return " x ".join(f"{n}={s}" + (f" ({link})" if across and link else "")
+                      for n, s, link in zip(mesh.names, mesh.shape, links))
+
+
 def _shape(items) -> tuple[int, ...] | None:
     return None if items is None else tuple(int(n) for n in items)
 
@@ -337,7 +347,8 @@ def _decode(data: dict) -> Plan:
     collectives = [Collective(c["kind"], c["phase"], tuple(c["mesh_dims"]), int(c["nbytes"]), c["where"],
                               c.get("bucket"), c.get("seconds")) for c in data["collectives"]]
     return Plan(
-        mesh=MeshSpec(axes, tuple(data["mesh"]["names"])),
+        mesh=MeshSpec(axes, tuple(data["mesh"]["names"]),
+                      tuple(data["mesh"]["links"]) if data["mesh"].get("links") is not None else None),
         level=int(data["level"]),
         nodes=nodes,
         inputs=inputs,

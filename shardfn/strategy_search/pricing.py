@@ -72,8 +72,11 @@ class Pricing:
     """Prices one search's problem; its memos live as long as the search."""
 
     def __init__(self, problem: StrategyProblem, profile: cm.DeviceProfile, held: dict[int, Placements],
-                 optimizer_stage: int = 0, reduce_dtype: torch.dtype | None = None):
+                 optimizer_stage: int = 0, reduce_dtype: torch.dtype | None = None,
+                 links: tuple[str, ...] | None = None):
         self.problem, self.profile, self.held = problem, profile, held
+        # each mesh dim's link ("intra"/"inter"), which prices its collectives
+        self.links = links if links is not None else cm.mesh_links(problem.mesh_shape, profile)
         self.optimizer_stage = optimizer_stage
         self.grad_dtypes = {n: reduce_dtype for n in problem.trainable
                             if reduce_dtype is not None and n.meta["val"].dtype != reduce_dtype}
@@ -89,9 +92,10 @@ class Pricing:
 
     def seconds(self, fwd, bwd, handed_back: bool) -> float:
         """Forward and backward collectives' seconds; a gradient ``handed_back`` has its reduction fused."""
-        mesh_shape, profile, share = self.mesh_shape, self.profile, self.share
-        return sum(cm.collective_seconds(op, mesh_shape, profile) for op in fwd) + sum(
-            cm.collective_seconds(op, mesh_shape, profile, share(op) if handed_back else 1.0) for op in bwd)
+        mesh_shape, profile, share, links = self.mesh_shape, self.profile, self.share, self.links
+        return sum(cm.collective_seconds(op, mesh_shape, profile, links=links) for op in fwd) + sum(
+            cm.collective_seconds(op, mesh_shape, profile, share(op) if handed_back else 1.0, links)
+            for op in bwd)
 
     def comm(self, val, src, dst, pending, grad, accumulate, handed_back=False, grad_dtype=None):
         """(forward CommOps, backward CommOps, seconds) of moving ``val`` from ``src`` to ``dst`` (its gradient back

@@ -56,7 +56,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
 
     def priced(o: cm.CommOp, phase: str, where: str, handed_back: bool = False) -> Collective:
         # as the search priced it: a gradient handed back bears its share of its bucket's latency
-        seconds = cm.collective_seconds(o, mesh_shape, profile, share(o) if handed_back else 1.0)
+        seconds = cm.collective_seconds(o, mesh_shape, profile, share(o) if handed_back else 1.0, pricing.links)
         return Collective(o.kind, phase, (o.mesh_dim,), o.nbytes, where, seconds=seconds)
     fwd_colls, bwd_colls, regathers, regather_s = [], [], [], 0.0
     # split parameters' all-gathers (forward, and again in backward), with their kind: exec fuses them in buckets
@@ -148,7 +148,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
                              request.inputs[i].origin)
                    for i, gi in enumerate(captured.inputs))
     return Plan(
-        mesh=mesh_spec,
+        mesh=dataclasses.replace(mesh_spec, links=pricing.links),  # each dim's link, as priced
         level=level,
         nodes=nodes,
         inputs=inputs,

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..capture.graph import CapturedGraph
 from ..layout import MeshSpec
+from . import cost_model as cm
 from .levels import solve_level
 from .plan import Plan
 from .pricing import Pricing
@@ -36,7 +37,9 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
     step = _Steps()
     problem = step("candidates", lambda: build_problem(captured, mesh, request, CandidateLists()),
                    lambda p: f"{len(p.decisions)} decisions, {sum(len(d.candidates) for d in p.decisions)} candidates")
-    pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype)
+    links = cm.mesh_links(problem.mesh_shape, request.profile, mesh_spec.links)  # each mesh dim's link
+    pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype,
+                      links)
     terms = step("pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
     budget, over = request.profile.memory_bytes, None
     for attempt in range(_BUDGET_ROUNDS):

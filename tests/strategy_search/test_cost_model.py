@@ -1,5 +1,7 @@
 """The cost model: compute by dtype, alpha-beta collectives, redistributions and their backward duals."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -31,15 +33,17 @@ def test_memory_bound_ops_cost_their_bytes():
                                                 ("reduce_scatter", 3, 3 / 4), ("all_to_all", 3, 3 / 16)])
 def test_alpha_beta_ring_formulas(kind, hops, volume):
     p, nbytes = cm.CPU, 1 << 20
+    link = p.intra_node  # the CPU profile's ranks share one machine
     got = cm.collective_seconds(cm.CommOp(kind, 0, nbytes), (4,), p)
-    assert got == pytest.approx(p.launch_s + hops * p.alpha_s + volume * nbytes * p.beta_s_per_byte)
+    assert got == pytest.approx(link.launch_s + hops * link.alpha_s + volume * nbytes * link.beta_s_per_byte)
+    assert cm.ring_terms(kind, 4) == pytest.approx((hops, volume))
     assert cm.collective_seconds(cm.CommOp(kind, 0, nbytes), (1,), p) == 0.0  # a dim of one rank moves nothing
 
 
 def test_a_fused_reduction_bears_its_share_of_the_latency():
     p, op = cm.CPU, cm.CommOp("all_reduce", 0, 1 << 20)
     whole, quarter = cm.collective_seconds(op, (4,), p), cm.collective_seconds(op, (4,), p, latency_share=0.25)
-    assert whole - quarter == pytest.approx(0.75 * (p.launch_s + 2 * 3 * p.alpha_s))
+    assert whole - quarter == pytest.approx(0.75 * (p.intra_node.launch_s + 2 * 3 * p.intra_node.alpha_s))
 
 
 @pytest.mark.parametrize("src, dst, kinds", [
@@ -65,9 +69,8 @@ def test_backward_of_a_replicated_read_in_split_work_reduces_the_gradient():
 
 
 def test_a_measured_profile_prices_each_collective_kind_and_each_op(tmp_path, monkeypatch):
-    import dataclasses
-
-    measured = dataclasses.replace(cm.CPU, per_kind=(("all_gather", 1e-3, 1e-8),), op_s=1e-5)
+    measured = dataclasses.replace(cm.CPU, intra_node=dataclasses.replace(
+        cm.CPU.intra_node, per_kind=(("all_gather", 1e-3, 1e-8),)), op_s=1e-5)
     op = cm.CommOp("all_gather", 0, 1 << 20)
     assert cm.collective_seconds(op, (4,), measured) == pytest.approx(3 * 1e-3 + 3 / 4 * (1 << 20) * 1e-8)
     # kinds it did not measure keep the shared constants
@@ -83,6 +86,68 @@ def test_a_measured_profile_prices_each_collective_kind_and_each_op(tmp_path, mo
     monkeypatch.setenv("SHARDFN_PROFILE", str(tmp_path / "bad.json"))
     with pytest.raises(ValueError, match="not a readable device profile.*python -m shardfn.calibrate"):
         cm.profile_for("cpu")
+
+
+def test_each_mesh_dim_is_priced_on_its_own_link():
+    # the H100 profile: 8 GPUs a node; on 8 x 8 the inner dim (8 ranks) is NVLink, the outer crosses nodes
+    p, op = cm.H100, cm.CommOp("all_reduce", 0, 64 << 20)
+    assert p.devices_per_node == 8
+    assert cm.mesh_links((8, 8), p) == ("inter", "intra")
+    assert cm.mesh_links((8, 8, 8), p) == ("inter", "inter", "intra")
+    assert cm.mesh_links((2, 4), p) == ("intra", "intra")  # 8 ranks: one node
+    assert cm.mesh_links((4, 4), p) == ("inter", "intra")  # the outer dim's rings cross 2 nodes: the slower link
+    outer, inner = (cm.collective_seconds(cm.CommOp("all_reduce", d, 64 << 20), (8, 8), p) for d in (0, 1))
+    hops, share = cm.ring_terms("all_reduce", 8)
+    for seconds, link in ((outer, p.inter_node), (inner, p.intra_node)):
+        assert seconds == pytest.approx(link.launch_s + hops * link.alpha_s + share * (64 << 20) * link.beta_s_per_byte)
+    assert outer > 5 * inner  # InfiniBand's 50 GB/s a GPU against NVLink's 450
+    # the caller says otherwise (sf.Layout(..., links=...)): the outer dim within a node, the inner across
+    swapped = ("intra", "inter")
+    assert cm.mesh_links((8, 8), p, swapped) == swapped
+    assert cm.collective_seconds(op, (8, 8), p, links=swapped) == pytest.approx(inner)
+    assert cm.mesh_links((8, 8), p, (None, "inter")) == ("inter", "inter")  # None: the default for that dim
+    # the CPU profile: every rank on one machine, whatever the mesh
+    assert cm.mesh_links((8, 8), cm.CPU) == ("intra", "intra")
+    with pytest.raises(ValueError, match="devices_per_node must be a non-negative int"):
+        dataclasses.replace(p, devices_per_node=-1)
+
+
+def test_a_profile_of_one_link_loads_as_before(tmp_path):
+    # a profile saved before links were per mesh dim prices every dim with its one (measured) link
+    import json
+
+    old = {"name": "cpu-measured", "flops_per_s": 1e10, "mem_bytes_per_s": 1e10, "alpha_s": 1e-4, "launch_s": 0.0,
+           "beta_s_per_byte": 1e-9, "memory_bytes": 16e9, "per_kind": [["all_reduce", 2e-4, 2e-9]], "op_s": 1e-6}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    p = cm.load_profile(str(path))
+    assert p.intra_node == p.inter_node == cm.Link(1e-4, 1e-9, 0.0, (("all_reduce", 2e-4, 2e-9),))
+    assert p.devices_per_node == 0
+    new = tmp_path / "new.json"
+    cm.save_profile(cm.H100, str(new))
+    assert cm.load_profile(str(new)) == cm.H100
+
+
+def test_layout_links_are_checked_and_reach_the_mesh():
+    import shardfn as sf
+    from shardfn.layout import Axis, common_mesh, normalize_strategy
+
+    layout = sf.Layout((8, 8), ("dp", "tp"), links=("inter", "intra"))
+    assert layout("dp", "None").links == ("inter", "intra")
+    for bad in (("inter",), ("inter", "nvlink"), "intra"):
+        with pytest.raises(ValueError, match="links must give each of the 2 axes .*'intra'.*'inter'"):
+            sf.Layout((8, 8), ("dp", "tp"), links=bad)
+    # a user axis split into several mesh dims gives each its link; dims no Layout names keep the default (None)
+    spec = normalize_strategy(layout("dp", "tp"), (8, 8), 64, "x")
+    mesh = common_mesh([spec], 64, links={Axis(8, 8): "intra", Axis(8, 1): "inter"})
+    assert mesh.links == ("intra", "inter")
+    assert common_mesh([spec], 64).links is None
+    with pytest.raises(ValueError, match="disagree on the link"):
+        common_mesh([spec], 64, links={Axis(64, 1): "inter", Axis(8, 1): "intra"})
+    # the mesh is cut where a node ends: a tensor split over 64 ranks on 8-rank nodes is split over 8 x 8
+    whole = normalize_strategy((64,), (64,), 64, "x")
+    assert common_mesh([whole], 64).shape == (64,)
+    assert common_mesh([whole], 64, node=8).shape == (8, 8)
 
 
 def test_a_custom_function_costs_the_flops_of_its_forward():

@@ -191,3 +191,50 @@ def test_data_parallel_mode_plans_data_parallelism(level):
                       level=level, world_size=4)
     assert [(c.kind, c.phase) for c in plan.collectives] == [("all_reduce", "backward")] * 6, str(plan)
     assert all(i.planned == (Replicate(),) for i in plan.inputs if i.kind == "param")
+
+
+def _llama_on_8_x_8(links=None):
+    """A small transformers Llama (hidden 1024, 2 layers) on 8 x 8 ("dp", "tp") ranks of H100s, tokens over "dp"."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=2,
+                                   num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,
+                                   max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(8, 2048, dtype=torch.long, device="meta")
+    entry = sf.Layout((8, 8), ("dp", "tp"), links=links)("dp", "None")
+    return sf.explain(model, ids, world_size=64, in_strategy={"input_ids": entry, "labels": entry},
+                      kwargs=dict(labels=ids, use_cache=False), level=2, device="cuda")
+
+
+def _within_layers(plan):
+    """The forward collectives between two ops of the layers: tensor parallelism's on activations."""
+    return [c for c in plan.collectives if c.phase == "forward" and
+            all(n in plan.nodes and plan.nodes[n].module.startswith("model.layers.") for n in c.where.split(" -> "))]
+
+
+def test_tensor_parallelism_runs_within_a_node():
+    # 64 H100s, 8 a node: "tp" (inner) is NVLink, "dp" (outer) InfiniBand. Megatron's activation collectives
+    # (per layer: 2 gathers/all-reduces in forward) go over "tp"; with one link for every dim they ran over "dp"
+    plan = _llama_on_8_x_8()
+    assert plan.mesh.links == ("inter", "intra")
+    assert "dp=8 (inter) x tp=8 (intra)" in str(plan)
+    tp = _within_layers(plan)
+    assert len(tp) >= 2 * 2 and all(c.mesh_dims == (1,) for c in tp), [(c.kind, c.mesh_dims) for c in tp]
+    q = next(e for e in plan.inputs if e.name.endswith("layers.0.self_attn.q_proj.weight"))
+    assert q.planned[0] == Replicate() and isinstance(q.planned[1], Shard)
+    assert sf.Plan.from_json(plan.to_json()).mesh.links == ("inter", "intra")
+    # the user says the outer axis is the one within a node: the same collectives go over "dp"
+    swapped = _llama_on_8_x_8(("intra", "inter"))
+    assert swapped.mesh.links == ("intra", "inter")
+    dp = _within_layers(swapped)
+    assert len(dp) >= 2 * 2 and all(c.mesh_dims == (0,) for c in dp), [(c.kind, c.mesh_dims) for c in dp]
+
+
+def test_layouts_that_disagree_on_links_are_refused():
+    dp_tp = sf.Layout((2, 2), ("dp", "tp"), links=("inter", "intra"))
+    other = sf.Layout((2, 2), ("dp", "tp"), links=("intra", "intra"))
+    x = torch.empty(8, 8, device="meta")
+    with pytest.raises(ValueError, match="in_strategy: the Layouts given say both 'inter' and 'intra' for axis 'dp'"):
+        sf.explain(lambda a, b: a + b, x, x, in_strategy=(dp_tp("dp", "tp"), other("dp", "tp")), world_size=4)
