@@ -133,7 +133,6 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     regathers, _ = _gathers_in_buckets(regathers, regathered, first)
     bwd_colls += regathers
     peak = max(max(live.values(), default=0), max(live_backward.values(), default=0))  # forward and backward
-    _check_budget(problem, request, peak, resident, outputs)
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     if solution.timed_out:
         notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
@@ -147,7 +146,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     inputs = tuple(InputPlan(gi.kind, gi.name, gi.shape, held.get(i, chosen[i].outputs[0]), chosen[i].outputs[0],
                              request.inputs[i].origin)
                    for i, gi in enumerate(captured.inputs))
-    return Plan(
+    plan = Plan(
         mesh=dataclasses.replace(mesh_spec, links=pricing.links),  # each dim's link, as priced
         level=level,
         nodes=nodes,
@@ -169,6 +168,8 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
         pending_grads=request.pending_grads,
         precision=request.precision,
     )
+    _check_budget(problem, request, plan, resident, outputs)
+    return plan
 
 
 def _shapes(node: torch.fx.Node) -> tuple[tuple[int, ...] | None, ...]:
@@ -377,16 +378,17 @@ def _chosen_output(node: torch.fx.Node, by_node: dict):
 
 
 class OverBudget(ValueError):
-    """The plan read off a solution holds more than the device's memory (``peak`` bytes a rank)."""
+    """The plan read off a solution (``plan``) holds more than the device's memory; ``outputs``: the bytes of the
+    outputs returned whole, which no plan changes."""
 
-    def __init__(self, peak: int, outputs: int, message: str):
+    def __init__(self, plan: Plan, outputs: int, message: str):
         super().__init__(message)
-        self.peak, self.outputs = peak, outputs
+        self.plan, self.peak, self.outputs = plan, plan.cost.peak_bytes, outputs
 
 
-def _check_budget(problem: StrategyProblem, request: PlanRequest, peak: int, resident: int, outputs: int) -> None:
+def _check_budget(problem: StrategyProblem, request: PlanRequest, plan: Plan, resident: int, outputs: int) -> None:
     """No plan over the device's memory is returned: the error gives the figures and what would fit."""
-    budget = request.profile.memory_bytes
+    budget, peak = request.profile.memory_bytes, plan.cost.peak_bytes
     if peak <= budget:
         return
     GiB = 2**30
@@ -408,7 +410,7 @@ def _check_budget(problem: StrategyProblem, request: PlanRequest, peak: int, res
                     f"take {outputs / GiB:.1f} GiB on every rank")
     ways.append(f"recompute (torch.utils.checkpoint around layers) or a shorter sequence or smaller batch: "
                 f"activations and gathered parameters take {(peak - resident - outputs) / GiB:.1f} GiB a rank")
-    raise OverBudget(peak, outputs,
+    raise OverBudget(plan, outputs,
         f"level={request.level}: no plan found fits the per-rank memory of the {request.profile.name} profile "
         f"({budget / GiB:.1f} GiB): this plan's peak is {peak / GiB:.1f} GiB a rank, of which parameters, "
         f"gradients, optimizer states and inputs {resident / GiB:.1f} GiB. What would fit: " + "; ".join(ways))

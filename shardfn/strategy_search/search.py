@@ -11,8 +11,10 @@ so a user waiting on a large plan sees it move. Nothing a search builds outlives
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+import warnings
 
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -26,10 +28,15 @@ from .problem import CandidateLists, build_problem
 from .readout import OverBudget, read_plan
 from .request import PlanRequest, search_time_limit
 
-__all__ = ["make_plan"]
+__all__ = ["PlanMemoryWarning", "make_plan"]
 
 log = logging.getLogger("shardfn")
 _BUDGET_ROUNDS = 3  # solves a plan over the memory gets before the error
+
+
+class PlanMemoryWarning(UserWarning):
+    """A plan over the nominal memory of a profile whose memory is not a device's own (a CPU rank's share of its
+    host): the plan is returned, with the figures and what would fit in its notes."""
 
 
 def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, request: PlanRequest) -> Plan:
@@ -55,6 +62,10 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
             # the solve bounds the pricing's estimate of memory, the read-out walks the plan's liveness: where
             # the walk finds more, solve again within a budget smaller by what it found over
             over = e
+            if not request.profile.memory_is_hard:  # (a CPU's: the host's memory, shared): said, not refused
+                warnings.warn(PlanMemoryWarning(str(e)), stacklevel=2)
+                plan = dataclasses.replace(e.plan, notes=[*e.plan.notes, str(e)])
+                break
             if request.level == 1 or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes:
                 raise  # (outputs returned whole that alone exceed the memory: no plan can fit)
             budget -= 1.05 * (e.peak - request.profile.memory_bytes) + 2**20

@@ -150,6 +150,17 @@ def test_no_level_returns_a_plan_over_the_memory_and_the_error_says_what_would_f
                          r"states alone are 320\.0 GiB, at least 5 ranks.*recompute", str(e.value))
 
 
+def test_a_plan_over_a_cpu_ranks_memory_is_returned_with_a_warning():
+    # a CPU rank's memory is a share of its host's (the profile's 16 GB is nominal): the plan comes back, said
+    from shardfn.strategy_search.search import PlanMemoryWarning
+
+    with torch.device("meta"):
+        wide = torch.nn.Sequential(*[torch.nn.Linear(32768, 32768, bias=False) for _ in range(6)])
+    with pytest.warns(PlanMemoryWarning, match=r"level=1: no plan found fits the per-rank memory of the cpu"):
+        plan = sf.explain(wide, torch.empty(64, 32768, device="meta"), in_strategy=(None,), world_size=4, level=1)
+    assert plan.cost.peak_bytes > 16e9 and any("no plan found fits" in n for n in plan.notes)
+
+
 def test_level_0_keeps_the_memory_limit_where_a_plan_within_it_exists():
     # 25 trainable 16384^2 layers: 107 GB with gradients and AdamW's states replicated (level 0's best ratio),
     # 27 GB split over 4 ranks: level 0 gives the best ratio among the plans that fit
