@@ -22,7 +22,7 @@ from ._tracing import checkpoint_regions_marked, looks_like_tracing, module_path
 from .dynamic import DynamicDims, functionalized, symbolic_input
 from .functions import functions_as_calls, functions_as_targets
 from .order import canonical_order
-from .graph import CapturedGraph, GraphInput
+from .graph import CapturedGraph, GraphInput, is_in_place
 from .structure import split
 
 __all__ = ["CaptureError", "argument_name", "capture", "capturing", "check_not_transformed", "split_arguments"]
@@ -205,6 +205,8 @@ def capture(
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
             functional = functionalized(flat_fn) if dynamic else torch.func.functionalize(flat_fn)
             gm = make_fx(functional, decomposition_table=_DECOMPOSITIONS, tracing_mode="real")(*fakes)
+            if _writes_into_views(gm):
+                gm = _functionalized_again(gm, fakes, functionalized if dynamic else torch.func.functionalize)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise CaptureError(
             f"shardfn could not trace {what()}: its control flow or output shape depends "
@@ -231,6 +233,36 @@ def capture(
     gm = canonical_order(gm)
     return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"],
                          dynamic=symbols)
+
+
+def _writes_into_views(gm: torch.fx.GraphModule) -> bool:
+    """Whether a decomposition left a write into anything but an input: decompositions run below
+    functionalization, so a composite op's ``copy_`` into a slice of its fresh result (circular padding) or into an
+    alias of a buffer (instance norm's running statistics) stays in the graph as it is."""
+    return any(n.op == "call_function" and is_in_place(n.target) and n.args and isinstance(n.args[0], torch.fx.Node)
+               and n.args[0].op != "placeholder" for n in gm.graph.nodes)
+
+
+def _functionalized_again(gm: torch.fx.GraphModule, fakes: list, functionalize: Callable) -> torch.fx.GraphModule:
+    """The graph traced once more under functionalization (no decompositions now): writes into views become
+    scatters into their base and writes reaching an input become one ``copy_`` into that input at the end, so every
+    write lands where it must whatever layout the plan gives its destination. Nodes keep their annotations
+    (module paths, checkpoint regions)."""
+    def run(*args):
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with torch.fx.traceback.preserve_node_meta():
+        return make_fx(functionalize(run), decomposition_table={torch.ops.aten.copy.default: _copy_as_value},
+                       tracing_mode="real")(*fakes)
+
+
+def _copy_as_value(dest: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    # functionalization's out-of-place copy (autograd has no derivative for it, DTensor no rule): its value is src
+    # in dest's dtype and shape, which ops that have both say
+    out = src.to(dtype=dest.dtype)
+    if out.shape != dest.shape:
+        return out.expand(dest.shape).clone()
+    return out.clone() if out is src else out
 
 
 def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:
