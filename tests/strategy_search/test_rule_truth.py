@@ -142,8 +142,11 @@ def test_every_own_rule_has_ground_truth():
 
     # convolution's own rule only where DTensor has none (torch 2.11): DTENSOR_CASES checks whichever is used
     lacking = set() if has_dtensor_rule(aten.convolution.default) else {aten.convolution.default}
+    from shardfn.strategy_search.rules import _RESHAPES
+
+    # the reshapes' own rule answers zero sizes itself and hands any other to DTensor's (checked in DTENSOR_CASES)
     assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction, aten.constant_pad_nd.default,
-                                               FunctionCall} | lacking
+                                               FunctionCall, *_RESHAPES} | lacking
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims
@@ -172,6 +175,15 @@ DTENSOR_CASES = {
     "slice": (aten.slice.Tensor, lambda: (r(7, 5), 1, 1, 4)),
     "select": (aten.select.int, lambda: (r(7, 5), 1, 2)),
     "sum_dim": (aten.sum.dim_IntList, lambda: (r(5, 3), [0])),
+    # scans: DTensor's rule left a split last dim named -1 to run on the pieces; the check keeps the scanned dim whole
+    "cumsum_last": (aten.cumsum.default, lambda: (r(3, 8), -1)),
+    "cumsum_dim0": (aten.cumsum.default, lambda: (r(6, 5), 0)),
+    "cumprod_last": (aten.cumprod.default, lambda: (r(4, 2, 6), -1)),
+    "logcumsumexp_last": (aten.logcumsumexp.default, lambda: (r(5, 8), -1)),
+    "logcumsumexp_middle": (aten.logcumsumexp.default, lambda: (r(4, 6, 3), -2)),
+    # views of zero sizes: DTensor's view_groups never returns on them; they run whole
+    "view_zero": (aten.view.default, lambda: (r(4, 0), [4, 2, 0, 0, 0])),
+    "reshape_zero": (aten._unsafe_view.default, lambda: (r(0, 6), [3, 0, 2])),
     "add_broadcast": (aten.add.Tensor, lambda: (r(5, 1, 3), r(4, 3))),
     # DTensor offers the batch split on both dims of a 2x2 mesh and its dispatch refuses it: the check drops it
     "convolution": (aten.convolution.default,
