@@ -8,11 +8,13 @@ through it)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["LocalTensorMode", "init_fake_world", "local_tensor_mode", "local_values", "not_simulated",
-           "per_rank_ints"]
+__all__ = ["LocalTensorMode", "PerRankBoolError", "init_fake_world", "local_tensor_mode", "local_values",
+           "not_simulated", "per_rank_bools_refused", "per_rank_ints"]
 
 
 def init_fake_world(world_size: int) -> None:
@@ -26,6 +28,37 @@ def LocalTensorMode(world_size: int):  # noqa: N802 - torch's class, constructed
     from torch.distributed._local_tensor import LocalTensorMode as mode
 
     return mode(world_size)
+
+
+class PerRankBoolError(RuntimeError):
+    """Ranks' answers to a yes/no question differ where a program reads one answer (a check, a branch)."""
+
+
+@contextlib.contextmanager
+def per_rank_bools_refused():
+    """LocalTensorMode combines ranks' differing bools (``torch.equal`` of per-rank tensors) as it combines differing
+    ints: into one per-rank SymInt, which Python reads as one truthy value. A check then passes in the simulated
+    world that real ranks fail (each rank answers for itself; while a program is traced, torch refuses the
+    data-dependent read): DTensor's mask buffer compares two gathers' masks so. Inside this context such a bool
+    raises instead, as real ranks would."""
+    import torch.distributed._local_tensor as lt
+
+    combine = lt._combine_int_rank_results
+
+    def refusing(rank_results):
+        values = list(rank_results.values())
+        if isinstance(values[0], bool) and any(v != values[0] for v in values):
+            raise PerRankBoolError(
+                f"the ranks' answers differ ({dict(sorted(rank_results.items()))}) where the program reads one "
+                "bool: on real ranks each rank would take its own branch (or, traced, fail on a data-dependent "
+                "read); the simulated world refuses it as well")
+        return combine(rank_results)
+
+    lt._combine_int_rank_results = refusing
+    try:
+        yield
+    finally:
+        lt._combine_int_rank_results = combine
 
 
 def local_tensor_mode():
