@@ -36,29 +36,30 @@ class PerRankBoolError(RuntimeError):
 
 @contextlib.contextmanager
 def per_rank_bools_refused():
-    """LocalTensorMode combines ranks' differing bools (``torch.equal`` of per-rank tensors) as it combines differing
-    ints: into one per-rank SymInt, which Python reads as one truthy value. A check then passes in the simulated
-    world that real ranks fail (each rank answers for itself; while a program is traced, torch refuses the
-    data-dependent read): DTensor's mask buffer compares two gathers' masks so. Inside this context such a bool
-    raises instead, as real ranks would."""
+    """LocalTensorMode combines ranks' differing answers of ``torch.equal`` (each rank's pieces compared) as it
+    combines differing ints: into one per-rank SymInt, which Python reads as one truthy value. A check then passes
+    in the simulated world that real ranks fail (there each rank answers for itself, and while a program is traced
+    torch refuses the data-dependent read): DTensor's mask buffer compares two gathers' masks so. Inside this
+    context such an answer raises instead, as on real ranks. (Other per-rank bools, a kernel's ``.item()`` of its
+    own mask, stay as torch combines them: real ranks read each its own there.)"""
     import torch.distributed._local_tensor as lt
 
-    combine = lt._combine_int_rank_results
+    run = lt._for_each_rank_run_func
 
-    def refusing(rank_results):
-        values = list(rank_results.values())
-        if isinstance(values[0], bool) and any(v != values[0] for v in values):
+    def refusing(func, *args, **kwargs):
+        out = run(func, *args, **kwargs)
+        if func is torch.ops.aten.equal.default and not isinstance(out, bool):
             raise PerRankBoolError(
-                f"the ranks' answers differ ({dict(sorted(rank_results.items()))}) where the program reads one "
-                "bool: on real ranks each rank would take its own branch (or, traced, fail on a data-dependent "
-                "read); the simulated world refuses it as well")
-        return combine(rank_results)
+                f"torch.equal answers differently on the ranks ({out}) where the program reads one answer: on real "
+                "ranks each rank would take its own branch (traced, a data-dependent read fails); the simulated "
+                "world refuses it as well")
+        return out
 
-    lt._combine_int_rank_results = refusing
+    lt._for_each_rank_run_func = refusing
     try:
         yield
     finally:
-        lt._combine_int_rank_results = combine
+        lt._for_each_rank_run_func = run
 
 
 def local_tensor_mode():

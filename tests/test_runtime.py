@@ -188,6 +188,6 @@ def test_a_simulated_world_refuses_a_bool_its_ranks_answer_differently():
     with simulated_world(4):
         x = simulated_map(torch.zeros(3), lambda r, values: values[r] + (r % 2))
         assert torch.equal(x, x)
-        with pytest.raises(PerRankBoolError, match="answers differ"):
+        with pytest.raises(PerRankBoolError, match="answers differently"):
             torch.equal(x, torch.zeros(3))
     assert torch.equal(torch.zeros(3), torch.zeros(3))  # ordinary tensors again outside
