@@ -38,6 +38,10 @@ def _pad_circular_wide(x):
     return F.pad(x, (0, 4, 0, 1), mode="circular")
 
 
+def _rfft_rows(x):
+    return torch.fft.rfft(x, dim=1).abs()
+
+
 def _two_gathers(x, i, j):
     return torch.stack([torch.gather(x, 0, i), torch.gather(x, 0, j)])
 
@@ -70,6 +74,9 @@ CASES = {
                     None),
     "quantile": (_median, lambda: (rand(8),), ((4,),), None, None),
     "nanquantile": (_nanmedian, lambda: (rand(8),), ((4,),), None, None),
+    # 5 rows over 4 ranks leave one none: MKL's FFT refuses an empty piece (on that rank alone), so the plan gives
+    # the FFT no empty piece
+    "rfft_uneven": (_rfft_rows, lambda: (rand(5, 8),), ((4, 1),), None, None),
     # DTensor's view rule never returns on zero sizes
     "unflatten_zero": (_unflatten_zero, lambda: (rand(4, 0),), ((4, 1),), ((4, 1, 1, 1, 1),), None),
 }
@@ -152,7 +159,7 @@ def test_instance_norm_updates_running_stats(module):
 
 
 # one case per cause on real ranks (each traces its program there: a few seconds apiece)
-REAL_RANKS = ("pad_circular_batch", "cumsum_last_split", "two_gathers", "quantile", "unflatten_zero")
+REAL_RANKS = ("pad_circular_batch", "cumsum_last_split", "two_gathers", "quantile", "unflatten_zero", "rfft_uneven")
 
 
 def _on_real_ranks():
