@@ -45,6 +45,29 @@ def _var_mean_two_pass(x, dim=None, *, correction=None, keepdim=False):
     return var, (mean if keepdim else mean.squeeze(dims))
 
 
+def _mean_as_sum(x, dim=None, keepdim=False, *, dtype=None):
+    """mean as a sum over the count: over a split dim a pending sum (one small all-reduce) where DTensor's mean is a
+    pending average that shardfn's plans do not carry (its backward loses the scaling), so the input was gathered."""
+    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else [d % max(x.dim(), 1) for d in dim]
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    return x.sum(dims, keepdim=keepdim, dtype=dtype) / n
+
+
+def _var_as_sums(x, dim=None, *, correction=None, keepdim=False):
+    return _var_mean_two_pass(x, dim, correction=correction, keepdim=keepdim)[0]
+
+
+def _std_as_sums(x, dim=None, *, correction=None, keepdim=False):
+    return _var_as_sums(x, dim, correction=correction, keepdim=keepdim).sqrt()
+
+
+def _std_mean_as_sums(x, dim=None, *, correction=None, keepdim=False):
+    var, mean = _var_mean_two_pass(x, dim, correction=correction, keepdim=keepdim)
+    return var.sqrt(), mean
+
+
 # Ops decomposed while capturing:
 # - batch norms, whose schema does not declare that they update running_mean/var in place: functionalization
 #   would keep them as they are, and the update would land in whatever layout the plan gives those buffers (on a
@@ -52,15 +75,22 @@ def _var_mean_two_pass(x, dim=None, *, correction=None, keepdim=False):
 # - nll_loss's mean over a batch, and var_mean: as sums, they run on batch slices (a pending sum each) instead of
 #   gathering the batch, as data parallelism needs;
 # - group norm, whose kernels take the batch size as an argument (the global one in the graph, wrong for a
-#   rank's slice in backward): as views and statistics, it needs no such number.
+#   rank's slice in backward): as views and statistics, it needs no such number;
+# - mean, var, std (and mse_loss's mean): as sums, they run on split pieces (a pending sum each) instead of gathering their input.
 _DECOMPOSITIONS = {
     **get_decompositions([
         torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,
         torch.ops.aten._native_batch_norm_legit, torch.ops.aten._native_batch_norm_legit_functional,
         torch.ops.aten._native_batch_norm_legit_no_training, torch.ops.aten._batch_norm_with_update,
         torch.ops.aten._batch_norm_with_update_functional, torch.ops.aten._batch_norm_no_update,
-        torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward, torch.ops.aten.native_group_norm]),
+        torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward, torch.ops.aten.native_group_norm,
+        torch.ops.aten.mse_loss]),
     torch.ops.aten.var_mean.correction: _var_mean_two_pass,
+    torch.ops.aten.mean.dim: _mean_as_sum,
+    torch.ops.aten.mean.default: lambda x, *, dtype=None: _mean_as_sum(x, dtype=dtype),
+    torch.ops.aten.var.correction: _var_as_sums,
+    torch.ops.aten.std.correction: _std_as_sums,
+    torch.ops.aten.std_mean.correction: _std_mean_as_sums,
 }
 
 
