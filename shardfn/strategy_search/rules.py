@@ -254,11 +254,14 @@ def _scan_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     return not any(isinstance(p, Shard) and p.dim == along for pl in (cand.inputs[0], cand.outputs[0]) for p in pl)
 
 
-@register_rule(aten.constant_pad_nd.default)
+_EDGE_PADS = [getattr(aten, f"{kind}_pad{n}d").default for kind in ("reflection", "replication") for n in (1, 2, 3)]
+
+
+@register_rule(aten.constant_pad_nd.default, *_EDGE_PADS)
 def _constant_pad(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     # Padding touches only the padded dims (the last len(pad) // 2): any other dim may be split, each rank padding
     # its piece (a causal LM's loss pads its labels: data parallel keeps them split). DTensor's rule in torch 2.11
-    # only replicates.
+    # only replicates; it has none for reflection and replication pads (the batch was gathered for them).
     x, pad = node.args[0].meta["val"], node.args[1]
     padded = {x.dim() - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
     choices = [((R,), (R,))] + [((Shard(d),), (Shard(d),)) for d in range(x.dim()) if d not in padded]

@@ -89,6 +89,18 @@ def test_constant_pad_rule(case):
     assert failures(aten.constant_pad_nd.default, case, {}) == []
 
 
+@pytest.mark.parametrize("case", [
+    (aten.reflection_pad1d.default, (r(5, 3, 6), [2, 1])),
+    (aten.reflection_pad2d.default, (r(3, 5, 4, 6), [1, 2, 0, 1])),
+    (aten.replication_pad1d.default, (r(6, 4), [0, 3])),  # unbatched: its channels may be split
+    (aten.replication_pad2d.default, (r(5, 2, 3, 4), [1, 1, 2, 0])),
+    (aten.replication_pad3d.default, (r(2, 3, 4, 3, 5), [1, 0, 0, 1, 1, 1])),
+], ids=lambda c: str(c[0]))
+def test_edge_pad_rule(case):
+    op, args = case
+    assert failures(op, args, {}) == []
+
+
 def _function_calls():
     # (Function call as fn makes it, its arguments); the target of its captured node is what the rule sees
     from tests.functions import BloomGelu, GradientReversal, MaskedScale, RowSoftmax, StraightThroughRound, TimesCount
@@ -142,11 +154,11 @@ def test_every_own_rule_has_ground_truth():
 
     # convolution's own rule only where DTensor has none (torch 2.11): DTENSOR_CASES checks whichever is used
     lacking = set() if has_dtensor_rule(aten.convolution.default) else {aten.convolution.default}
-    from shardfn.strategy_search.rules import _RESHAPES
-
     # the reshapes' own rule answers zero sizes itself and hands any other to DTensor's (checked in DTENSOR_CASES)
+    from shardfn.strategy_search.rules import _EDGE_PADS, _RESHAPES
+
     assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction, aten.constant_pad_nd.default,
-                                               FunctionCall, *_RESHAPES} | lacking
+                                               FunctionCall, *_RESHAPES, *_EDGE_PADS} | lacking
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims
