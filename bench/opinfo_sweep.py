@@ -63,23 +63,18 @@ def op_name(info) -> str:
     return info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
 
 
-def _first_sample(info, splittable: bool = False, tries: int = 10):
-    """The op's first float32 sample; with ``splittable``, its first (of ``tries``) holding a tensor of a dim or
-    more (OpInfo often starts with 0-dim ones), else the first."""
+def _samples(info, forced: bool = False, tries: int = 10):
+    """The op's float32 samples to try: its first; in a forcing mode, its first ``tries`` (OpInfo often starts with
+    0-dim or size-1 ones, which no split reaches)."""
     import torch
-    import torch.utils._pytree as pytree
 
     if torch.float32 not in info.supported_dtypes("cpu"):
-        return None
+        return
     grad = bool(info.supports_autograd)
-    first = None
     for k, sample in enumerate(info.sample_inputs("cpu", torch.float32, requires_grad=grad)):
-        first = first or sample
-        if not splittable or k >= tries or any(
-                isinstance(x, torch.Tensor) and x.dim() for x in pytree.tree_leaves((sample.input, sample.args,
-                                                                                     sample.kwargs))):
-            return sample if splittable and k < tries else first
-    return first
+        if k >= (tries if forced else 1):
+            return
+        yield sample
 
 
 def _split_strategy(tensors, n: int):
@@ -132,7 +127,8 @@ def _forced(tensors, mode: str, runs) -> tuple[list, tuple] | None:
         if candidate is not tensors and not runs(candidate):
             continue
         strategy = tuple(tuple(4 if k == dim_of(t) else 1 for k in range(t.dim()))
-                         if t.dim() and t.shape[dim_of(t)] % 4 == 0 else None for t in candidate)
+                         if t.dim() and t.shape[dim_of(t)] and t.shape[dim_of(t)] % 4 == 0 else None
+                         for t in candidate)
         if any(s is not None for s in strategy):
             return candidate, strategy
     return None
@@ -167,24 +163,33 @@ def _out_strategy(outs, mode: str) -> tuple:
 
 def ran_sharded(plan) -> bool:
     """Whether a plan runs at least one op (not an input, a constant or a factory) on split or pending operands or
-    results."""
-    return any(n.rule in ("dtensor", "local", "random") and any(
-        not p.is_replicate() for pl in (*n.inputs, *(o for o in n.outputs if o)) for p in pl)
-        for n in plan.nodes.values())
+    results; a program of no ops (contiguous, conj of a real tensor) where a split input is returned as it is,
+    with no collective."""
+    ops = [n for n in plan.nodes.values() if n.rule in ("dtensor", "local", "random")]
+    if not ops:
+        return not plan.collectives and any(not p.is_replicate() for i in plan.inputs for p in i.planned)
+    return any(not p.is_replicate() for n in ops for pl in (*n.inputs, *(o for o in n.outputs if o)) for p in pl)
 
 
 def run_one(info, mode: str) -> tuple[str, str] | tuple[str, str, bool]:
-    """(result, detail[, ran sharded]) for one op in one mode; result 'n/a' where the op is not counted."""
+    """(result, detail[, ran sharded]) for one op in one mode; result 'n/a' where the op is not counted. A forcing
+    mode takes the first sample that has a dim to split."""
+    if info.name in UNINITIALISED:
+        return "n/a", "uninitialised memory"
+    found = "n/a", "no float32 sample"
+    for sample in _samples(info, forced=mode in FORCED):
+        found = _run_sample(info, sample, mode)
+        if found[:2] != ("n/a", "no dim to split"):
+            return found
+    return found
+
+
+def _run_sample(info, sample, mode: str) -> tuple[str, str] | tuple[str, str, bool]:
     import torch
     import torch.utils._pytree as pytree
 
     from tests.parity import Call, _loss
 
-    if info.name in UNINITIALISED:
-        return "n/a", "uninitialised memory"
-    sample = _first_sample(info, splittable=mode in FORCED)
-    if sample is None:
-        return "n/a", "no float32 sample"
     leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     tensors = [leaves[i] for i in where]
