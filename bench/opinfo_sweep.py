@@ -120,6 +120,9 @@ def _forced(tensors, mode: str, runs) -> tuple[list, tuple] | None:
     def dim_of(t):
         return 0 if mode in ("dim0", "dp") else t.dim() - 1
 
+    if mode == "dp" and any(t.dim() == 0 for t in tensors):
+        return None  # data_parallel hands every positional tensor over by its batch dim
+
     # every dim of a size not divisible by 4 tiled (sizes equal before stay equal: matmuls, broadcasts), else
     # only the mode's dim, else the sample as it is
     for candidate in ([_tiled(t, range(t.dim())) for t in tensors], [_tiled(t, [dim_of(t)][:t.dim()]) for t in tensors],
@@ -299,7 +302,9 @@ def parity(fn, make, strategy, world: int = 4, tol: float = 1e-4, out_strategy=N
             for o, e in zip(outs, refs):
                 same(on_rank(o, r), expected(on_rank(e, r), r))
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
-        pairs = [(o, e) for o, e in zip(outs, refs) if e.is_floating_point() and (e.dim() or not dp)]
+        # the outputs eager differentiates (a batch norm's saved statistics it does not; shardfn's decomposed graph
+        # would)
+        pairs = [(o, e) for o, e in zip(outs, refs) if e.is_floating_point() and e.requires_grad and (e.dim() or not dp)]
         if any(a.requires_grad for a in inputs) and any(e.requires_grad for _, e in pairs):
             if dp:  # each rank's loss weighs its quarter of the outputs as the whole loss does
                 mode = local_tensor_mode()
