@@ -237,6 +237,7 @@ def capture(
             gm = make_fx(functional, decomposition_table=_DECOMPOSITIONS, tracing_mode="real")(*fakes)
             if _writes_into_views(gm):
                 gm = _functionalized_again(gm, fakes, functionalized if dynamic else torch.func.functionalize)
+            _copies_as_values(gm)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise CaptureError(
             f"shardfn could not trace {what()}: its control flow or output shape depends "
@@ -282,17 +283,30 @@ def _functionalized_again(gm: torch.fx.GraphModule, fakes: list, functionalize: 
         return torch.fx.Interpreter(gm).run(*args)
 
     with torch.fx.traceback.preserve_node_meta():
-        return make_fx(functionalize(run), decomposition_table={torch.ops.aten.copy.default: _copy_as_value},
-                       tracing_mode="real")(*fakes)
+        return make_fx(functionalize(run), tracing_mode="real")(*fakes)
 
 
-def _copy_as_value(dest: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-    # functionalization's out-of-place copy (autograd has no derivative for it, DTensor no rule): its value is src
-    # in dest's dtype and shape, which ops that have both say
-    out = src.to(dtype=dest.dtype)
-    if out.shape != dest.shape:
-        return out.expand(dest.shape).clone()
-    return out.clone() if out is src else out
+def _copies_as_values(gm: torch.fx.GraphModule) -> None:
+    """Functionalization's out-of-place ``aten.copy(dest, src)`` (autograd has no derivative for it, DTensor no
+    rule) as what it is: src in dest's dtype, broadcast to dest's shape, a tensor of its own."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy.default:
+            continue
+        dest, src = node.args[0].meta["val"], node.args[1].meta["val"]
+        with gm.graph.inserting_before(node):
+            value = node.args[1]
+            if src.dtype != dest.dtype:
+                value = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": dest.dtype})
+                value.meta["val"] = src = src.to(dest.dtype)
+            if src.shape != dest.shape:
+                value = gm.graph.call_function(aten.expand.default, (value, list(dest.shape)))
+                value.meta["val"] = src.expand(dest.shape)
+            value = gm.graph.call_function(aten.clone.default, (value,))
+        value.meta = dict(node.meta)
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:

@@ -180,3 +180,18 @@ def test_split_parity_on_real_ranks(gloo4):
     # real ranks trace the program (a data-dependent read there is an error) and run its graphs
     results = gloo4.run(_on_real_ranks)
     assert results == [{}] * 4, next(r for r in results if r)
+
+
+def test_pad_circular_at_changing_sizes():
+    # a program for every size captures with torch's Python functionalization, which leaves the composite op's
+    # writes as out-of-place aten.copy (no derivative, no DTensor rule): captured as the value it is
+    with simulated_world(4):
+        sharded = sf.shard(_pad_circular, ((4, 1, 1, 1),))
+        for n in (4, 8, 12):
+            x = rand(n, 3, 5, 6)
+            ref_x = x.detach().clone().requires_grad_()
+            out, ref = sharded(x), _pad_circular(ref_x)
+            torch.testing.assert_close(out, ref)
+            _loss(out).backward()
+            _loss(ref).backward()
+            torch.testing.assert_close(x.grad, ref_x.grad)
