@@ -304,7 +304,8 @@ def parity(fn, make, strategy, world: int = 4, tol: float = 1e-4, out_strategy=N
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
         # the outputs eager differentiates (a batch norm's saved statistics it does not; shardfn's decomposed graph
         # would)
-        pairs = [(o, e) for o, e in zip(outs, refs) if e.is_floating_point() and e.requires_grad and (e.dim() or not dp)]
+        pairs = [(o, e) for o, e in zip(outs, refs)
+                 if e.is_floating_point() and e.requires_grad and (e.dim() or not dp)]
         if any(a.requires_grad for a in inputs) and any(e.requires_grad for _, e in pairs):
             if dp:  # each rank's loss weighs its quarter of the outputs as the whole loss does
                 mode = local_tensor_mode()

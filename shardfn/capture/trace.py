@@ -76,7 +76,8 @@ def _std_mean_as_sums(x, dim=None, *, correction=None, keepdim=False):
 #   gathering the batch, as data parallelism needs;
 # - group norm, whose kernels take the batch size as an argument (the global one in the graph, wrong for a
 #   rank's slice in backward): as views and statistics, it needs no such number;
-# - mean, var, std (and mse_loss's mean): as sums, they run on split pieces (a pending sum each) instead of gathering their input.
+# - mean, var, std (and mse_loss's mean): as sums, they run on split pieces (a pending sum each) instead of
+#   gathering their input.
 _DECOMPOSITIONS = {
     **get_decompositions([
         torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,

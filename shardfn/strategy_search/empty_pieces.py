@@ -32,14 +32,16 @@ _MAX_PROBE_ELEMENTS = 1 << 20
 _RUNS = LRU(1024)  # (op, argument shapes) -> whether the op runs on them
 
 
-def _uneven(shape, placements, mesh: DeviceMesh) -> bool:
-    """Whether some split dim of ``shape`` does not divide into its pieces evenly (only then may one be empty)."""
+def _maybe_empty(shape, placements, mesh: DeviceMesh) -> bool:
+    """Whether some split dim of ``shape`` may leave a piece empty: torch.chunk's pieces of s rows over n ranks
+    hold ceil(s / n) each, so the last is empty where n - 1 of them already hold all s (checked exactly only then:
+    a plan for many ranks has many uneven splits and few empty pieces)."""
     counts: dict[int, int] = {}
     for m, p in enumerate(placements):
         d = getattr(p, "dim", None)
         if d is not None and p.is_shard():
             counts[d] = counts.get(d, 1) * mesh.shape[m]
-    return any(shape[d] % n for d, n in counts.items())
+    return any(n > 1 and -(-shape[d] // n) * (n - 1) >= shape[d] for d, n in counts.items())
 
 
 def _empty_rank(node: torch.fx.Node, inputs: list, cand: Candidate, mesh: DeviceMesh) -> tuple[list, list] | None:
@@ -49,7 +51,8 @@ def _empty_rank(node: torch.fx.Node, inputs: list, cand: Candidate, mesh: Device
     outs = [vals] if isinstance(vals, torch.Tensor) else [v for v in (vals or ()) if isinstance(v, torch.Tensor)]
     if len(cand.inputs) != len(inputs) or any(t.numel() == 0 for t in inputs + outs):
         return None
-    if not any(_uneven(t.shape, pl, mesh) for t, pl in (*zip(inputs, cand.inputs), *zip(outs, cand.outputs)) if pl):
+    pairs = (*zip(inputs, cand.inputs), *zip(outs, cand.outputs))
+    if not any(_maybe_empty(t.shape, pl, mesh) for t, pl in pairs if pl):
         return None
     per_input = [local_shapes(t.shape, pl, mesh) for t, pl in zip(inputs, cand.inputs)]
     per_output = [local_shapes(t.shape, pl, mesh) for t, pl in zip(outs, cand.outputs) if pl is not None]
