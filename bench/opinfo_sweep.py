@@ -10,7 +10,16 @@ sample's tensors as positional arguments, in flat order. Modes:
 
   decide  every input left to the search (in_strategy all None);
   split4  the first tensor input split 4 ways on its first dim of a size divisible by 4 (the others None);
-  split2  the same, 2 ways.
+  split2  the same, 2 ways;
+  dim0    as a user who keeps tensors split: every input split 4 ways on dim 0 and every output asked for split
+          so (out_strategy; a dim of another size whole), the sample tiled to sizes divisible by 4 on that dim
+          (each tensor repeated 4 times along it, where eager still runs on the tiled sample);
+  last    the same on each tensor's last dim;
+  dp      dataset_strategy="data_parallel": each rank is handed its quarter (dim 0) of every input, tiled as
+          for dim0, and compared with its quarter of eager's outputs and gradients on the whole sample.
+
+An op counts as run sharded where its plan runs at least one op (not an input) with a split or pending operand or
+result (read from ``sf.explain`` of the call); the per-mode line says how many passing ops did.
 
 An op eager cannot run on its sample, or with no dim to split in a split mode, is not counted. Each result is one
 of: pass; error (a clear one: ValueError, TypeError, NotImplementedError, CaptureError); other (any other
@@ -34,7 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-MODES = ("decide", "split4", "split2")
+MODES = ("decide", "split4", "split2", "dim0", "last", "dp")
+FORCED = ("dim0", "last", "dp")  # modes that split every input they can
 # outputs of uninitialised memory: no two runs agree, eager with itself included
 UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 CLEAR = ("ValueError", "TypeError", "NotImplementedError", "CaptureError")
@@ -53,15 +63,19 @@ def op_name(info) -> str:
     return info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
 
 
-def _first_sample(info):
+def _samples(info, forced: bool = False, tries: int = 10):
+    """The op's float32 samples to try: its first; in a forcing mode, its first ``tries`` (OpInfo often starts with
+    0-dim or size-1 ones, which no split reaches)."""
     import torch
 
     if torch.float32 not in info.supported_dtypes("cpu"):
-        return None
+        return
     grad = bool(info.supports_autograd)
-    for sample in info.sample_inputs("cpu", torch.float32, requires_grad=grad):
-        return sample
-    return None
+    torch.manual_seed(0)  # OpInfo draws its samples: the same ones whatever ran before in this worker
+    for k, sample in enumerate(info.sample_inputs("cpu", torch.float32, requires_grad=grad)):
+        if k >= (tries if forced else 1):
+            return
+        yield sample
 
 
 def _split_strategy(tensors, n: int):
@@ -90,18 +104,99 @@ def classify(exc: BaseException | None) -> str:
     return "error" if type(exc).__name__ in CLEAR else "other"
 
 
-def run_one(info, mode: str) -> tuple[str, str]:
-    """(result, detail) for one op in one mode; result 'n/a' where the op is not counted."""
+def _tiled(t, dims, n: int = 4):
+    """``t`` repeated ``n`` times along each of ``dims`` whose size (over 1) is not divisible by ``n``."""
+    import torch
+
+    ascending = t.dim() == 1 and t.numel() > 1 and bool((t[1:] >= t[:-1]).all())
+    if ascending and not (t.is_floating_point() or t.is_complex()):
+        return t  # ascending integers (embedding_bag's offsets, searchsorted's boundaries) stay ascending
+    out = t.detach()
+    for d in dims:
+        if out.shape[d] > 1 and out.shape[d] % n:
+            out = torch.cat([out] * n, d)
+    return out.requires_grad_(t.requires_grad) if out is not t.detach() else t
+
+
+def _forced(tensors, mode: str, runs) -> tuple[list, tuple] | None:
+    """(the sample's tensors, tiled where eager still runs on them, and the in_strategy splitting each one 4 ways
+    on its dim that the mode names); None where no tensor can be split."""
+    def dim_of(t):
+        return 0 if mode in ("dim0", "dp") else t.dim() - 1
+
+    if mode == "dp" and any(t.dim() == 0 for t in tensors):
+        return None  # data_parallel hands every positional tensor over by its batch dim
+
+    # every dim of a size not divisible by 4 tiled (sizes equal before stay equal: matmuls, broadcasts), else
+    # only the mode's dim, else the sample as it is
+    for candidate in ([_tiled(t, range(t.dim())) for t in tensors], [_tiled(t, [dim_of(t)][:t.dim()]) for t in tensors],
+                      list(tensors)):
+        if candidate is not tensors and not runs(candidate):
+            continue
+        strategy = tuple(tuple(4 if k == dim_of(t) else 1 for k in range(t.dim()))
+                         if t.dim() and t.shape[dim_of(t)] and t.shape[dim_of(t)] % 4 == 0 else None
+                         for t in candidate)
+        if any(s is not None for s in strategy):
+            return candidate, strategy
+    return None
+
+
+def _same_twice(a, b) -> bool:
+    """Whether eager ran on a tiled sample and gave the same numbers twice: tiling may break a sample's premise
+    (embedding_bag's offsets no longer ascending), and an op then reads memory it never wrote."""
+    import torch
+
+    from tests.parity import tensors_of
+
+    if isinstance(a, Exception) or isinstance(b, Exception):
+        return False
+    xs, ys = tensors_of(a), tensors_of(b)
+    def same(x, y):
+        if x.is_floating_point() or x.is_complex():
+            x, y = x.nan_to_num(), y.nan_to_num()
+        return x.shape == y.shape and torch.equal(x, y)
+
+    return len(xs) == len(ys) and all(same(x, y) for x, y in zip(xs, ys))
+
+
+def _out_strategy(outs, mode: str) -> tuple:
+    """Each output split 4 ways on the mode's dim where its size there is divisible by 4, else whole."""
+    def split(t):
+        d = 0 if mode == "dim0" else t.dim() - 1
+        return tuple(4 if k == d and t.shape[d] % 4 == 0 else 1 for k in range(t.dim()))
+
+    return tuple(split(t) for t in outs)
+
+
+def ran_sharded(plan) -> bool:
+    """Whether a plan runs at least one op (not an input, a constant or a factory) on split or pending operands or
+    results; a program of no ops (contiguous, conj of a real tensor) where a split input is returned as it is,
+    with no collective."""
+    ops = [n for n in plan.nodes.values() if n.rule in ("dtensor", "local", "random")]
+    if not ops:
+        return not plan.collectives and any(not p.is_replicate() for i in plan.inputs for p in i.planned)
+    return any(not p.is_replicate() for n in ops for pl in (*n.inputs, *(o for o in n.outputs if o)) for p in pl)
+
+
+def run_one(info, mode: str) -> tuple[str, str] | tuple[str, str, bool]:
+    """(result, detail[, ran sharded]) for one op in one mode; result 'n/a' where the op is not counted. A forcing
+    mode takes the first sample that has a dim to split."""
+    if info.name in UNINITIALISED:
+        return "n/a", "uninitialised memory"
+    found = "n/a", "no float32 sample"
+    for sample in _samples(info, forced=mode in FORCED):
+        found = _run_sample(info, sample, mode)
+        if found[:2] != ("n/a", "no dim to split"):
+            return found
+    return found
+
+
+def _run_sample(info, sample, mode: str) -> tuple[str, str] | tuple[str, str, bool]:
     import torch
     import torch.utils._pytree as pytree
 
     from tests.parity import Call, _loss
 
-    if info.name in UNINITIALISED:
-        return "n/a", "uninitialised memory"
-    sample = _first_sample(info)
-    if sample is None:
-        return "n/a", "no float32 sample"
     leaves, spec = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
     where = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     tensors = [leaves[i] for i in where]
@@ -118,62 +213,116 @@ def run_one(info, mode: str) -> tuple[str, str]:
     def make():
         return Call(tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in tensors))
 
-    try:  # eager, with gradients, on the same sample
-        torch.manual_seed(1)
-        out = fn(*make().args)
-        if any(t.requires_grad for t in tensors) and any(
-                o.requires_grad for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)):
-            _loss(out).backward()
-    except Exception as e:  # noqa: BLE001
-        return "n/a", f"eager: {type(e).__name__}"
+    def eager(ts):  # eager, with gradients, on the sample's tensors ts; its outputs, or the exception
+        try:
+            torch.manual_seed(1)
+            ts = [t.detach().clone().requires_grad_(t.requires_grad) for t in ts]
+            out = fn(*ts)
+            if any(t.requires_grad for t in ts) and any(
+                    o.requires_grad for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)):
+                _loss(out).backward()
+            return out
+        except Exception as e:  # noqa: BLE001
+            return e
 
-    strategy = [None] * len(tensors)
-    if mode != "decide":
+    out = eager(tensors)
+    if isinstance(out, Exception):
+        return "n/a", f"eager: {type(out).__name__}"
+
+    strategy: tuple = (None,) * len(tensors)
+    kwargs = {}
+    if mode in FORCED:
+        found = _forced(tensors, mode, lambda ts: _same_twice(eager(ts), eager(ts)))
+        if found is None:
+            return "n/a", "no dim to split"
+        tensors, strategy = found
+        if mode == "dp":
+            kwargs["dataset_strategy"] = "data_parallel"
+        else:
+            from tests.parity import tensors_of
+
+            kwargs["out_strategy"] = _out_strategy(tensors_of(eager(tensors)), mode)
+    elif mode != "decide":
         found = _split_strategy(tensors, 4 if mode == "split4" else 2)
         if found is None:
             return "n/a", "no dim to split"
-        strategy[found[0]] = found[1]
+        strategy = tuple(found[1] if i == found[0] else None for i in range(len(tensors)))
     try:
-        parity(fn, make, tuple(strategy))
+        sharded = parity(fn, make, strategy, **kwargs)
     except Exception as e:  # noqa: BLE001 - classified
         return classify(e), _describe(e)
-    return "pass", ""
+    return "pass", "", sharded
 
 
-def parity(fn, make, strategy, world: int = 4, tol: float = 1e-4) -> None:
-    """tests/parity.check_parity, where NaN equals NaN (a sample outside an op's domain gives NaN in eager too)."""
+def _piece(t, r: int, world: int):
+    """Rank ``r``'s quarter of ``t`` along dim 0 as DTensor cuts it (torch.chunk's pieces, then empty ones)."""
+    pieces = t.chunk(world, 0)
+    return pieces[r] if r < len(pieces) else t[t.shape[0]:]
+
+
+def parity(fn, make, strategy, world: int = 4, tol: float = 1e-4, out_strategy=None,
+           dataset_strategy: str = "full_batch") -> bool:
+    """tests/parity.check_parity, where NaN equals NaN (a sample outside an op's domain gives NaN in eager too);
+    outputs asked for split are gathered; under data_parallel each rank takes its quarter of every input and is
+    compared with its quarter of the outputs and gradients. Returns whether the plan ran an op sharded."""
     import torch
+    from torch.distributed.tensor import DTensor
 
     import shardfn as sf
     from shardfn.runtime import simulated_world
+    from shardfn._simulation_internals import local_tensor_mode
     from tests.harness import on_rank
-    from tests.parity import _clone, _loss, tensors_of
+    from tests.parity import _clone, tensors_of
+
+    dp = dataset_strategy == "data_parallel"
 
     def same(a, b):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, equal_nan=True)
+
+    def expected(e, r):  # rank r's share of an eager value
+        return _piece(e, r, world) if dp and e.dim() else e
+
+    def weights(e):  # the loss's fixed, non-uniform weights of an eager output
+        return torch.linspace(-1, 1, e.numel()).reshape(e.shape)
 
     with simulated_world(world):
         torch.manual_seed(0)
         call = make()
         ref_call = _clone(call)
+        args = call.args
+        if dp:
+            mode = local_tensor_mode()
+            args = tuple(mode.rank_map(lambda r, a=a: _piece(on_rank(a, r), r, world).detach().clone())
+                         .requires_grad_(a.requires_grad) if a.dim() else a for a in call.args)
+        sharded = sf.shard(fn, strategy, out_strategy=out_strategy, dataset_strategy=dataset_strategy)
         torch.manual_seed(1)
-        out = sf.shard(fn, strategy)(*call.args)
+        out = sharded(*args)
         torch.manual_seed(1)
         ref = fn(*ref_call.args)
-        outs, refs = tensors_of(out), tensors_of(ref)
+        outs = [o.full_tensor() if isinstance(o, DTensor) else o for o in tensors_of(out)]
+        refs = tensors_of(ref)
         assert len(outs) == len(refs)
         for r in range(world):
             for o, e in zip(outs, refs):
-                same(on_rank(o, r), on_rank(e, r))
-        inputs = [a for a in call.args if isinstance(a, torch.Tensor)]
-        if any(a.requires_grad for a in inputs) and any(o.requires_grad for o in refs):
-            _loss(out).backward()
-            _loss(ref).backward()
+                same(on_rank(o, r), expected(on_rank(e, r), r))
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        # the outputs eager differentiates (a batch norm's saved statistics it does not; shardfn's decomposed graph
+        # would)
+        pairs = [(o, e) for o, e in zip(outs, refs)
+                 if e.is_floating_point() and e.requires_grad and (e.dim() or not dp)]
+        if any(a.requires_grad for a in inputs) and any(e.requires_grad for _, e in pairs):
+            if dp:  # each rank's loss weighs its quarter of the outputs as the whole loss does
+                mode = local_tensor_mode()
+                sum((o * mode.rank_map(lambda r, e=e: _piece(weights(e), r, world))).sum() for o, e in pairs).backward()
+            else:
+                sum((o * weights(e)).sum() for o, e in pairs).backward()
+            sum((e * weights(e)).sum() for _, e in pairs).backward()
             for a, e in zip(inputs, ref_call.args):
                 if e.grad is not None:
                     assert a.grad is not None, "an input got no gradient"
                     for r in range(world):
-                        same(on_rank(a.grad, r), on_rank(e.grad, r))
+                        same(on_rank(a.grad, r), expected(on_rank(e.grad, r), r))
+        return ran_sharded(sf.explain(sharded, *args))
 
 
 def _describe(exc: BaseException) -> str:
@@ -205,10 +354,10 @@ def _worker(conn):
         index, mode = task
         t0 = time.monotonic()
         try:
-            result, detail = run_one(db[index], mode)
+            result, detail, *sharded = run_one(db[index], mode)
         except BaseException as e:  # noqa: BLE001 - reported, the worker goes on
-            result, detail = "other", _describe(e)
-        conn.send((result, detail, time.monotonic() - t0))
+            result, detail, sharded = "other", _describe(e), []
+        conn.send((result, detail, time.monotonic() - t0, bool(sharded and sharded[0])))
 
 
 class Pool:
@@ -226,7 +375,7 @@ class Pool:
         self.proc.start()
         self.fresh = True
 
-    def run(self, index: int, mode: str, limit_s: float) -> tuple[str, str, float]:
+    def run(self, index: int, mode: str, limit_s: float) -> tuple[str, str, float, bool]:
         if self.proc is None or not self.proc.is_alive():
             self._start()
         t0 = time.monotonic()
@@ -241,8 +390,8 @@ class Pool:
         alive = self.proc.is_alive()
         self.close(kill=True)
         if alive:
-            return "timeout", f"over {limit_s:.0f} s", time.monotonic() - t0
-        return "other", f"worker died (exit code {self.proc.exitcode})", time.monotonic() - t0
+            return "timeout", f"over {limit_s:.0f} s", time.monotonic() - t0, False
+        return "other", f"worker died (exit code {self.proc.exitcode})", time.monotonic() - t0, False
 
     def close(self, kill: bool = False):
         if self.proc is None:
@@ -261,14 +410,15 @@ class Pool:
 
 
 def run_inline(names: list[str], modes=MODES) -> dict:
-    """The named ops in this process (no worker, no time limit): {mode: {op name: (result, detail, seconds)}}."""
+    """The named ops in this process (no worker, no time limit): {mode: {op name: (result, detail, seconds, ran
+    sharded)}}."""
     db = _op_db()
     results = {m: {} for m in modes}
     for i in select(db, ",".join(names)):
         for m in modes:
             t0 = time.monotonic()
-            r, detail = run_one(db[i], m)
-            results[m][op_name(db[i])] = (r, detail, time.monotonic() - t0)
+            r, detail, *sharded = run_one(db[i], m)
+            results[m][op_name(db[i])] = (r, detail, time.monotonic() - t0, bool(sharded and sharded[0]))
     return results
 
 
@@ -286,15 +436,17 @@ def report(results: dict, out=sys.stdout, verbose: bool = False) -> dict:
     """Print per-mode counts and failures grouped by exception; return the counts."""
     counts = {}
     for mode, per_op in results.items():
-        c = collections.Counter(r for r, _, _ in per_op.values())
+        c = collections.Counter(r for r, *_ in per_op.values())
         counted = sum(v for k, v in c.items() if k != "n/a")
-        counts[mode] = dict(c)
+        sharded = sum(r == "pass" and bool(rest[-1]) for r, *rest in per_op.values() if len(rest) > 2)
+        counts[mode] = {**c, "pass, ran sharded": sharded}
         share = 100 * c["pass"] / counted if counted else 0
-        print(f"{mode:7s} pass {c['pass']:4d}  error {c['error']:3d}  other {c['other']:3d}  WRONG {c['WRONG']:2d}  "
-              f"timeout {c['timeout']:2d}  (of {counted}, {share:.1f}% pass; {c['n/a']} not counted)", file=out)
+        print(f"{mode:7s} pass {c['pass']:4d} (ran sharded {sharded:4d})  error {c['error']:3d}  other "
+              f"{c['other']:3d}  WRONG {c['WRONG']:2d}  timeout {c['timeout']:2d}  (of {counted}, {share:.1f}% pass; "
+              f"{c['n/a']} not counted)", file=out)
     for mode, per_op in results.items():
         groups = collections.defaultdict(list)
-        for name, (r, detail, _) in per_op.items():
+        for name, (r, detail, *_) in per_op.items():
             if r not in ("pass", "n/a"):
                 groups[(r, group_key(detail))].append(name)
         if not groups:
@@ -326,8 +478,8 @@ def main(argv=None):
             if k and k % 50 == 0:
                 print(f"... {k}/{len(indices)} ops, {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
             for m in modes:
-                r, detail, secs = pool.run(i, m, a.limit_s)
-                results[m][op_name(db[i])] = (r, detail, secs)
+                r, detail, secs, sharded = pool.run(i, m, a.limit_s)
+                results[m][op_name(db[i])] = (r, detail, secs, sharded)
                 if a.verbose or r in ("WRONG", "timeout"):
                     print(f"{op_name(db[i]):40s} {m:7s} {r:8s} {secs:6.1f}s {detail[:120]}", flush=True)
     finally:

@@ -8,11 +8,13 @@ through it)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["LocalTensorMode", "init_fake_world", "local_tensor_mode", "local_values", "not_simulated",
-           "per_rank_ints"]
+__all__ = ["LocalTensorMode", "PerRankBoolError", "init_fake_world", "local_tensor_mode", "local_values",
+           "not_simulated", "per_rank_bools_refused", "per_rank_ints"]
 
 
 def init_fake_world(world_size: int) -> None:
@@ -26,6 +28,38 @@ def LocalTensorMode(world_size: int):  # noqa: N802 - torch's class, constructed
     from torch.distributed._local_tensor import LocalTensorMode as mode
 
     return mode(world_size)
+
+
+class PerRankBoolError(RuntimeError):
+    """Ranks' answers to a yes/no question differ where a program reads one answer (a check, a branch)."""
+
+
+@contextlib.contextmanager
+def per_rank_bools_refused():
+    """LocalTensorMode combines ranks' differing answers of ``torch.equal`` (each rank's pieces compared) as it
+    combines differing ints: into one per-rank SymInt, which Python reads as one truthy value. A check then passes
+    in the simulated world that real ranks fail (there each rank answers for itself, and while a program is traced
+    torch refuses the data-dependent read): DTensor's mask buffer compares two gathers' masks so. Inside this
+    context such an answer raises instead, as on real ranks. (Other per-rank bools, a kernel's ``.item()`` of its
+    own mask, stay as torch combines them: real ranks read each its own there.)"""
+    import torch.distributed._local_tensor as lt
+
+    run = lt._for_each_rank_run_func
+
+    def refusing(func, *args, **kwargs):
+        out = run(func, *args, **kwargs)
+        if func is torch.ops.aten.equal.default and not isinstance(out, bool):
+            raise PerRankBoolError(
+                f"torch.equal answers differently on the ranks ({out}) where the program reads one answer: on real "
+                "ranks each rank would take its own branch (traced, a data-dependent read fails); the simulated "
+                "world refuses it as well")
+        return out
+
+    lt._for_each_rank_run_func = refusing
+    try:
+        yield
+    finally:
+        lt._for_each_rank_run_func = run
 
 
 def local_tensor_mode():

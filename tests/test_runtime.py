@@ -175,3 +175,19 @@ def test_more_ranks_on_a_host_than_gpus_is_an_error_before_any_communication(env
     with pytest.raises(ValueError, match=rf"ranks run on this host but it has {gpus} GPU.*one GPU per rank.*"
                                          r"device='cpu'"):
         check_gpus(launch, gpus)
+
+
+def test_a_simulated_world_refuses_a_bool_its_ranks_answer_differently():
+    # LocalTensorMode read ranks' differing bools as one truthy value (a SymInt), so DTensor's mask-buffer check
+    # passed there and failed on real ranks; a bool all ranks agree on is read as it is
+    import torch
+
+    from shardfn._simulation_internals import PerRankBoolError
+    from shardfn.runtime import simulated_world, simulated_map
+
+    with simulated_world(4):
+        x = simulated_map(torch.zeros(3), lambda r, values: values[r] + (r % 2))
+        assert torch.equal(x, x)
+        with pytest.raises(PerRankBoolError, match="answers differently"):
+            torch.equal(x, torch.zeros(3))
+    assert torch.equal(torch.zeros(3), torch.zeros(3))  # ordinary tensors again outside

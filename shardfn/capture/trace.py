@@ -22,7 +22,7 @@ from ._tracing import checkpoint_regions_marked, looks_like_tracing, module_path
 from .dynamic import DynamicDims, functionalized, symbolic_input
 from .functions import functions_as_calls, functions_as_targets
 from .order import canonical_order
-from .graph import CapturedGraph, GraphInput
+from .graph import CapturedGraph, GraphInput, is_in_place
 from .structure import split
 
 __all__ = ["CaptureError", "argument_name", "capture", "capturing", "check_not_transformed", "split_arguments"]
@@ -45,6 +45,29 @@ def _var_mean_two_pass(x, dim=None, *, correction=None, keepdim=False):
     return var, (mean if keepdim else mean.squeeze(dims))
 
 
+def _mean_as_sum(x, dim=None, keepdim=False, *, dtype=None):
+    """mean as a sum over the count: over a split dim a pending sum (one small all-reduce) where DTensor's mean is a
+    pending average that shardfn's plans do not carry (its backward loses the scaling), so the input was gathered."""
+    dims = list(range(x.dim())) if dim is None or len(dim) == 0 else [d % max(x.dim(), 1) for d in dim]
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    return x.sum(dims, keepdim=keepdim, dtype=dtype) / n
+
+
+def _var_as_sums(x, dim=None, *, correction=None, keepdim=False):
+    return _var_mean_two_pass(x, dim, correction=correction, keepdim=keepdim)[0]
+
+
+def _std_as_sums(x, dim=None, *, correction=None, keepdim=False):
+    return _var_as_sums(x, dim, correction=correction, keepdim=keepdim).sqrt()
+
+
+def _std_mean_as_sums(x, dim=None, *, correction=None, keepdim=False):
+    var, mean = _var_mean_two_pass(x, dim, correction=correction, keepdim=keepdim)
+    return var.sqrt(), mean
+
+
 # Ops decomposed while capturing:
 # - batch norms, whose schema does not declare that they update running_mean/var in place: functionalization
 #   would keep them as they are, and the update would land in whatever layout the plan gives those buffers (on a
@@ -52,15 +75,23 @@ def _var_mean_two_pass(x, dim=None, *, correction=None, keepdim=False):
 # - nll_loss's mean over a batch, and var_mean: as sums, they run on batch slices (a pending sum each) instead of
 #   gathering the batch, as data parallelism needs;
 # - group norm, whose kernels take the batch size as an argument (the global one in the graph, wrong for a
-#   rank's slice in backward): as views and statistics, it needs no such number.
+#   rank's slice in backward): as views and statistics, it needs no such number;
+# - mean, var, std (and mse_loss's mean): as sums, they run on split pieces (a pending sum each) instead of
+#   gathering their input.
 _DECOMPOSITIONS = {
     **get_decompositions([
         torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,
         torch.ops.aten._native_batch_norm_legit, torch.ops.aten._native_batch_norm_legit_functional,
         torch.ops.aten._native_batch_norm_legit_no_training, torch.ops.aten._batch_norm_with_update,
         torch.ops.aten._batch_norm_with_update_functional, torch.ops.aten._batch_norm_no_update,
-        torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward, torch.ops.aten.native_group_norm]),
+        torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward, torch.ops.aten.native_group_norm,
+        torch.ops.aten.mse_loss]),
     torch.ops.aten.var_mean.correction: _var_mean_two_pass,
+    torch.ops.aten.mean.dim: _mean_as_sum,
+    torch.ops.aten.mean.default: lambda x, *, dtype=None: _mean_as_sum(x, dtype=dtype),
+    torch.ops.aten.var.correction: _var_as_sums,
+    torch.ops.aten.std.correction: _std_as_sums,
+    torch.ops.aten.std_mean.correction: _std_mean_as_sums,
 }
 
 
@@ -205,6 +236,9 @@ def capture(
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
             functional = functionalized(flat_fn) if dynamic else torch.func.functionalize(flat_fn)
             gm = make_fx(functional, decomposition_table=_DECOMPOSITIONS, tracing_mode="real")(*fakes)
+            if _writes_into_views(gm):
+                gm = _functionalized_again(gm, fakes, functionalized if dynamic else torch.func.functionalize)
+            _copies_as_values(gm)
     except (DataDependentOutputException, DynamicOutputShapeException) as e:
         raise CaptureError(
             f"shardfn could not trace {what()}: its control flow or output shape depends "
@@ -231,6 +265,49 @@ def capture(
     gm = canonical_order(gm)
     return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"],
                          dynamic=symbols)
+
+
+def _writes_into_views(gm: torch.fx.GraphModule) -> bool:
+    """Whether a decomposition left a write into anything but an input: decompositions run below
+    functionalization, so a composite op's ``copy_`` into a slice of its fresh result (circular padding) or into an
+    alias of a buffer (instance norm's running statistics) stays in the graph as it is."""
+    return any(n.op == "call_function" and is_in_place(n.target) and n.args and isinstance(n.args[0], torch.fx.Node)
+               and n.args[0].op != "placeholder" for n in gm.graph.nodes)
+
+
+def _functionalized_again(gm: torch.fx.GraphModule, fakes: list, functionalize: Callable) -> torch.fx.GraphModule:
+    """The graph traced once more under functionalization (no decompositions now): writes into views become
+    scatters into their base and writes reaching an input become one ``copy_`` into that input at the end, so every
+    write lands where it must whatever layout the plan gives its destination. Nodes keep their annotations
+    (module paths, checkpoint regions)."""
+    def run(*args):
+        return torch.fx.Interpreter(gm).run(*args)
+
+    with torch.fx.traceback.preserve_node_meta():
+        return make_fx(functionalize(run), tracing_mode="real")(*fakes)
+
+
+def _copies_as_values(gm: torch.fx.GraphModule) -> None:
+    """Functionalization's out-of-place ``aten.copy(dest, src)`` (autograd has no derivative for it, DTensor no
+    rule) as what it is: src in dest's dtype, broadcast to dest's shape, a tensor of its own."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.copy.default:
+            continue
+        dest, src = node.args[0].meta["val"], node.args[1].meta["val"]
+        with gm.graph.inserting_before(node):
+            value = node.args[1]
+            if src.dtype != dest.dtype:
+                value = gm.graph.call_function(aten._to_copy.default, (value,), {"dtype": dest.dtype})
+                value.meta["val"] = src = src.to(dest.dtype)
+            if src.shape != dest.shape:
+                value = gm.graph.call_function(aten.expand.default, (value, list(dest.shape)))
+                value.meta["val"] = src.expand(dest.shape)
+            value = gm.graph.call_function(aten.clone.default, (value,))
+        value.meta = dict(node.meta)
+        node.replace_all_uses_with(value)
+        gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["layout_for", "layout_of", "local_as", "local_of"]
+__all__ = ["is_masked_sum", "layout_for", "layout_of", "local_as", "local_of"]
 
 
 def layout_for(mesh, placements, shape, stride, dtype: torch.dtype) -> Any:
@@ -35,3 +35,9 @@ def local_as(layout: Any, local: torch.Tensor) -> DTensor:
 def local_of(d: DTensor) -> torch.Tensor:
     """``d``'s local tensor itself (no autograd node, unlike ``to_local()``), to read its strides."""
     return d._local_tensor
+
+
+def is_masked_sum(p) -> bool:
+    """DTensor's masked pending sum (embedding's and gather's on a split table, ``_MaskPartial``), whose mask lives
+    in a buffer shared by every equal placement until the sum is reduced."""
+    return type(p).__name__ == "_MaskPartial"

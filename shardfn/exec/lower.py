@@ -29,7 +29,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 from .._simulation_internals import local_tensor_mode
 from ..capture.graph import CapturedGraph, checkpoint_region, is_getitem, is_in_place, is_view
-from ._dtensor_internals import layout_of, local_as, local_of
+from ._dtensor_internals import is_masked_sum, layout_of, local_as, local_of
 from ._graph_internals import annotated_as, boxed_graph, keep_linalg_error_checks, keeping_annotations, release_saved
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
@@ -155,6 +155,11 @@ class ParallelProgram:
         self._on_pieces = True  # (off while AOTAutograd traces the per-rank graphs: _compile)
         self._shared: dict | None = None  # (interpret)
         self._layouts_now: dict | None = None
+        # DTensor keeps a masked sum's mask in one buffer that every equal placement shares (and compares a new mask
+        # with the one it holds: on real ranks a data-dependent read while tracing): two gathers from one split
+        # table left pending at once would share it, so each is reduced as soon as its op made it
+        self._masked = {n for n, np_ in self.node_plans.items()
+                        if any(is_masked_sum(p) for pl in np_.outputs if pl for p in pl)}
         self._piecewise = {n for n, np_ in self.node_plans.items()
                            if np_.rule == "dtensor" and runs_on_pieces(n, np_.inputs, np_.outputs)}
         # views run on pieces; not where the graph writes in place (a write through a view must reach its base
@@ -170,7 +175,10 @@ class ParallelProgram:
         if node in self._as_is:  # one output of a multi-output node, or a number: as it is
             return node.target(*args, **kwargs)
         with annotated_as(node):  # its checkpoint region, for the partitioner (recompute_checkpointed)
-            return self._settled_result(node, self._compute(node, args, kwargs))
+            out = self._compute(node, args, kwargs)
+            if node in self._masked:
+                out = _masks_reduced(out)
+            return self._settled_result(node, out)
 
     def _settled_result(self, node: torch.fx.Node, out: Any) -> Any:
         # a view hands its gradient's pending sum on to the value it views, which sums it with its other readers'
@@ -527,6 +535,16 @@ class _ConstantsAsInputs(torch.fx.Interpreter):
         if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor):
             return next(self.constants)
         return super().run_node(n)
+
+
+def _masks_reduced(out: Any) -> Any:
+    """``out`` with each masked pending sum reduced (whole where it was pending)."""
+    def reduced(o):
+        if not isinstance(o, DTensor) or not any(is_masked_sum(p) for p in o.placements):
+            return o
+        return redistribute(o, tuple(Replicate() if is_masked_sum(p) else p for p in o.placements))
+
+    return type(out)(reduced(o) for o in out) if isinstance(out, (tuple, list)) else reduced(out)
 
 
 class _Enter(torch.autograd.Function):

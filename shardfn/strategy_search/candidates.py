@@ -7,6 +7,8 @@ Where they come from, first match wins:
 3. the replicated fallback (Paddle's replicated SPMD rule): every input and output replicated, the op run on
    whole tensors by every rank. Correct for any op, never parallel; the ops that use it are named in one warning.
 
+Of these, candidates that leave a rank an empty piece the op refuses (MKL's FFT) are dropped (:mod:`.empty_pieces`).
+
 A candidate's ``rule`` tells exec how to run it: ``"dtensor"`` through DTensor dispatch, ``"local"`` by running
 the op on each rank's local shards (own rules and the fallback), ``"random"`` drawn whole and sliced,
 ``"input"``/``"factory"`` for values that are laid out, not computed from other tensors.
@@ -27,6 +29,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate
 from .. import _pytree_internals as pytree
 from ..capture.functions import FunctionCall
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
+from .empty_pieces import runs_on_empty_pieces
 from .lru import LRU
 
 __all__ = [
@@ -215,7 +218,8 @@ def _rules_say(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
 
 def node_candidates(node: torch.fx.Node, mesh: DeviceMesh, fallbacks: set[str]) -> list[Candidate]:
     """Candidates of a call_function node. Ops that fall back to replication are added to ``fallbacks``."""
-    cands = _CACHE.get(_key(node, mesh), lambda: _rules_say(node, mesh))
+    cands = _CACHE.get(_key(node, mesh), lambda: runs_on_empty_pieces(node, tensor_inputs(node), mesh,
+                                                                          _rules_say(node, mesh)))
     if cands is None:
         fallbacks.add(str(node.target))
         return _replicated(node, mesh)

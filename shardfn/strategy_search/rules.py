@@ -16,7 +16,8 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from .. import _pytree_internals as pytree
 from ..capture.functions import FunctionCall
 from ._dtensor_adapter import has_dtensor_rule, local_shapes, valid_placements
-from .candidates import RANDOM_FILLS, Candidate, _per_mesh_dim, register_check, register_rule, tensor_inputs
+from .candidates import (RANDOM_FILLS, Candidate, _from_dtensor, _per_mesh_dim, register_check, register_rule,
+                         replicated_candidates, tensor_inputs)
 
 aten = torch.ops.aten
 R = Replicate()
@@ -136,6 +137,19 @@ def _cuda_attention_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate
 _RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
 
 
+@register_rule(*_RESHAPES)
+def _reshape(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
+    # DTensor's view rule (view_groups, in planning and in its dispatch alike) never returns on a zero size: a view
+    # of no elements runs whole on every rank (there is nothing to gather); any other is DTensor's, checked below
+    shapes = (node.args[0].meta["val"].shape, node.meta["val"].shape)
+    if any(isinstance(n, int) and n == 0 for shape in shapes for n in shape):
+        return replicated_candidates(node, mesh)
+    try:
+        return _from_dtensor(node, mesh)
+    except Exception:  # noqa: BLE001 - DTensor's rule fails on these shapes: no rule (as for any op)
+        return None
+
+
 @register_check(*_RESHAPES)
 def _view_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     # DTensor's view rule maps a split dim to the merged or split dim it becomes, but with uneven or nested shards
@@ -231,11 +245,23 @@ def _var_mean(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
 
 
-@register_rule(aten.constant_pad_nd.default)
+@register_check(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)
+def _scan_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
+    # a scan carries along its dim, so that dim stays whole. DTensor's scan rule (torch 2.13) compares a negative
+    # dim with the split dims unnormalised and lets cumsum(x, -1) run on the pieces of a split last dim: no carry
+    x = node.args[0].meta["val"]
+    along = node.args[1] % max(x.dim(), 1)
+    return not any(isinstance(p, Shard) and p.dim == along for pl in (cand.inputs[0], cand.outputs[0]) for p in pl)
+
+
+_EDGE_PADS = [getattr(aten, f"{kind}_pad{n}d").default for kind in ("reflection", "replication") for n in (1, 2, 3)]
+
+
+@register_rule(aten.constant_pad_nd.default, *_EDGE_PADS)
 def _constant_pad(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     # Padding touches only the padded dims (the last len(pad) // 2): any other dim may be split, each rank padding
     # its piece (a causal LM's loss pads its labels: data parallel keeps them split). DTensor's rule in torch 2.11
-    # only replicates.
+    # only replicates; it has none for reflection and replication pads (the batch was gathered for them).
     x, pad = node.args[0].meta["val"], node.args[1]
     padded = {x.dim() - 1 - i for i in range(len(pad) // 2) if pad[2 * i] or pad[2 * i + 1]}
     choices = [((R,), (R,))] + [((Shard(d),), (Shard(d),)) for d in range(x.dim()) if d not in padded]

@@ -118,3 +118,27 @@ def test_activation_checkpoint_regions_are_marked():
     assert all(getattr(torch.utils.checkpoint, name).__module__ == "torch.utils.checkpoint" for name in
                ("_checkpoint_without_reentrant_generator", "_checkpoint_without_reentrant_generator_impl")
                if hasattr(torch.utils.checkpoint, name))  # torch's own again after the capture
+
+
+def test_writes_of_decompositions_land_in_inputs_only():
+    # decompositions run below functionalization: circular padding's copy_ into slices of its fresh result and
+    # instance norm's copy_ into an alias of its running statistics stayed in the graph, and a plan that laid the
+    # destination out otherwise wrote into a temporary. Captured again under functionalization, every write left is
+    # one copy_ into an input (the running statistics), and the graph's annotations are kept
+    import torch.nn.functional as F
+
+    from shardfn.capture.graph import is_in_place
+
+    def pad(x):
+        return F.pad(x, (0, 2, 0, 1), mode="circular")
+
+    def inorm(x, rm, rv):
+        return F.instance_norm(x, running_mean=rm, running_var=rv, use_input_stats=True, momentum=0.5)
+
+    for fn, args, written in [(pad, [torch.randn(2, 3, 5, 5, requires_grad=True)], {}),
+                              (inorm, [torch.randn(4, 8, 6), torch.randn(8), torch.rand(8)], {1, 2})]:
+        captured = capture(fn, args, {})
+        writes = [n for n in captured.gm.graph.nodes if n.op == "call_function" and is_in_place(n.target)]
+        assert all(n.args[0].op == "placeholder" for n in writes), captured.gm.code
+        assert set(captured.writes) == set(written)
+        assert torch.ops.aten.copy.default not in {n.target for n in captured.gm.graph.nodes}

@@ -23,9 +23,33 @@ def test_fast_slice_is_never_wrong():
 
     with warnings.catch_warnings():  # the sweep counts what runs whole, and may: here only wrong numbers fail
         warnings.simplefilter("ignore", ReplicatedFallbackWarning)
-        results = run_inline(SLICE)
-    wrong = {(m, name): detail for m, per in results.items() for name, (r, detail, _) in per.items()
+        results = run_inline(SLICE, modes=("decide", "split4", "split2"))
+    wrong = {(m, name): detail for m, per in results.items() for name, (r, detail, *_) in per.items()
              if r == "WRONG"}
     assert wrong == {}
     # 37 in torch 2.11, whose OpInfo database has no bmm.triton_optimized variant (3 cases)
-    assert sum(r == "pass" for per in results.values() for r, _, _ in per.values()) >= 37
+    assert sum(r == "pass" for per in results.values() for r, *_ in per.values()) >= 37
+
+
+# ops issue 35 found wrong once split as a user keeps tensors: scans over the last dim, quantiles (two gathers from
+# one split tensor), circular padding and instance norm (writes inside composite ops), unflatten (zero sizes)
+FORCED_SLICE = ["cumsum", "cumprod", "logcumsumexp", "cumulative_trapezoid", "quantile", "nanquantile",
+                "nn.functional.pad.circular", "nn.functional.instance_norm", "unflatten", "gather"]
+
+
+def test_forced_splits_are_never_wrong_and_run_sharded():
+    import warnings
+
+    from bench.opinfo_sweep import FORCED, run_inline
+    from shardfn.strategy_search.candidates import ReplicatedFallbackWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReplicatedFallbackWarning)
+        results = run_inline(FORCED_SLICE, modes=FORCED)
+    wrong = {(m, name): detail for m, per in results.items() for name, (r, detail, *_) in per.items()
+             if r == "WRONG"}
+    assert wrong == {}
+    for mode, per in results.items():  # most pass, and most of those ran an op on split pieces (read from the plan)
+        passed = [name for name, (r, *_) in per.items() if r == "pass"]
+        assert len(passed) >= 8, (mode, per)
+        assert sum(per[name][3] for name in passed) >= 5, (mode, per)

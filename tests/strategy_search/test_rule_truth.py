@@ -89,6 +89,18 @@ def test_constant_pad_rule(case):
     assert failures(aten.constant_pad_nd.default, case, {}) == []
 
 
+@pytest.mark.parametrize("case", [
+    (aten.reflection_pad1d.default, (r(5, 3, 6), [2, 1])),
+    (aten.reflection_pad2d.default, (r(3, 5, 4, 6), [1, 2, 0, 1])),
+    (aten.replication_pad1d.default, (r(6, 4), [0, 3])),  # unbatched: its channels may be split
+    (aten.replication_pad2d.default, (r(5, 2, 3, 4), [1, 1, 2, 0])),
+    (aten.replication_pad3d.default, (r(2, 3, 4, 3, 5), [1, 0, 0, 1, 1, 1])),
+], ids=lambda c: str(c[0]))
+def test_edge_pad_rule(case):
+    op, args = case
+    assert failures(op, args, {}) == []
+
+
 def _function_calls():
     # (Function call as fn makes it, its arguments); the target of its captured node is what the rule sees
     from tests.functions import BloomGelu, GradientReversal, MaskedScale, RowSoftmax, StraightThroughRound, TimesCount
@@ -142,8 +154,11 @@ def test_every_own_rule_has_ground_truth():
 
     # convolution's own rule only where DTensor has none (torch 2.11): DTENSOR_CASES checks whichever is used
     lacking = set() if has_dtensor_rule(aten.convolution.default) else {aten.convolution.default}
+    # the reshapes' own rule answers zero sizes itself and hands any other to DTensor's (checked in DTENSOR_CASES)
+    from shardfn.strategy_search.rules import _EDGE_PADS, _RESHAPES
+
     assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction, aten.constant_pad_nd.default,
-                                               FunctionCall} | lacking
+                                               FunctionCall, *_RESHAPES, *_EDGE_PADS} | lacking
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims
@@ -172,6 +187,17 @@ DTENSOR_CASES = {
     "slice": (aten.slice.Tensor, lambda: (r(7, 5), 1, 1, 4)),
     "select": (aten.select.int, lambda: (r(7, 5), 1, 2)),
     "sum_dim": (aten.sum.dim_IntList, lambda: (r(5, 3), [0])),
+    # scans: DTensor's rule left a split last dim named -1 to run on the pieces; the check keeps the scanned dim whole
+    "cumsum_last": (aten.cumsum.default, lambda: (r(3, 8), -1)),
+    "cumsum_dim0": (aten.cumsum.default, lambda: (r(6, 5), 0)),
+    "cumprod_last": (aten.cumprod.default, lambda: (r(4, 2, 6), -1)),
+    "logcumsumexp_last": (aten.logcumsumexp.default, lambda: (r(5, 8), -1)),
+    "logcumsumexp_middle": (aten.logcumsumexp.default, lambda: (r(4, 6, 3), -2)),
+    # an uneven split leaves a rank an empty piece, which MKL's FFT refuses: such candidates are dropped
+    "fft_r2c_uneven": (aten._fft_r2c.default, lambda: (r(5, 8), [1], 0, True)),
+    # views of zero sizes: DTensor's view_groups never returns on them; they run whole
+    "view_zero": (aten.view.default, lambda: (r(4, 0), [4, 2, 0, 0, 0])),
+    "reshape_zero": (aten._unsafe_view.default, lambda: (r(0, 6), [3, 0, 2])),
     "add_broadcast": (aten.add.Tensor, lambda: (r(5, 1, 3), r(4, 3))),
     # DTensor offers the batch split on both dims of a 2x2 mesh and its dispatch refuses it: the check drops it
     "convolution": (aten.convolution.default,
