@@ -115,8 +115,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for i, (p, piece) in enumerate(zip(self.params, self.pieces)):
             if piece is p:
                 continue
-            if p.to_local() is not self._viewed[i]:  # the parameter's local tensor was replaced (p.data = ...)
-                self._viewed[i] = p.to_local()
+            local = p.to_local()
+            if local is not self._viewed[i]:  # the parameter's local tensor was replaced (p.data = ...)
+                self._viewed[i] = local
                 fresh, own = _local_view(p, tuple(piece.placements)), piece.to_local()
                 if _addresses(fresh) != _addresses(own):  # (not where it is a new view of the same memory)
                     own.copy_(fresh)
@@ -174,7 +175,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             state = self.inner.state.get(piece)
             if isinstance(piece, DTensor) and state:
                 for key, value in state.items():
-                    state[key] = _as_piece(value, piece, key)
+                    state[key] = _as_piece(value, piece)
 
     def _make_provisional(self) -> None:
         """States for the pieces that have none, made by the inner optimizer's own step at learning rate 0 from
@@ -284,7 +285,7 @@ def _versions(state: dict) -> tuple:
                  for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def _as_piece(value, piece: DTensor, key: str):
+def _as_piece(value, piece: DTensor):
     """A loaded state tensor in ``piece``'s layout: whole (of the parameter's shape) -> this rank's slice with no
     collective; a DTensor laid out otherwise -> redistributed; scalars (a step count) as they are."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0 or tuple(value.shape) != tuple(piece.shape):

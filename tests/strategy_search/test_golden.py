@@ -220,8 +220,9 @@ def _llama_on_8_x_8(links=None):
 
 
 def _within_layers(plan):
-    """The forward collectives between two ops of the layers: tensor parallelism's on activations."""
-    return [c for c in plan.collectives if c.phase == "forward" and
+    """The forward collectives of activations between two ops of the layers (tensor parallelism's: a layer's
+    hidden states, MiBs; not a norm's statistics of a few KiB)."""
+    return [c for c in plan.collectives if c.phase == "forward" and c.nbytes >= 2**20 and
             all(n in plan.nodes and plan.nodes[n].module.startswith("model.layers.") for n in c.where.split(" -> "))]
 
 
