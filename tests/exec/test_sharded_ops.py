@@ -116,9 +116,28 @@ def check_split(name, ranks: int = 4):
             plan.table()
 
 
+def _this_torch(name: str):
+    """How this torch release runs case ``name`` where it cannot run it split: a clear error or the replicated
+    fallback, said (never a wrong number); a no-op context elsewhere."""
+    import contextlib
+
+    from torch.torch_version import TorchVersion
+
+    from shardfn.capture import CaptureError
+    from shardfn.strategy_search._dtensor_adapter import has_dtensor_rule
+    from shardfn.strategy_search.candidates import ReplicatedFallbackWarning
+
+    if name in ("quantile", "nanquantile") and TorchVersion(torch.__version__) < "2.12":
+        # torch 2.11's quantile reads tensor values (aten.equal) as it is captured
+        return pytest.raises(CaptureError, match=r"depends on tensor values \(aten\.equal")
+    if name == "rfft_uneven" and not has_dtensor_rule(torch.ops.aten._fft_r2c.default):
+        return pytest.warns(ReplicatedFallbackWarning, match="_fft_r2c")  # (torch 2.11: no rule, run whole)
+    return contextlib.nullcontext()
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_split_parity(name):
-    with simulated_world(4):
+    with simulated_world(4), _this_torch(name):
         check_split(name)
 
 
@@ -166,7 +185,11 @@ def _on_real_ranks():
     import traceback
 
     failures = {}
-    for name, run in [*((n, lambda n=n: check_split(n, ranks=1)) for n in REAL_RANKS),
+    def case(n):
+        with _this_torch(n):
+            check_split(n, ranks=1)
+
+    for name, run in [*((n, lambda n=n: case(n)) for n in REAL_RANKS),
                       ("instance_norm_function", lambda: _instance_norm_running_stats(False)),
                       ("instance_norm_module", lambda: _instance_norm_running_stats(True))]:
         try:

@@ -152,8 +152,11 @@ def test_every_own_rule_has_ground_truth():
     # random fills are drawn whole and sliced by exec: their truth is test_dropout_same_numbers_whatever_the_layout
     from shardfn.strategy_search._dtensor_adapter import has_dtensor_rule
 
-    # convolution's own rule only where DTensor has none (torch 2.11): DTENSOR_CASES checks whichever is used
-    lacking = set() if has_dtensor_rule(aten.convolution.default) else {aten.convolution.default}
+    # convolution's and the scans' own rules only where DTensor has none (torch 2.11): DTENSOR_CASES checks
+    # whichever is used
+    from shardfn.strategy_search.rules import SCANS
+
+    lacking = {op for op in (aten.convolution.default, *SCANS) if not has_dtensor_rule(op)}
     # the reshapes' own rule answers zero sizes itself and hands any other to DTensor's (checked in DTENSOR_CASES)
     from shardfn.strategy_search.rules import _EDGE_PADS, _RESHAPES
 
