@@ -245,7 +245,7 @@ def _var_mean(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
 
 
-@register_check(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)  # (SCANS, below)
+@register_check(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)
 def _scan_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     # a scan carries along its dim, so that dim stays whole. DTensor's scan rule (torch 2.13) compares a negative
     # dim with the split dims unnormalised and lets cumsum(x, -1) run on the pieces of a split last dim: no carry
@@ -254,9 +254,11 @@ def _scan_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     return not any(isinstance(p, Shard) and p.dim == along for pl in (cand.inputs[0], cand.outputs[0]) for p in pl)
 
 
+@register_rule(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)
 def _scan_along(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
-    # a scan splits over any dim but the one it carries along, each rank scanning its piece (where DTensor has no
-    # rule for it: logcumsumexp in torch 2.11; the check above holds for this rule too)
+    # a scan splits over any dim but the one it carries along, each rank scanning its piece. Own, not DTensor's:
+    # torch 2.11 has none for logcumsumexp, and 2.13's lets a negative dim through (the check above, kept for
+    # any rule)
     x = node.args[0].meta["val"]
     along = node.args[1] % max(x.dim(), 1)
     choices = [((R,), (R,))] + [((Shard(d),), (Shard(d),)) for d in range(x.dim()) if d != along]
@@ -265,9 +267,6 @@ def _scan_along(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
 
 
 SCANS = [aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default]
-for _scan in SCANS:
-    if not has_dtensor_rule(_scan):
-        register_rule(_scan)(_scan_along)
 
 
 _EDGE_PADS = [getattr(aten, f"{kind}_pad{n}d").default for kind in ("reflection", "replication") for n in (1, 2, 3)]

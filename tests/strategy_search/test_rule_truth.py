@@ -152,16 +152,13 @@ def test_every_own_rule_has_ground_truth():
     # random fills are drawn whole and sliced by exec: their truth is test_dropout_same_numbers_whatever_the_layout
     from shardfn.strategy_search._dtensor_adapter import has_dtensor_rule
 
-    # convolution's and the scans' own rules only where DTensor has none (torch 2.11): DTENSOR_CASES checks
-    # whichever is used
-    from shardfn.strategy_search.rules import SCANS
-
-    lacking = {op for op in (aten.convolution.default, *SCANS) if not has_dtensor_rule(op)}
+    # convolution's own rule only where DTensor has none (torch 2.11): DTENSOR_CASES checks whichever is used
+    lacking = set() if has_dtensor_rule(aten.convolution.default) else {aten.convolution.default}
     # the reshapes' own rule answers zero sizes itself and hands any other to DTensor's (checked in DTENSOR_CASES)
-    from shardfn.strategy_search.rules import _EDGE_PADS, _RESHAPES
+    from shardfn.strategy_search.rules import _EDGE_PADS, _RESHAPES, SCANS
 
     assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction, aten.constant_pad_nd.default,
-                                               FunctionCall, *_RESHAPES, *_EDGE_PADS} | lacking
+                                               FunctionCall, *_RESHAPES, *_EDGE_PADS, *SCANS} | lacking
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims
@@ -190,7 +187,7 @@ DTENSOR_CASES = {
     "slice": (aten.slice.Tensor, lambda: (r(7, 5), 1, 1, 4)),
     "select": (aten.select.int, lambda: (r(7, 5), 1, 2)),
     "sum_dim": (aten.sum.dim_IntList, lambda: (r(5, 3), [0])),
-    # scans: DTensor's rule left a split last dim named -1 to run on the pieces; the check keeps the scanned dim whole
+    # scans (own rule): DTensor's left a split last dim named -1 to run on the pieces; the scanned dim stays whole
     "cumsum_last": (aten.cumsum.default, lambda: (r(3, 8), -1)),
     "cumsum_dim0": (aten.cumsum.default, lambda: (r(6, 5), 0)),
     "cumprod_last": (aten.cumprod.default, lambda: (r(4, 2, 6), -1)),
