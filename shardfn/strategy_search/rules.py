@@ -245,7 +245,10 @@ def _var_mean(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
 
 
-@register_check(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)
+SCANS = [aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default]
+
+
+@register_check(*SCANS)
 def _scan_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     # a scan carries along its dim, so that dim stays whole. DTensor's scan rule (torch 2.13) compares a negative
     # dim with the split dims unnormalised and lets cumsum(x, -1) run on the pieces of a split last dim: no carry
@@ -254,7 +257,7 @@ def _scan_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     return not any(isinstance(p, Shard) and p.dim == along for pl in (cand.inputs[0], cand.outputs[0]) for p in pl)
 
 
-@register_rule(aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default)
+@register_rule(*SCANS)
 def _scan_along(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     # a scan splits over any dim but the one it carries along, each rank scanning its piece. Own, not DTensor's:
     # torch 2.11 has none for logcumsumexp, and 2.13's lets a negative dim through (the check above, kept for
@@ -264,9 +267,6 @@ def _scan_along(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     choices = [((R,), (R,))] + [((Shard(d),), (Shard(d),)) for d in range(x.dim()) if d != along]
     valid = set(valid_placements(x.shape, mesh))
     return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
-
-
-SCANS = [aten.cumsum.default, aten.cumprod.default, aten.logcumsumexp.default]
 
 
 _EDGE_PADS = [getattr(aten, f"{kind}_pad{n}d").default for kind in ("reflection", "replication") for n in (1, 2, 3)]
