@@ -24,8 +24,8 @@ Measured, all in one run (about 1.5 minutes on 2 cores; all three parts for the 
    lazy initialisation), "warm" a second fresh block of the same shape (engines share nothing).
 2. cached per-call overhead, under torch.no_grad() and with grad (forward only; with grad after one backward,
    as in training, so a call runs the traced graphs directly):
-     block(x)           the whole public path (nn.Module.__call__ -> ShardedModule.forward -> _Engine.__call__)
-     program(*args)     the cached ParallelProgram on exactly the arguments _Engine.__call__ hands it (recorded
+     block(x)           the whole public path (nn.Module.__call__ -> ShardedModule.forward -> Engine.__call__)
+     program(*args)     the cached ParallelProgram on exactly the arguments Engine.__call__ hands it (recorded
                         on a real call): DTensor parameters in, the AOT runtime wrapper, outputs out
      fw graph(*locals)  ``program.graphs["forward"]``, the AOT forward fx graph, on the plain local tensors the
                         AOT runtime passes it (the arguments of the AOT-compiled function, flattened as AOT does:
@@ -37,8 +37,8 @@ Measured, all in one run (about 1.5 minutes on 2 cores; all three parts for the 
    2 cores), so wall differences are noise; CPU time leaves the waiting out and is the number to read.
    Then the pieces of each call: perf_counter wrappers, installed only for that loop, around whichever of
    these callables exist in the shardfn being measured (so the table follows the engine as it changes):
-   ShardedModule.forward, _Engine.__call__, capturing, check_not_transformed, runtime.resolve_device,
-   runtime.init, _signature, _Engine._state, enter_parameter, _whole_dtensor, enter_input, leave_output,
+   ShardedModule.forward, Engine.__call__, capturing, check_not_transformed, runtime.resolve_device,
+   runtime.init, Engine.signature, Engine.state,
    ParallelProgram.__call__, LocalsOf.apply, program._run (the AOT-compiled function), DTensor.redistribute /
    from_local / to_local; inclusive times per call path, with each piece's "self" time outside its children.
    Each wrapper adds ~0.5-1 us. The same table follows for a tiny block (hidden 64, 4 heads, batch 1, seq 8)
@@ -245,7 +245,7 @@ def loc(t):
 
 
 def compiled_for(block, x, grad: bool):
-    """The cached _Compiled that ``block(x)`` runs in this grad mode, and what ``_Engine.__call__`` hands to its
+    """The cached _Compiled that ``block(x)`` runs in this grad mode, and what ``Engine.__call__`` hands to its
     ``program(...)`` and the program to its AOT-compiled function ``program._run`` on that cached call (recorded,
     not rebuilt, so this follows the engine as it changes), and block(x)'s value."""
     import shardfn as sf
@@ -314,7 +314,7 @@ def graph_inputs(gm: torch.fx.GraphModule, inputs):
 
 class Spans:
     """perf_counter around named callables of shardfn (and DTensor) while installed: per call, the inclusive
-    seconds of each call path ("_Engine.__call__/program(...)/LocalsOf.apply"), summed over repeats, and the
+    seconds of each call path ("Engine.__call__/program(...)/LocalsOf.apply"), summed over repeats, and the
     count. Only callables that exist are wrapped, so this follows the engine as it changes."""
 
     def __init__(self):
@@ -377,18 +377,17 @@ def install_spans(program) -> Spans:
         except ImportError:
             return None
 
-    api, runtime, lower, run = (mod(f"shardfn.{m}") for m in ("api", "runtime", "exec.lower", "exec.run"))
+    engine, sharded, runtime, lower, run = (mod(f"shardfn.{m}") for m in
+                                            ("call.engine", "call.sharded", "runtime", "exec.lower", "exec.run"))
     sp = Spans()
-    sp.wrap(api.ShardedModule, "forward", "ShardedModule.forward")
-    sp.wrap(api._Engine, "__call__", "_Engine.__call__")
-    sp.wrap(api, "capturing", "capturing")
-    sp.wrap(api, "check_not_transformed", "check_not_transformed")
+    sp.wrap(sharded.ShardedModule, "forward", "ShardedModule.forward")
+    sp.wrap(engine.Engine, "__call__", "Engine.__call__")
+    sp.wrap(engine, "capturing", "capturing")
+    sp.wrap(engine, "check_not_transformed", "check_not_transformed")
     sp.wrap(runtime, "resolve_device", "runtime.resolve_device")
     sp.wrap(runtime, "init", "runtime.init")
-    sp.wrap(api, "_signature", "_signature")
-    sp.wrap(api._Engine, "_state", "_Engine._state")
-    for name in ("enter_parameter", "_whole_dtensor", "enter_input", "leave_output"):
-        sp.wrap(api, name, name)
+    sp.wrap(engine.Engine, "signature", "Engine.signature")
+    sp.wrap(engine.Engine, "state", "Engine.state")
     sp.wrap(getattr(lower, "ParallelProgram", None), "__call__", "program(...)")
     sp.wrap(getattr(run, "LocalsOf", None), "apply", "LocalsOf.apply")
     if "_run" in vars(program):

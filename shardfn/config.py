@@ -232,9 +232,10 @@ class ShardConfig:
     dynamic: Any = None
 
     @classmethod
-    def make(cls, fn: Callable, in_strategy: Any, out_strategy: Any = None, parameter_plan: Any = None,
-             level: Any = 0, device: Any = None, dataset_strategy: Any = "full_batch",
-             module: nn.Module | None = None, mp_policy: Any = None, dynamic: Any = None) -> "ShardConfig":
+    def make(cls, fn: Callable, *, module: nn.Module | None, in_strategy: Any, out_strategy: Any,
+             parameter_plan: Any, level: Any, device: Any, dataset_strategy: Any, mp_policy: Any,
+             dynamic: Any) -> "ShardConfig":
+        """shard()'s options checked and normalised (their defaults are shard()'s)."""
         in_strategy = _check_in_strategy(in_strategy, fn)
         out_strategy = _check_out_strategy(out_strategy)
         if isinstance(level, bool) or not isinstance(level, int) or level not in (0, 1, 2):

@@ -33,9 +33,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import runtime
-from .agreement import Agreement, digest, inputs_not_compared
-from .api import ShardedModule, engine_of, plan_stage
-from .arguments import batch_slices
+from .call import ShardedModule, engine_of, plan_stage
+from .call.agreement import Agreement, digest, inputs_not_compared
+from .call.arguments import batch_slices
 from .strategy_search import Plan
 from .strategy_search.cost_model import local_numel
 from .strategy_search.pricing import parameter_copies
@@ -272,7 +272,7 @@ class Pipeline:
         example = [torch.empty((t.shape[0] // m, *t.shape[1:]), dtype=t.dtype, device="meta") for t in inputs]
         p, v = len(self.rank_sets), len(self.stages) // len(self.rank_sets)
         for i, stage in enumerate(self.stages):
-            plan, outs = plan_stage(stage, *example)
+            plan, outs = plan_stage(engine_of(stage), *example)
             state = _state_bytes(stage, plan)
             send = sum(o.numel() * o.element_size() for o in outs) if i + 1 < len(self.stages) else 0
             # what a micro-batch keeps until its backward: the forward's peak (plan.cost.peak_bytes is the step's,

@@ -115,11 +115,11 @@ def test_data_dependent_control_flow_names_the_line():
 
 
 def test_repeat_call_reuses_the_program(monkeypatch):
-    import shardfn.api as api
+    import shardfn.call.planning as planning
 
     calls = []
-    real = api.capture
-    monkeypatch.setattr(api, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = planning.capture
+    monkeypatch.setattr(planning, "capture", lambda *a, **k: calls.append(1) or real(*a, **k))
     with simulated_world(4):
         f = sf.shard(dense_relu, in_strategy=((4, 1), None, None))
         x, w, b = _args()

@@ -66,8 +66,8 @@ def _uneven_body(names):
 
 
 def test_an_uneven_last_batch_trains_like_unsharded_on_real_ranks(gloo4):
-    # an epoch's last batch of 8 rows on 4 ranks as 3, 3, 2, 0 (shardfn.uneven_batch): a causal LM's loss over
-    # ignored labels over the whole batch (batch statistics: tests/test_uneven_batch.py)
+    # an epoch's last batch of 8 rows on 4 ranks as 3, 3, 2, 0 (shardfn.call.uneven_batch): a causal LM's loss over
+    # ignored labels over the whole batch (batch statistics: tests/call/test_uneven_batch.py)
     losses = gloo4.run(_uneven_body, ["gpt2"])
     assert all(rank_losses == losses[0] for rank_losses in losses), losses
 
@@ -134,7 +134,7 @@ def _generate_body(cache):
 
 def test_generate_with_a_static_cache_on_real_ranks(gloo4):
     # the traced per-rank graphs, every decoding step after the first on the cached program (a program for every
-    # size on real ranks: tests/test_dynamic.py)
+    # size on real ranks: tests/call/test_sizes.py)
     assert gloo4.run(_generate_body, "static") == [[2]] * 4
 
 

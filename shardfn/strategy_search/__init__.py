@@ -3,7 +3,7 @@
 from . import rules  # noqa: F401 - shardfn's own rules and checks, registered with the candidates
 from .cost_model import CPU, H100, DeviceProfile, profile_for
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
-from .request import InputRequest, OutputRequest, PlanRequest, build_request
+from .request import InputRequest, OutputRequest, PlanRequest
 from .search import make_plan
 
 __all__ = [
@@ -12,4 +12,4 @@ __all__ = [
     "DeviceProfile",
     "profile_for",
     "Collective", "Cost", "InputPlan", "NodePlan", "OutputRequest", "Plan", "PlanRequest", "InputRequest",
-    "build_request", "make_plan"]
+    "make_plan"]

@@ -112,7 +112,7 @@ def test_an_argument_object_fn_changes_gets_its_new_state_after_each_call():
 
 def test_an_object_compared_by_identity_is_shown_by_name():
     # the signature holds it by identity (no reuse across two lambdas), its text by name (the same on every rank)
-    from shardfn.arguments import call_key
+    from shardfn.call.arguments import call_key
 
     f, g = (lambda t: t), (lambda t: t)
     x = torch.zeros(2)

@@ -506,7 +506,7 @@ def test_uneven_splits_match_eager(gloo4):
 
 
 def _no_sync_body():
-    from tests.test_accumulation import accumulate
+    from tests.call.test_accumulation import accumulate
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -514,7 +514,7 @@ def _no_sync_body():
     model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
     batches = [torch.randn(8, 4, 16) for _ in range(3)]
     reductions = []
-    import shardfn.accumulation as accumulation
+    import shardfn.call.accumulation as accumulation
 
     real = accumulation.reduce_pending
     accumulation.reduce_pending = lambda params: reductions.append(real(params)) or reductions[-1]

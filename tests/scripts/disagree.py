@@ -1,4 +1,4 @@
-"""One case of tests/test_agreement.py on ranks started by a launcher (mpirun, torchrun): every rank prints what
+"""One case of tests/call/test_agreement.py on ranks started by a launcher (mpirun, torchrun): every rank prints what
 it saw.    mpirun -n 4 python tests/scripts/disagree.py "data_parallel slice of another width"
 """
 
@@ -7,7 +7,7 @@ import sys
 import torch.distributed as dist
 
 import shardfn as sf
-from tests.test_agreement import _run_case
+from tests.call.test_agreement import _run_case
 
 sf.init()
 kind, message, seconds = _run_case(sys.argv[1])

@@ -20,11 +20,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from . import runtime
-from .layout import MeshSpec, TensorSpec, to_placements
-from .reshard import region
+from .. import runtime
+from ..capture import split_arguments
+from ..layout import MeshSpec, TensorSpec, to_placements
+from ..reshard import region
+from ..strategy_search import profile_for
+from .arguments import bind
+from .planning import call_mesh, param_specs
 
-__all__ = ["Rows", "move_rows", "rows_of"]
+__all__ = ["Rows", "move_rows", "rows_of", "simulated_rows", "uneven_call"]
 
 Span = tuple[int, int]  # (first row, number of rows) of the global batch
 
@@ -140,3 +144,52 @@ def move_rows(t: torch.Tensor, rows: Rows, me: int, ranks: tuple[int, ...]) -> t
     """``t`` (this rank's rows as ``rows.have`` says) in ``rows.want``'s pieces, with autograd. Every rank of
     the call calls it alike."""
     return _MoveRows.apply(t, rows, me, ranks)
+
+
+def simulated_rows(engine, tensors: list) -> dict[int, tuple[int, ...]] | None:
+    """In a simulated world, each rank's batch inputs' row counts where some differ between ranks (real ranks
+    learn theirs in the agreement)."""
+    if not runtime.is_simulated() or engine.config.dataset_strategy != "data_parallel":
+        return None
+    batch = [t for t in tensors if engine.in_batch(t)]
+    counts = [runtime.simulated_counts(t.shape[0]) for t in batch]
+    if all(c is None for c in counts):
+        return None
+    world = len(next(c for c in counts if c is not None))
+    return {r: tuple(int(t.shape[0]) if c is None else c[r] for t, c in zip(batch, counts)) for r in range(world)}
+
+
+def uneven_call(engine, rows: dict[int, tuple[int, ...]], args, kwargs, tensors: list, arrived: tuple, start):
+    """A call whose ranks passed batch slices of other lengths (``rows``: per global rank of the call, its batch
+    inputs' row counts): run on their concatenation. The program is the one for that global batch, kept by the
+    signature with the batch's rows. Returns the program and the outputs (those split as a batch input is, back
+    in that input's slices)."""
+    device = runtime.resolve_device(engine.config.device)
+    world = engine.world(device)
+    ranks = engine.ranks() or tuple(range(world))
+    me = 0 if runtime.is_simulated() else ranks.index(dist.get_rank())  # (simulated: every rank's, at once)
+    batch = [j for j, t in enumerate(tensors) if engine.in_batch(t)]
+    with runtime.outside_simulation():  # (the held splits; the rows are the slices')
+        call = bind(engine.config, engine.fn, engine.name, args, kwargs, world, rows=dict.fromkeys(batch, 0))
+        mesh_spec = call_mesh(engine.config, [*call.held, *(f for f in call.fixed if f is not None),
+                                              *param_specs(engine, world).values()], world,
+                              profile_for(device).devices_per_node)
+    moves = {j: rows_of([rows[r][i] for r in ranks], call.held[j], mesh_spec, call.names[j])
+             for i, j in enumerate(batch)}
+    moved = list(tensors)
+    for j, where in moves.items():
+        moved[j] = move_rows(tensors[j], where, me, ranks)
+    args, kwargs = split_arguments(args, kwargs)[2].rebuild(moved)
+    batch = {j: where.total for j, where in moves.items()}
+    compiled, outs = engine.run(engine.key(args, kwargs, arrived, batch=batch), args, kwargs, moved, arrived, start,
+                                batch)
+    plan, vals = compiled.plan, [n.meta["val"] for n in compiled.captured.output_nodes]
+    outs = list(outs)
+    for k, out in enumerate(outs):  # outputs split as a batch input is go back into that input's slices
+        if plan.returns_dtensor[k] or plan.outputs[k] is None or not vals[k].dim():
+            continue
+        same = [where for j, where in moves.items() if where.total == vals[k].shape[0] and
+                to_placements(call.held[j], mesh_spec) == tuple(plan.outputs[k])]
+        if same:
+            outs[k] = move_rows(out, same[0].back(), me, ranks)
+    return compiled, outs

@@ -40,12 +40,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import _pytree_internals as pytree
-from . import runtime
-from .capture import split_arguments
+from .. import _pytree_internals as pytree
+from .. import runtime
+from ..capture import split_arguments
+from .accumulation import accumulating_call
+from .arguments import without_batch_rows
 
-__all__ = ["Agreement", "CHECK_MODES", "UnevenBatch", "alone", "call_mode", "check_mode", "describe_call", "digest",
-           "digests_of_alike", "identity", "inputs_alike", "inputs_compared", "inputs_not_compared", "tensor_digest"]
+__all__ = ["CHECK_MODES", "Agreement", "alone", "call_agreement", "call_mode", "check_mode", "describe_call", "digest",
+           "digests_of_alike", "identity", "inputs_alike", "inputs_compared", "inputs_not_compared",
+           "tensor_digest", "UnevenBatch"]
 
 CHECK_MODES = ("signature", "values", "first")
 
@@ -299,3 +302,21 @@ def digests_of_alike(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
     tensors (a split one holds another piece on each rank)."""
     return {name: tensor_digest(t if not isinstance(t, DTensor) else t.to_local()) for name, t in tensors.items()
             if not isinstance(t, DTensor) or all(p.is_replicate() for p in t.placements)}
+
+
+def call_agreement(engine, key: tuple, args, kwargs, batch: dict[int, int] | None = None) -> Agreement:
+    """What the ranks compare for a call of this signature (its sizes included; data_parallel slices' row
+    counts apart: ranks may pass slices of other lengths, shardfn.call.uneven_batch)."""
+    rows: tuple[int, ...] = ()
+    if engine.config.dataset_strategy == "data_parallel":
+        tensors = split_arguments(args, kwargs)[0]
+        key = without_batch_rows(key, tensors)
+        rows = tuple(sorted(batch.items())) if batch else \
+            tuple(t.shape[0] for t in tensors if engine.in_batch(t))
+    ranks = engine.ranks()
+    if alone(ranks):  # nothing to compare (a generation's every token asks: no description to build)
+        return Agreement(engine.name, 0, ranks=ranks, rows=rows)
+    who = identity(engine.name, engine.module if engine.module is not None else engine.fn, engine.config)
+    mode = call_mode(engine.module, accumulating_call(engine))
+    return Agreement(engine.name, digest(f"{who}|{key!r}"), describe_call(who, engine.config, args, kwargs, mode),
+                     ranks=ranks, rows=rows)

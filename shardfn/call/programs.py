@@ -5,7 +5,8 @@ in a bounded LRU (``SHARDFN_CACHE_SIZE``, as torch.compile's cache size limit). 
 other sizes, the dims whose size changed are traced as symbols and one program serves every size of them
 (capture.dynamic): :class:`Programs` remembers, per structure (the signature without sizes), the sizes first seen,
 that program, and structures whose symbolic capture failed (one program per size for them). What to capture,
-plan and lower is the engine's (api.py); which program a call takes is decided here.
+plan and lower is the engine's (call.engine); which program a call takes is decided here. Everything kept
+per signature or structure is kept here, bounded, and ``clear()`` forgets all of it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from typing import Callable
 
 from .agreement import Agreement
 from .arguments import sizes_of, without_sizes
-from .capture.graph import CapturedGraph
-from .exec.lower import ParallelProgram
-from .layout import MeshSpec
+from ..capture.graph import CapturedGraph
+from ..exec.lower import ParallelProgram
+from ..layout import MeshSpec
 from .step_times import StepTimes
-from .strategy_search import Plan
-from .strategy_search.lru import LRU
+from ..strategy_search import Plan
+from ..strategy_search.lru import LRU
 
 __all__ = ["Compiled", "Planned", "Programs", "cache_limit", "trace_after"]
 
@@ -81,6 +82,17 @@ class _BySignature(OrderedDict):
                 warnings.warn(message, stacklevel=4)
 
 
+class _Bounded(OrderedDict):
+    """A memo by signature or structure, its least recently written entries dropped past :func:`cache_limit` (a
+    run whose shapes change on every call grows nothing without bound)."""
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > cache_limit():
+            self.popitem(last=False)
+
+
 @dataclass(frozen=True)
 class Planned:
     """One call signature captured and planned (local work, no communication): what a program is lowered from."""
@@ -110,7 +122,7 @@ class Compiled:
     # it at the SHARDFN_TRACE_AFTER-th: Programs.trace_now)
     times: StepTimes = field(default_factory=StepTimes)  # its calls' wall times: the plan's measured step
     # a program for every size: the same, leaving parameters' gradients pending for one bucketed reduction at
-    # the end of an interpreted call's backward (api._synced_once); made on first use
+    # the end of an interpreted call's backward (call.sizes); made on first use
     synced_once: ParallelProgram | None = None
 
     @property
@@ -156,14 +168,20 @@ class Programs:
     def __init__(self, name: str):
         self.name = name
         self.by_signature = _BySignature(name)
-        self.for_every_size: dict[tuple, Compiled] = {}  # structure (signature without sizes) -> its program
-        self.sizes_seen: dict[tuple, tuple] = {}  # structure -> the argument sizes it was first called with
-        self.static_only: set[tuple] = set()  # structures whose symbolic capture failed: a program per size
+        # per structure (the signature without sizes), each bounded as the programs are: its program for every
+        # size, the argument sizes it was first called with, and whether its symbolic capture failed (then a
+        # program per size)
+        self.for_every_size = _Bounded()
+        self.sizes_seen = _Bounded()
+        self.static_only = _Bounded()
+        # a sub-mesh call's placeholder programs on a rank outside its ranks (shardfn.call.submesh), by signature
+        self.outside = _Bounded()
 
     def clear(self) -> None:
-        """Forget every program (made for a process group that is gone)."""
-        self.by_signature.clear()
-        self.for_every_size.clear()
+        """Forget every program and everything remembered per signature or structure (made for a process group
+        that is gone)."""
+        for kept in (self.by_signature, self.for_every_size, self.sizes_seen, self.static_only, self.outside):
+            kept.clear()
 
     def get(self, key: tuple) -> Compiled | None:
         return self.by_signature.get(key)
@@ -200,7 +218,9 @@ class Programs:
         if free in self.static_only:
             return {}
         sizes = sizes_of(key)
-        seen = self.sizes_seen.setdefault(free, sizes)
+        seen = self.sizes_seen.get(free)
+        if seen is None:
+            seen = self.sizes_seen[free] = sizes
         earlier = self.for_every_size.get(free)
         dims = {j: tuple(sorted({*(d for d, (a, b) in enumerate(zip(now, then)) if a != b), *given.get(j, ()),
                                  *(earlier.dynamic.get(j, ()) if earlier is not None else ())}))
@@ -213,7 +233,7 @@ class Programs:
 
     def no_symbols(self, key: tuple) -> None:
         """This structure's symbolic capture failed: a program per size from now on."""
-        self.static_only.add(without_sizes(key))
+        self.static_only[without_sizes(key)] = True
 
     def trace_now(self, compiled: Compiled, key: tuple) -> bool:
         """Whether a call of this signature, served by the program for every size, is to be traced into per-rank

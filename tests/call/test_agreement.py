@@ -62,7 +62,7 @@ def _different_dtype():
 
 
 def _data_parallel_slice_of_another_width():
-    # slices of other lengths are one uneven batch (shardfn.uneven_batch); of other widths, another call
+    # slices of other lengths are one uneven batch (shardfn.call.uneven_batch); of other widths, another call
     torch.manual_seed(0)  # the same model on every rank
     m = sf.shard(nn.Linear(16, 12), in_strategy=(None,), dataset_strategy="data_parallel")
     m(torch.randn(2, 16))

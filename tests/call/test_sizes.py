@@ -82,12 +82,12 @@ def test_a_size_the_capture_assumed_otherwise_gets_a_program_of_its_own(caplog):
 
 
 def test_a_structure_whose_symbolic_capture_fails_keeps_one_program_per_size(monkeypatch, caplog):
-    import shardfn.api as api
+    import shardfn.call.planning as planning
 
     def refuse(gm):  # a symbolic capture that fails (an op without symbolic shapes, say)
         raise RuntimeError("no symbolic shapes here")
 
-    monkeypatch.setattr(api, "planning_graph", refuse)
+    monkeypatch.setattr(planning, "planning_graph", refuse)
     with simulated_world(WORLD), caplog.at_level(logging.WARNING, logger="shardfn"):
         f = sf.shard(lambda x: x.cos(), in_strategy=((WORLD, 1),))
         for length in (4, 6, 8, 6):
@@ -163,7 +163,7 @@ def test_a_size_is_traced_at_its_sixteenth_call_by_default(monkeypatch):
     # a trace costs ~20 interpreted steps: the lengths of one generate() met again in the next are not traced
     from types import SimpleNamespace
 
-    from shardfn.programs import Programs
+    from shardfn.call.programs import Programs
     from shardfn.strategy_search.lru import LRU
 
     programs, compiled = Programs("f"), SimpleNamespace(met=LRU(8))

@@ -24,11 +24,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import _pytree_internals as pytree
-from .capture import split_arguments
-from .capture.structure import kept_as_is, split
-from .config import ShardConfig, is_container_entry
-from .layout import Axis, TensorLayout, TensorSpec, normalize_strategy, spec_of_dtensor
+from .. import _pytree_internals as pytree
+from ..capture import split_arguments
+from ..capture.structure import kept_as_is, split
+from ..config import ShardConfig, is_container_entry
+from ..layout import Axis, TensorLayout, TensorSpec, normalize_strategy, spec_of_dtensor
 
 __all__ = ["BoundCall", "bind", "call_key", "sizes_of", "without_batch_rows", "without_sizes"]
 

@@ -16,9 +16,9 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from .strategy_search.buckets import bucket_bytes, in_buckets
+from ..strategy_search.buckets import bucket_bytes, in_buckets
 
-__all__ = ["accumulating", "reduce_pending"]
+__all__ = ["accumulated", "accumulating", "accumulating_call", "reduce_pending"]
 
 
 @contextlib.contextmanager
@@ -65,3 +65,40 @@ def _reduce_bucket(params: list, dims: tuple[int, ...]) -> None:
         piece = whole[offset:offset + t.numel()].view(t.shape)
         offset += t.numel()
         p.grad = DTensor.from_local(piece, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+def accumulating_call(engine) -> bool:
+    """Does this call of ``engine`` leave parameters' gradients pending (inside no_sync, or the synced call
+    after it)?"""
+    return engine.module is not None and (not engine.sync or engine.pending)
+
+
+def accumulated(engine, outs: list) -> list:
+    """Outputs of a call that left parameters' gradients pending: inside no_sync, noted; the synced call after
+    it reduces every pending gradient once its backward has finished."""
+    if not engine.sync:
+        engine.pending = True
+        return outs
+    engine.pending = False
+    # a stage-2 sharded optimizer reduce-scatters its parameters' gradients itself
+    params = [p for n, p in engine.module.named_parameters() if n not in engine.grad_targets]
+
+    def reduce():
+        reduce_pending(params)
+
+    return list(_AtBackwardEnd.apply(reduce, *outs))
+
+
+class _AtBackwardEnd(torch.autograd.Function):
+    """Identity on a call's outputs whose backward has ``fn`` run once the whole backward pass has finished (when
+    autograd has summed every gradient into ``.grad``)."""
+
+    @staticmethod
+    def forward(ctx, fn, *outs):
+        ctx.fn = fn
+        return tuple(o.view_as(o) if isinstance(o, torch.Tensor) else o for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.fn)
+        return (None, *grads)

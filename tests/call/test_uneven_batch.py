@@ -1,4 +1,4 @@
-"""Batch slices of different lengths under dataset_strategy="data_parallel" (shardfn.uneven_batch): the call
+"""Batch slices of different lengths under dataset_strategy="data_parallel" (shardfn.call.uneven_batch): the call
 runs on the whole batch, with eager's results and gradients, on real gloo ranks."""
 
 import copy
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import shardfn as sf
 from shardfn.layout import Axis, MeshSpec, TensorSpec
 from shardfn.runtime import simulated_world
-from shardfn.uneven_batch import rows_of
+from shardfn.call.uneven_batch import rows_of
 from tests.harness import on_rank
 
 

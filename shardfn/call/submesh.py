@@ -14,19 +14,20 @@ import math
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 
-from . import _pytree_internals as pytree
-from . import runtime
-from ._mesh_internals import mesh_without_groups
-from .config import ShardConfig
-from .layout import Layout, TensorLayout, common_mesh, normalize_strategy, to_placements
-from .programs import Planned
-from .reshard import outside_placeholder, reshard
-from .strategy_search.plan import Collective
+from .. import _pytree_internals as pytree
+from .. import runtime
+from .._mesh_internals import mesh_without_groups
+from ..config import ShardConfig
+from ..layout import Layout, TensorLayout, common_mesh, normalize_strategy, to_placements
+from .programs import Compiled, Planned
+from ..reshard import outside_placeholder, reshard
+from ..strategy_search.plan import Collective
 
-__all__ = ["arrival_records", "arrive", "placeholders"]
+__all__ = ["arrival_records", "arrive", "outside_call", "placeholders"]
 
 
 def arrive(config: ShardConfig, args, kwargs, move: bool, world: int | None = None):
@@ -134,3 +135,18 @@ class _Outside(torch.autograd.Function):
             else:
                 out.append(torch.zeros((), dtype=dtype, device=device).expand(shape))
         return (None, None, *out)
+
+
+def outside_call(engine, key: tuple, args, kwargs, tensors, objects, arrived: tuple = ()):
+    """On a rank outside the call's ranks: no program, no communication. The outputs are placeholders with the
+    outputs' shapes (the plan is made here too, locally, for them), connected to the inputs for autograd so a
+    backward through them reaches what came before (an sf.reshard that receives the gradients)."""
+    compiled = engine.programs.outside.get(key)
+    if compiled is None:
+        device = runtime.resolve_device(engine.config.device)
+        engine.group = dist.group.WORLD
+        planned = engine.plan(args, kwargs, engine.world(device), device, arrived)
+        mesh = runtime.device_mesh(planned.mesh_spec, device, engine.config.ranks)
+        compiled = engine.programs.outside[key] = Compiled(planned, None, placeholders(planned, mesh))
+    outs = compiled.program(*engine.state_tensors(compiled), *tensors)
+    return compiled.captured.result(outs, tensors, objects)

@@ -1,0 +1,150 @@
+"""One call signature planned, locally (no communication): the call bound to the config, its mesh, fn captured on
+meta tensors, the search's request built (call.request) and the search run. Also the plan of a pipeline stage
+(plan_stage), and the mesh a call's layouts share (call_mesh: the one computation of it)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch.distributed.tensor import Shard
+
+from .. import parameters, runtime
+from ..capture import capture, split_arguments
+from ..capture.dynamic import planning_graph
+from ..capture.graph import CapturedGraph
+from ..config import ShardConfig
+from ..layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy
+from ..strategy_search import Plan, make_plan, profile_for
+from . import accumulation, submesh
+from .arguments import BoundCall, bind
+from .programs import Planned
+from .request import build_request
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+__all__ = ["call_mesh", "param_specs", "plan_call", "plan_stage"]
+
+
+def plan_call(engine: Engine, args, kwargs, world: int, device: str, arrived: tuple = (),
+              dynamic: dict | None = None, call: BoundCall | None = None) -> Planned:
+    """Bind (unless ``call`` is the call bound already), capture and plan one call signature (local: no
+    communication). ``dynamic``: {argument tensor number: dims} traced as symbols; the search plans at this
+    call's sizes."""
+    config = engine.config
+    with runtime.outside_simulation():
+        call = call or bind(config, engine.fn, engine.name, args, kwargs, world)
+        fixed = param_specs(engine, world)
+        profile = profile_for(device)
+        mesh_spec = call_mesh(config, [*call.held, *(f for f in call.fixed if f is not None),
+                                       *fixed.values()], world, profile.devices_per_node)
+        captured = _capture(engine, args, kwargs, call, device, dynamic)
+        engine.captures += 1
+        planned = captured if not dynamic else dataclasses.replace(
+            captured, gm=planning_graph(captured.gm), dynamic=None)
+        accumulate = accumulation.accumulating_call(engine) and torch.is_grad_enabled()
+        moves, moved = submesh.arrival_records(arrived, engine.name)
+        request = build_request(config, engine.name, call, planned, fixed, mesh_spec, world,
+                                profile, accumulate, engine.optimizer_stage,
+                                pending_grads=engine.grad_targets.keys(), arrivals=moves,
+                                notes=((_dynamic_note(captured, dynamic),) if dynamic else ()) + moved)
+        plan = make_plan(planned, runtime.planning_mesh(mesh_spec, device), mesh_spec, request)
+    params, buffers = engine.state()
+    return Planned(captured, plan, mesh_spec, tuple(parameters.slot(engine.module, n) for n in params),
+                   tuple(parameters.slot(engine.module, n) for n in buffers), dict(dynamic or {}))
+
+
+def call_mesh(config: ShardConfig, layouts: list, world: int, devices_per_node: int) -> MeshSpec:
+    """The call's mesh: the one every given layout (and out_strategy's) fits on, cut where a node ends (no mesh
+    dim mixes the ranks within a node with ranks across nodes, so work can be split within a node alone)."""
+    out_given = [normalize_strategy(s, None, world, f"out_strategy[{i}]")
+                 for i, s in enumerate(config.out_strategy or ()) if s is not None]
+    strategies = config.strategies()
+    return common_mesh([*layouts, *out_given], world, _alias_names(strategies), _axis_links(strategies),
+                       devices_per_node)
+
+
+def plan_stage(engine: Engine, *example_args) -> tuple[Plan, list[torch.Tensor]]:
+    """The plan of the sharded module's call on ``example_args`` (made locally, running nothing) and its tensor
+    outputs as meta tensors of the shapes this rank gets them (a batch-split output: this rank's slice)."""
+    device = runtime.resolve_device(engine.config.device)
+    planned = engine.plan(list(example_args), {}, engine.world(device), device)
+    plan, outs = planned.plan, []
+    for node, placements in zip(planned.captured.output_nodes[:planned.captured.n_outputs], plan.outputs):
+        v = node.meta["val"]
+        shape = list(v.shape)
+        if shape and placements is not None and not plan.returns_dtensor[len(outs)]:
+            shape[0] //= math.prod(n for n, p in zip(plan.mesh.shape, placements) if p == Shard(0))
+        outs.append(torch.empty(shape, dtype=v.dtype, device="meta"))
+    return plan, outs
+
+
+def _capture(engine: Engine, args, kwargs, call: BoundCall, device: str, dynamic: dict | None) -> CapturedGraph:
+    shapes = iter(call.shapes)
+    used = _used_dtype(engine.config.precision)
+
+    def example(a):  # the global value's description: shape, dtype (as the program uses it), requires_grad
+        if not isinstance(a, torch.Tensor):
+            return a
+        return torch.empty(next(shapes), dtype=used(a.dtype), device="meta").requires_grad_(a.requires_grad)
+
+    tensors, _, structure = split_arguments(args, kwargs)
+    ex_args, ex_kwargs = structure.rebuild([example(t) for t in tensors])
+    params, buffers = engine.state()
+    meta = {n: torch.empty(tuple(t.shape), dtype=used(t.dtype) if n in params else t.dtype, device="meta")
+            .requires_grad_(t.requires_grad) for n, t in {**params, **buffers}.items()}
+    # planning for CUDA on a machine without it (explain) traces on the CPU: only shapes matter
+    trace_device = device if device != "cuda" or torch.cuda.is_available() else "cpu"
+    return capture(engine.fn, ex_args, ex_kwargs, {n: meta[n] for n in params}, {n: meta[n] for n in buffers},
+                   call=engine.call_module if engine.module is not None else None, device=trace_device,
+                   dynamic=dynamic)
+
+
+def _used_dtype(precision) -> Callable[[torch.dtype], torch.dtype]:
+    """The dtype a floating parameter or input is used in under a mixed precision policy (others: their own)."""
+    if precision is None or precision.param_dtype is None:
+        return lambda dtype: dtype
+    return lambda dtype: precision.param_dtype if dtype.is_floating_point else dtype
+
+
+def _dynamic_note(captured: CapturedGraph, dynamic: dict) -> str:
+    """What explain() says of a program for every size: which dims, planned at which sizes, for which range."""
+    inputs = [gi for gi in captured.inputs if gi.kind == "input"]
+    dims = "; ".join(f"{inputs[j].name} dims {list(d)} (planned at {[inputs[j].shape[k] for k in d]})"
+                     for j, d in sorted(dynamic.items()))
+    return f"dynamic: {dims}; the program holds for {captured.dynamic.described()}"
+
+
+def _alias_names(strategies) -> dict:
+    """Mesh-dim names from the user's Layout aliases (used when a user axis is exactly one mesh dim)."""
+    names = {}
+    for s in strategies:
+        if isinstance(s, TensorLayout):
+            for i, n in enumerate(s.alias_name):
+                names[Axis(s.device_matrix[i], math.prod(s.device_matrix[i + 1 :]))] = n
+    return names
+
+
+def _axis_links(strategies) -> dict:
+    """The links the user's Layouts give their axes ({axis: "intra"/"inter"}); Layouts that disagree on one axis
+    are an error."""
+    links: dict = {}
+    for s in strategies:
+        if isinstance(s, TensorLayout) and s.links is not None:
+            for i, link in enumerate(s.links):
+                axis = Axis(s.device_matrix[i], math.prod(s.device_matrix[i + 1 :]))
+                if links.setdefault(axis, link) != link:
+                    raise ValueError(f"in_strategy: the Layouts given say both {links[axis]!r} and {link!r} for "
+                                     f"axis {s.alias_name[i]!r}; give every Layout of one call the same links")
+    return links
+
+
+def param_specs(engine: Engine, world: int) -> dict[str, TensorSpec]:
+    """The parameters' fixed layouts: parameter_plan's, or those laid out already."""
+    if engine.module is None:
+        return {}
+    return parameters.fixed_specs(engine.module, engine.config.parameter_plan, world, engine.params_laid_out,
+                                  engine.ranks())
