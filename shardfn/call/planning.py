@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch.distributed.tensor import Shard
@@ -23,13 +23,10 @@ from .arguments import BoundCall, bind
 from .programs import Planned
 from .request import build_request
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 __all__ = ["call_mesh", "param_specs", "plan_call", "plan_stage"]
 
 
-def plan_call(engine: Engine, args, kwargs, world: int, device: str, arrived: tuple = (),
+def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = (),
               dynamic: dict | None = None, call: BoundCall | None = None) -> Planned:
     """Bind (unless ``call`` is the call bound already), capture and plan one call signature (local: no
     communication). ``dynamic``: {argument tensor number: dims} traced as symbols; the search plans at this
@@ -67,7 +64,7 @@ def call_mesh(config: ShardConfig, layouts: list, world: int, devices_per_node: 
                        devices_per_node)
 
 
-def plan_stage(engine: Engine, *example_args) -> tuple[Plan, list[torch.Tensor]]:
+def plan_stage(engine, *example_args) -> tuple[Plan, list[torch.Tensor]]:
     """The plan of the sharded module's call on ``example_args`` (made locally, running nothing) and its tensor
     outputs as meta tensors of the shapes this rank gets them (a batch-split output: this rank's slice)."""
     device = runtime.resolve_device(engine.config.device)
@@ -82,7 +79,7 @@ def plan_stage(engine: Engine, *example_args) -> tuple[Plan, list[torch.Tensor]]
     return plan, outs
 
 
-def _capture(engine: Engine, args, kwargs, call: BoundCall, device: str, dynamic: dict | None) -> CapturedGraph:
+def _capture(engine, args, kwargs, call: BoundCall, device: str, dynamic: dict | None) -> CapturedGraph:
     shapes = iter(call.shapes)
     used = _used_dtype(engine.config.precision)
 
@@ -142,7 +139,7 @@ def _axis_links(strategies) -> dict:
     return links
 
 
-def param_specs(engine: Engine, world: int) -> dict[str, TensorSpec]:
+def param_specs(engine, world: int) -> dict[str, TensorSpec]:
     """The parameters' fixed layouts: parameter_plan's, or those laid out already."""
     if engine.module is None:
         return {}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,15 +14,12 @@ from ..exec.lower import lower, use_inductor
 from .agreement import alone, call_agreement
 from .programs import Compiled
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 __all__ = ["for_every_size"]
 
 _log = logging.getLogger("shardfn")
 
 
-def for_every_size(engine: Engine, key: tuple, args, kwargs, tensors: list,
+def for_every_size(engine, key: tuple, args, kwargs, tensors: list,
                    arrived: tuple) -> tuple[Compiled | None, bool]:
     """A new signature whose structure was seen before with other sizes: the program that serves every size of
     the dims that changed (made now, once, traced with those dims as symbols), if its capture holds for these
@@ -59,7 +55,7 @@ def for_every_size(engine: Engine, key: tuple, args, kwargs, tensors: list,
     return _at_these_sizes(engine, compiled, key, args, kwargs), True
 
 
-def _at_these_sizes(engine: Engine, compiled: Compiled, key: tuple, args, kwargs) -> Compiled:
+def _at_these_sizes(engine, compiled: Compiled, key: tuple, args, kwargs) -> Compiled:
     """The program for every size, for a call of this signature. It runs interpreted over DTensors (no capture,
     no plan, no trace: the symbolic graph's plan at the sizes its values take now); on real ranks a signature
     called SHARDFN_TRACE_AFTER times is traced into per-rank graphs at its sizes (Programs.trace_now), except in
@@ -77,7 +73,7 @@ def _at_these_sizes(engine: Engine, compiled: Compiled, key: tuple, args, kwargs
     return here
 
 
-def _synced_once(engine: Engine, compiled: Compiled, here: Compiled) -> Compiled:
+def _synced_once(engine, compiled: Compiled, here: Compiled) -> Compiled:
     """An interpreted call of the program for every size, with gradients: its parameters' gradients are left
     pending and reduced once its backward has ended, in buckets (as the call after sf.no_sync reduces them:
     call.accumulation), not each by its own all-reduce as autograd hands it over (each a wait for every rank;
@@ -94,7 +90,7 @@ def _synced_once(engine: Engine, compiled: Compiled, here: Compiled) -> Compiled
                                program=program)
 
 
-def _given_dims(engine: Engine, args, kwargs, tensors: list) -> dict[int, tuple[int, ...]]:
+def _given_dims(engine, args, kwargs, tensors: list) -> dict[int, tuple[int, ...]]:
     """shard(dynamic={argument: dims})'s dims, by argument tensor number: every tensor of that argument (a
     container's, an object's attributes') takes them."""
     if not isinstance(engine.config.dynamic, dict):

@@ -25,6 +25,7 @@ import torch.fx
 from .. import _pytree_internals as pytree
 from ._function_internals import OpRecorder, applies_routed_to, is_reentrant_checkpoint, original_apply
 from ._tracing import checkpoint_region
+from .graph import CaptureError
 
 __all__ = ["FunctionCall", "functions_as_calls", "functions_as_targets"]
 
@@ -113,8 +114,6 @@ class FunctionCall:
 
 
 def _capture_error(message: str) -> Exception:
-    from .trace import CaptureError  # (trace imports this module)
-
     return CaptureError(message)
 
 

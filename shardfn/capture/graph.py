@@ -12,11 +12,15 @@ import torch.fx
 
 from .structure import Structure
 
-__all__ = ["CHECKPOINT_REGION", "MODULE_PATH", "CapturedGraph", "GraphInput", "checkpoint_region", "is_getitem",
+__all__ = ["CHECKPOINT_REGION", "MODULE_PATH", "CaptureError", "CapturedGraph", "GraphInput", "checkpoint_region", "is_getitem",
            "is_in_place", "is_view", "module_path"]
 
 # the key in node.meta["custom"] naming the activation-checkpoint region a node was computed in
 CHECKPOINT_REGION = "shardfn_checkpoint"
+
+
+class CaptureError(RuntimeError):
+    """``fn`` could not be traced into a graph (data-dependent control flow, an unsupported construct)."""
 
 
 def checkpoint_region(node: torch.fx.Node) -> int | None:

@@ -22,10 +22,10 @@ from ._tracing import checkpoint_regions_marked, looks_like_tracing, module_path
 from .dynamic import DynamicDims, functionalized, symbolic_input
 from .functions import functions_as_calls, functions_as_targets
 from .order import canonical_order
-from .graph import CapturedGraph, GraphInput, is_in_place
+from .graph import CaptureError, CapturedGraph, GraphInput, is_in_place
 from .structure import split
 
-__all__ = ["CaptureError", "argument_name", "capture", "capturing", "check_not_transformed", "split_arguments"]
+__all__ = ["argument_name", "capture", "capturing", "check_not_transformed", "split_arguments"]
 
 _STATE = threading.local()
 
@@ -93,10 +93,6 @@ _DECOMPOSITIONS = {
     torch.ops.aten.std.correction: _std_as_sums,
     torch.ops.aten.std_mean.correction: _std_mean_as_sums,
 }
-
-
-class CaptureError(RuntimeError):
-    """``fn`` could not be traced into a graph (data-dependent control flow, an unsupported construct)."""
 
 
 def capturing() -> bool:

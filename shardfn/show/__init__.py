@@ -2,7 +2,7 @@
 visualize_array_sharding, DTensor's visualize_sharding), and each rank's piece: offset and shape, uneven ones too.
 
 A package so that ``python -m shardfn.show plan.json`` (``__main__``) runs without importing itself twice: it
-writes a saved plan's page (shardfn.plan_page)."""
+writes a saved plan's page (shardfn.show.plan_page)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """``python -m shardfn.show plan.json [-o page.html]``: a plan saved with ``plan.to_json()`` as its HTML page
-(shardfn.plan_page), to open in any browser, offline. A file that is not a plan, or a plan of another format,
+(shardfn.show.plan_page), to open in any browser, offline. A file that is not a plan, or a plan of another format,
 is refused with the file's name and exit status 1."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..plan_page import write_page
+from .plan_page import write_page
 from ..strategy_search.plan import Plan
 
 __all__ = ["main"]

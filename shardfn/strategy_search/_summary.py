@@ -8,9 +8,9 @@ import re
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from ..layout import MeshSpec
 
-__all__ = ["collective_module", "folded_layers", "layer_of", "summary_lines"]
+__all__ = ["collective_module", "folded_layers", "layer_of", "mesh_text", "placements_text", "summary_lines"]
 
 _TOP = "(top level)"
 
@@ -47,7 +47,7 @@ def _within(name: str, layer: str) -> str:
     return name[len(layer) + 1:] if layer != _TOP and name.startswith(layer + ".") else name
 
 
-def _layers(plan: Plan, fmt) -> list[_Layer]:
+def _layers(plan, fmt) -> list[_Layer]:
     layers: dict[str, _Layer] = {}
 
     def layer(name: str) -> _Layer:
@@ -68,7 +68,7 @@ def _layers(plan: Plan, fmt) -> list[_Layer]:
     return list(layers.values())
 
 
-def collective_module(plan: Plan, c, params: set[str]) -> str:
+def collective_module(plan, c, params: set[str]) -> str:
     """The submodule path a collective is charged to: the parameter's module where it moves a parameter, else
     the module of the op that made the tensor (or of the op reading it, where no op made it)."""
     producer, _, consumer = c.where.partition(" -> ")
@@ -99,13 +99,13 @@ def _folded(layers: list[_Layer]) -> list[tuple[str, list[_Layer]]]:
     return labels
 
 
-def folded_layers(plan: Plan, fmt) -> list[tuple[str, list[str]]]:
+def folded_layers(plan, fmt) -> list[tuple[str, list[str]]]:
     """Every layer of the plan in order, repeated ones folded: (label, the names of the layers it stands for),
     the label ``model.layers.0-31 (x32)`` for a run of 32 layers planned alike."""
     return [(label, [lay.name for lay in run]) for label, run in _folded(_layers(plan, fmt))]
 
 
-def summary_lines(plan: Plan, fmt) -> list[str]:
+def summary_lines(plan, fmt) -> list[str]:
     """Per layer (repeated ones folded): the parameters grouped by layout, then each phase's collectives by kind
     (count and bytes, per layer)."""
     lines = []
@@ -125,3 +125,24 @@ def summary_lines(plan: Plan, fmt) -> list[str]:
                 lines.append(f"  {phase:<10}  " + ", ".join(f"{kind} x{n} ({_mib(b)})"
                                                            for kind, (n, b) in kinds.items()))
     return lines
+
+
+def mesh_text(mesh: MeshSpec) -> str:
+    """``dp=8 x tp=8``, each dim's link after it where a dim of more than one rank runs between nodes
+    (``dp=8 (inter) x tp=8 (intra)``)."""
+    links = mesh.links or (None,) * len(mesh.shape)
+    across = any(link == "inter" and n > 1 for link, n in zip(links, mesh.shape))
+    return " x ".join(f"{n}={s}" + (f" ({link})" if across and link else "")
+                      for n, s, link in zip(mesh.names, mesh.shape, links))
+
+
+def placements_text(p: tuple | None) -> str:
+    """A layout as the plan's text writes it: ``(S(0),R)``."""
+    if p is None:
+        return "-"
+    short = []
+    for x in p:
+        s = str(x)
+        s = s.replace("Replicate()", "R").replace("Shard(dim=", "S(").replace("Partial(sum)", "P")
+        short.append(s)
+    return "(" + ",".join(short) + ")"

@@ -11,7 +11,7 @@ there (another split, or the op run whole). Every rank plans alike, so none runs
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx
@@ -21,9 +21,6 @@ from .. import _pytree_internals as pytree
 from .._simulation_internals import not_simulated
 from ._dtensor_adapter import local_shapes
 from .lru import LRU
-
-if TYPE_CHECKING:
-    from .candidates import Candidate
 
 __all__ = ["runs_on_empty_pieces"]
 
@@ -44,7 +41,7 @@ def _maybe_empty(shape, placements, mesh: DeviceMesh) -> bool:
     return any(n > 1 and -(-shape[d] // n) * (n - 1) >= shape[d] for d, n in counts.items())
 
 
-def _empty_rank(node: torch.fx.Node, inputs: list, cand: Candidate, mesh: DeviceMesh) -> tuple[list, list] | None:
+def _empty_rank(node: torch.fx.Node, inputs: list, cand, mesh: DeviceMesh) -> tuple[list, list] | None:
     """The inputs' local shapes on the first rank holding an empty piece of an input or output of ``cand``, and on
     rank 0 (None: every rank's pieces hold elements, or the values hold none anyway)."""
     vals = node.meta.get("val")
@@ -85,7 +82,7 @@ def _runs(node: torch.fx.Node, shapes: list[tuple[int, ...]]) -> bool:
 
 
 def runs_on_empty_pieces(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh: DeviceMesh,
-                         cands: list[Candidate] | None) -> list[Candidate] | None:
+                         cands: list | None) -> list | None:
     """``cands`` (of ``node``, whose tensor inputs are ``inputs``) less those leaving a rank an empty piece the op
     refuses (None stays None; none left: None)."""
     if not cands or not isinstance(node.target, torch._ops.OpOverload) or \

@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..config import Precision
 from ..layout import Axis, MeshSpec
-from ._summary import summary_lines
+from ._summary import mesh_text, placements_text, summary_lines
 
 __all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "mesh_text", "parse_placement", "placements_text"]
 
@@ -202,7 +202,7 @@ class Plan:
         """Write the plan as one self-contained HTML page (no network needed to view it) and return ``path``: the
         module tree with repeated layers folded, every tensor's pieces on the device mesh, the collectives, the
         costs per layer. ``python -m shardfn.show plan.json`` writes the same page from a saved plan."""
-        from ..plan_page import write_page
+        from ..show.plan_page import write_page  # (presentation, above every stage: imported when asked)
 
         return write_page(self, path)
 
@@ -318,15 +318,6 @@ def _placements(items) -> Placements | None:
     return tuple(parse_placement(p) for p in items)
 
 
-def mesh_text(mesh: MeshSpec) -> str:
-    """``dp=8 x tp=8``, each dim's link after it where a dim of more than one rank runs between nodes
-    (``dp=8 (inter) x tp=8 (intra)``)."""
-    links = mesh.links or (None,) * len(mesh.shape)
-    across = any(link == "inter" and n > 1 for link, n in zip(links, mesh.shape))
-    return " x ".join(f"{n}={s}" + (f" ({link})" if across and link else "")
-                      for n, s, link in zip(mesh.names, mesh.shape, links))
-
-
 def _shape(items) -> tuple[int, ...] | None:
     return None if items is None else tuple(int(n) for n in items)
 
@@ -382,15 +373,3 @@ def _precision(data: dict | None) -> Precision | None:
             raise ValueError(f"precision.{k}: {v!r} is not a torch dtype")
         dtypes[k] = dtype
     return Precision(**dtypes)
-
-
-def placements_text(p: Placements | None) -> str:
-    """A layout as the plan's text writes it: ``(S(0),R)``."""
-    if p is None:
-        return "-"
-    short = []
-    for x in p:
-        s = str(x)
-        s = s.replace("Replicate()", "R").replace("Shard(dim=", "S(").replace("Partial(sum)", "P")
-        short.append(s)
-    return "(" + ",".join(short) + ")"

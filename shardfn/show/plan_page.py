@@ -17,17 +17,12 @@ import itertools
 import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from .reshard import region
-from .strategy_search._summary import collective_module, folded_layers, layer_of
-from .strategy_search.plan import mesh_text, placements_text
-
-if TYPE_CHECKING:
-    from .strategy_search.plan import Plan
+from ..reshard import region
+from ..strategy_search._summary import collective_module, folded_layers, layer_of, mesh_text, placements_text
 
 __all__ = ["render_page", "write_page"]
 
@@ -43,14 +38,14 @@ _TOP = "(top level)"
 _MEMORY_POINTS = 400  # the memory line's resolution: a long program is drawn as the peaks of this many spans
 
 
-def write_page(plan: Plan, path: str) -> str:
+def write_page(plan, path: str) -> str:
     """Write ``plan``'s page to ``path`` (UTF-8) and return the path."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(render_page(plan))
     return str(path)
 
 
-def render_page(plan: Plan) -> str:
+def render_page(plan) -> str:
     """The page's HTML text."""
     page = _Page(plan)
     tree = page.tree()  # first: it writes out the activations the other sections link to
@@ -152,7 +147,7 @@ def _holds_folded(m: _Module) -> bool:
 
 
 class _Page:
-    def __init__(self, plan: Plan):
+    def __init__(self, plan):
         self.plan = plan
         self.mesh_shape = tuple(plan.mesh.shape)
         self.layers = folded_layers(plan, placements_text)

@@ -1,4 +1,4 @@
-"""The plan page (shardfn/plan_page.py, plan.to_html, python -m shardfn.show): rendered for a two-matmul function
+"""The plan page (shardfn/show/plan_page.py, plan.to_html, python -m shardfn.show): rendered for a two-matmul function
 and a transformers Llama, opened in a real headless browser (Debian's chromium; .ci/run installs it), and what a
 person sees there checked: the folded module tree with its count, the mesh grid of rank cells with each piece,
 the collectives and their phase filter; the plan's JSON round trip and the errors for files that are not plans."""
@@ -21,10 +21,11 @@ import torch
 
 import shardfn as sf
 from shardfn.config import Precision
-from shardfn.plan_page import _bytes, _seconds
+from shardfn.show.plan_page import _bytes, _seconds
 from shardfn.show.__main__ import main as show_main
 from shardfn.strategy_search._dtensor_adapter import local_pieces
-from shardfn.strategy_search.plan import PLAN_FORMAT, Plan, parse_placement, placements_text
+from shardfn.strategy_search._summary import placements_text
+from shardfn.strategy_search.plan import PLAN_FORMAT, Plan, parse_placement
 from tests.transformers_models import MODELS, batch, megatron
 
 REPO = Path(__file__).resolve().parent.parent
