@@ -6,14 +6,14 @@
 
 from .api import ShardedFunction, ShardedModule, engine_of, explain, no_sync, shard, shard_optimizer
 from .capture import CaptureError
-from .checkpoint import load, save
 from .layout import Layout
-from .meta_init import materialize
-from .pipeline import Pipeline, pipeline
 from .reshard import reshard
 from .show import show
 from .runtime import init
 from .strategy_search import Plan
+from .training.checkpoint import load, save
+from .training.meta_init import materialize
+from .training.pipeline import Pipeline, pipeline
 
 __all__ = ["CaptureError", "Layout", "Pipeline", "Plan", "ShardedFunction", "ShardedModule", "engine_of", "explain",
            "init", "load", "materialize", "no_sync", "pipeline", "reshard", "save", "shard", "shard_optimizer", "show"]

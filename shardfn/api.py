@@ -8,16 +8,16 @@ import inspect
 import torch
 import torch.nn as nn
 
-from . import parameters, runtime
+from . import runtime
 from .call import Engine, ShardedFunction, ShardedModule, engine_of
-from .call import accumulation
+from .call import accumulation, parameters
 from .call.planning import call_mesh, param_specs
 from .config import ShardConfig
 from .layout import TensorSpec, normalize_strategy, to_placements
-from .optimizer import ShardedOptimizer
-from .optimizer import check_stage as optimizer_check_stage
-from .optimizer import gradient_targets as optimizer_gradient_targets
-from .pipeline import Pipeline
+from .training.optimizer import ShardedOptimizer
+from .training.optimizer import check_stage as optimizer_check_stage
+from .training.optimizer import gradient_targets as optimizer_gradient_targets
+from .training.pipeline import Pipeline
 from .strategy_search import Plan, profile_for
 
 __all__ = ["ShardedFunction", "ShardedModule", "engine_of", "explain", "no_sync", "shard", "shard_optimizer"]
@@ -162,7 +162,7 @@ def _explained_world(engine: Engine, world_size: int | None, device: str) -> int
 def shard_optimizer(optimizer: torch.optim.Optimizer, *modules: nn.Module, stage: int = 2):
     """``optimizer`` (over the parameters of the sharded ``modules``) with its states split over the ranks the
     parameters are whole on: stage 1 the states, stage 2 the gradients too (reduce-scattered in backward). Every
-    rank calls it alike; the modules' next calls are planned again for it. See shardfn.optimizer."""
+    rank calls it alike; the modules' next calls are planned again for it. See shardfn.training.optimizer."""
     stage = optimizer_check_stage(stage)
     if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, ShardedOptimizer):
         raise TypeError(f"shard_optimizer takes a torch.optim optimizer (not already sharded); got "

@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .. import parameters, runtime
+from .. import runtime
 from ..capture import capturing, check_not_transformed
 from ..config import ShardConfig
 from ..exec.lower import lower
-from . import accumulation, planning, sizes, step_times, submesh, uneven_batch
+from . import accumulation, parameters, planning, sizes, step_times, submesh, uneven_batch
 from .agreement import Agreement, UnevenBatch, call_agreement, check_mode, digests_of_alike, inputs_alike
 from .arguments import BoundCall, bind, call_key, without_batch_rows
 from .programs import Compiled, Planned, Programs

@@ -11,14 +11,14 @@ from typing import Callable
 import torch
 from torch.distributed.tensor import Shard
 
-from .. import parameters, runtime
+from .. import runtime
 from ..capture import capture, split_arguments
 from ..capture.dynamic import planning_graph
 from ..capture.graph import CapturedGraph
 from ..config import ShardConfig
 from ..layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy
 from ..strategy_search import Plan, make_plan, profile_for
-from . import accumulation, submesh
+from . import accumulation, parameters, submesh
 from .arguments import BoundCall, bind
 from .programs import Planned
 from .request import build_request

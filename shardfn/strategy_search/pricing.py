@@ -239,7 +239,7 @@ def parameter_copies(placements: Placements, mesh_shape: Sequence[int], optimize
     """How many times a trained parameter's local bytes a rank holds: its value, its gradient, two optimizer
     states (AdamW's); a sharded optimizer splits the states (stage 1) and the gradient too (stage 2) over the first
     mesh dim the parameter is whole on, unless each of its ``ndim`` dims is split already (as
-    shardfn.optimizer.piece_placements)."""
+    shardfn.training.optimizer.piece_placements)."""
     whole = [d for d, q in enumerate(placements) if q.is_replicate()]
     split = {q.dim for q in placements if q.is_shard()}
     if not optimizer_stage or not whole or (ndim is not None and len(split) >= ndim):

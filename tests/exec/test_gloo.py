@@ -593,7 +593,7 @@ def test_mixed_precision_gathers_in_bf16_and_reduces_in_fp32(gloo4):
 
 
 def _sharded_optimizer_body(path):
-    from tests.test_optimizer import train_both
+    from tests.training.test_optimizer import train_both
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, reference, ref_opt = train_both(2, world, lambda t: t[2 * rank: 2 * rank + 2], micro=2)
@@ -605,7 +605,7 @@ def _sharded_optimizer_body(path):
 
 
 def test_a_sharded_optimizer_trains_and_its_states_load_into_one_process(gloo4, tmp_path):
-    from tests.test_optimizer import train_both
+    from tests.training.test_optimizer import train_both
 
     path = str(tmp_path / "ckpt")
     pieces = gloo4.run(_sharded_optimizer_body, path)
@@ -634,7 +634,7 @@ def test_a_sharded_optimizer_trains_and_its_states_load_into_one_process(gloo4, 
 
 
 def _megatron_optimizer_body(path):
-    from tests.test_optimizer import MEGATRON, MEGATRON_STATES, _assert_trained_alike, train_both
+    from tests.training.test_optimizer import MEGATRON, MEGATRON_STATES, _assert_trained_alike, train_both
 
     row = dist.get_rank() // 2  # rank r holds batch row r // 2 of the (dp, tp) mesh
     model, opt, reference, _ = train_both(2, 2, lambda t: t[4 * row: 4 * row + 4], **MEGATRON)
@@ -645,7 +645,7 @@ def _megatron_optimizer_body(path):
 
 
 def test_a_megatron_sharded_optimizer_trains_and_its_states_load_into_one_process(gloo4, tmp_path):
-    from tests.test_optimizer import MEGATRON_STATES, train_both
+    from tests.training.test_optimizer import MEGATRON_STATES, train_both
 
     path = str(tmp_path / "ckpt")
     assert gloo4.run(_megatron_optimizer_body, path) == [MEGATRON_STATES] * 4  # column-parallel states split too

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
-import shardfn.checkpoint as checkpoint
+import shardfn.training.checkpoint as checkpoint
 from tests.test_modules import GPT_PLANS
 from tests.models import GPTBlock
 

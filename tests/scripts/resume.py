@@ -25,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 import shardfn as sf
-from tests.test_pipeline import MLP
+from tests.training.test_pipeline import MLP
 
 SAVE_AT, AFTER, BATCH, LENGTH, VOCAB = 1, 2, 8, 8, 64
 transformers.logging.set_verbosity_error()

@@ -28,7 +28,7 @@ from shardfn.strategy_search._summary import placements_text
 from shardfn.strategy_search.plan import PLAN_FORMAT, Plan, parse_placement
 from tests.transformers_models import MODELS, batch, megatron
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # -- the browser and what it shows ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import shardfn as sf
-from shardfn.pipeline import _bubble, _in_flight
+from shardfn.training.pipeline import _bubble, _in_flight
 from shardfn.runtime import simulated_world
 
 SETS = [(0, 1), (2, 3)]
@@ -87,7 +87,7 @@ def _train(schedule, mode, steps=3, zero=0):
 @pytest.mark.parametrize("schedule, mode", [("gpipe", "tensor parallel"), ("1f1b", "data parallel"),
                                             ("interleaved_1f1b", "tensor parallel"), ("zero_bubble", "data parallel")])
 def test_pipeline_trains_like_the_unsharded_model(gloo4, schedule, mode):
-    from shardfn.pipeline import _split_backward_passes_custom_nodes
+    from shardfn.training.pipeline import _split_backward_passes_custom_nodes
 
     if schedule == "zero_bubble" and not _split_backward_passes_custom_nodes():  # torch 2.11: refused up front
         with simulated_world(2), pytest.raises(ValueError,
@@ -102,7 +102,7 @@ def test_pipeline_trains_like_the_unsharded_model(gloo4, schedule, mode):
 def test_a_sharded_optimizer_over_data_parallel_stages_trains_like_eager(gloo4, schedule):
     # stage 2: 1F1B's backward hands each gradient to the optimizer's reduce-scatter as autograd sums it; zero
     # bubble's weight pass assigns .grad itself (no hook runs), and the step reduce-scatters what it finds there
-    from shardfn.pipeline import _split_backward_passes_custom_nodes
+    from shardfn.training.pipeline import _split_backward_passes_custom_nodes
 
     if schedule == "zero_bubble" and not _split_backward_passes_custom_nodes():
         pytest.skip("torch 2.11 refuses the zero-bubble schedule (test_pipeline_trains_like_the_unsharded_model)")

@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from . import parameters, runtime
+from .. import runtime
+from ..call import parameters
 from .checkpoint import UNWRITTEN_BUFFERS
 
 __all__ = ["materialize"]

@@ -32,13 +32,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import runtime
-from .call import ShardedModule, engine_of, plan_stage
-from .call.agreement import Agreement, digest, inputs_not_compared
-from .call.arguments import batch_slices
-from .strategy_search import Plan
-from .strategy_search.cost_model import local_numel
-from .strategy_search.pricing import parameter_copies
+from .. import runtime
+from ..call import ShardedModule, engine_of, plan_stage
+from ..call.agreement import Agreement, digest, inputs_not_compared
+from ..call.arguments import batch_slices
+from ..strategy_search import Plan
+from ..strategy_search.cost_model import local_numel
+from ..strategy_search.pricing import parameter_copies
 
 __all__ = ["Pipeline", "PipelinePlan", "StagePlan", "pipeline"]
 

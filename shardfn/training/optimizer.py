@@ -29,9 +29,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
-from ._functional_collectives import all_gather_tensor, reduce_scatter_tensor
-from ._simulation_internals import local_values
-from .runtime import is_simulated, simulated_map
+from .._functional_collectives import all_gather_tensor, reduce_scatter_tensor
+from .._simulation_internals import local_values
+from ..runtime import is_simulated, simulated_map
 
 __all__ = ["ShardedOptimizer", "check_stage", "gradient_targets", "piece_placements"]
 
@@ -346,7 +346,7 @@ def _split(p: DTensor, piece: DTensor) -> tuple[int, int]:
 def _by_bucket(pairs, together=lambda p, d: True):
     """(parameter, piece) pairs grouped for one collective each: mesh, mesh dim, dtype, up to a bucket's bytes;
     those ``together`` refuses alone (mesh dim None). Yields (mesh dim, [(parameter, piece, tensor dim)])."""
-    from .strategy_search.buckets import bucket_bytes, in_buckets
+    from ..strategy_search.buckets import bucket_bytes, in_buckets
 
     fused, alone = [], []
     for p, piece in pairs:

@@ -34,7 +34,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .runtime import control_group
+from ..runtime import control_group
 
 __all__ = ["load", "save"]
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .layout import TensorSpec, normalize_strategy, spec_of_dtensor
+from ..layout import TensorSpec, normalize_strategy, spec_of_dtensor
 
 __all__ = ["check_materialized", "fixed_specs", "lay_out", "lay_out_loaded_tensors", "lay_out_planned", "on_meta",
            "replace_parameter", "slot"]
