@@ -30,7 +30,7 @@ def test_a_plan_lowers_only_onto_the_graph_it_was_made_for():
         torch.testing.assert_close(f(x, w1, w2), _two_matmuls(x, w1, w2))
         (ran,) = sf.engine_of(f).programs.values()
         other = sf.engine_of(sf.shard(_one_matmul, in_strategy=((4, 1), None, None)))
-        planned = other.plan([x, w1, w2], {}, 4, lambda spec: ran.program.mesh, "cpu")
+        planned = other.plan([x, w1, w2], {}, 4, "cpu")
         program = lower(ran.captured, ran.plan, ran.program.mesh)  # its own plan: resolved to every op
         assert set(program.node_plans) >= {n for n in ran.captured.gm.graph.nodes if n.op == "call_function"}
         with pytest.raises(ValueError, match="made for another graph"):
