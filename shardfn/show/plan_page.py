@@ -48,8 +48,8 @@ def write_page(plan, path: str) -> str:
 def render_page(plan) -> str:
     """The page's HTML text."""
     page = _Page(plan)
-    tree = page.tree()  # first: it writes out the activations the other sections link to
-    body = "\n".join([page.header(), page.costs(), tree, page.tensors_table(), page.collectives()])
+    tree = _tree(page)  # first: it writes out the activations the other sections link to
+    body = "\n".join([page.header(), _costs(page), tree, page.tensors_table(), page.collectives()])
     data = {"mesh": {"shape": list(plan.mesh.shape), "names": list(plan.mesh.names)}, "tensors": page.tensors,
             "first": page.first_shown}
     # "</" would end the script element early: JSON allows "<\/" for the same text
@@ -244,141 +244,6 @@ class _Page:
             comm[layer] = comm.get(layer, 0.0) + (c.seconds or 0.0)
         return [(label, compute.get(members[0], 0.0), comm.get(members[0], 0.0)) for label, members in self.layers]
 
-    def costs(self) -> str:
-        rows = [r for r in self._per_layer() if r[1] or r[2]]
-        top = max([max(a, b) for _, a, b in rows], default=0.0) or 1.0
-        bars = "".join(
-            f"<div class='layer' data-layer='{_esc(label)}'><span class='lname'>{_esc(label)}</span>"
-            f"<span class='bars'><span class='bar compute' style='width:{100 * a / top:.1f}%'></span>"
-            f"<span class='bar comm' style='width:{100 * b / top:.1f}%'></span></span>"
-            f"<span class='nums'>{_esc(_seconds(a))} | {_esc(_seconds(b))}</span></div>" for label, a, b in rows)
-        note = "" if any(n.compute_s is not None for n in self.plan.nodes.values()) else \
-            "<p class='hint'>this plan records no per-op compute seconds</p>"
-        return ("<section id='costs'><h2>Cost per layer <small>(one layer of a folded run; "
-                "<span class='key compute'></span> compute, <span class='key comm'></span> communication)</small>"
-                f"</h2>{note}<div class='layers'>{bars}</div>{self._memory()}</section>")
-
-    def _memory(self) -> str:
-        nodes = self.plan.nodes.values()
-        forward = [n.live_bytes for n in nodes if n.live_bytes is not None]
-        # the backward runs the ops in reverse: each op's point as its backward runs
-        backward = [n.backward_live_bytes for n in reversed(list(nodes)) if n.backward_live_bytes is not None]
-        peak = self.plan.cost.peak_bytes
-        if not forward:
-            return f"<h3>Memory per rank</h3><p id='memory'>peak {_esc(_bytes(peak))} (no timeline recorded)</p>"
-        live = forward + backward
-        step = max(1, -(-len(live) // _MEMORY_POINTS))
-        # each phase drawn as the peaks of its own spans, so the boundary between them stays where it is
-        points = [max(part[i:i + step]) for part in (forward, backward) for i in range(0, len(part), step)]
-        boundary = -(-len(forward) // step)  # the first backward point
-        top = max(max(points), peak, 1)
-        w, h = 600, 80
-
-        def x(k: int) -> float:
-            return w * k / max(len(points) - 1, 1)
-
-        xy = " ".join(f"{x(k):.1f},{h - h * v / top:.1f}" for k, v in enumerate(points))
-        if backward:  # a grey line where the backward begins (between the last forward point and the first backward)
-            at = (x(boundary - 1) + x(boundary)) / 2
-            marker = (f"<line x1='{at:.1f}' x2='{at:.1f}' y1='0' y2='{h + 2}' class='boundary' "
-                      f"data-point='{boundary}'/>")
-            title = (f"Memory per rank over the forward and backward <small>(peak {_esc(_bytes(peak))}; "
-                     f"{len(forward)} ops forward, then {len(backward)} backward in reverse; the grey line: where "
-                     "the backward begins)</small>")
-        else:
-            marker, title = "", (f"Memory per rank over the forward <small>(peak {_esc(_bytes(peak))}; "
-                                 f"{len(forward)} ops)</small>")
-        return (f"<h3 id='memory-title'>{title}</h3>"
-                f"<svg id='memory' viewBox='0 0 {w} {h + 2}' preserveAspectRatio='none' class='memory' "
-                f"data-points='{len(points)}' data-forward-points='{boundary}'>"
-                f"<line x1='0' x2='{w}' y1='{h - h * peak / top:.1f}' y2='{h - h * peak / top:.1f}' class='peak'/>"
-                f"{marker}<polyline points='{xy}'/></svg>")
-
-    def tree(self) -> str:
-        root = _Module("")
-        charged: dict[str, float] = {}
-        for c in self.plan.collectives:
-            module = collective_module(self.plan, c, self.params)
-            charged[module] = charged.get(module, 0.0) + (c.seconds or 0.0)
-        inputs = {i.name: i for i in self.plan.inputs}
-        for k, n in enumerate(self.plan.nodes.values()):
-            module = n.module
-            if n.op == "input":
-                if n.name not in self._input_ids:
-                    continue  # a parameter of a folded layer other than the first
-                module = self._module_of_input(inputs[n.name])
-            elif not self._visible(module):
-                continue
-            where = root
-            for part in self._path(module):
-                where = where.child(part)
-            if n.op == "input":
-                tid = self._input_ids[n.name]
-                where.rows.append(self._row(tid, n, [tid]))
-                continue
-            ids = []
-            for j, out in enumerate(n.outputs):
-                tid = f"n{k}.{j}"
-                shape = n.shapes[j] if j < len(n.shapes) else None
-                self.tensors[tid] = _tensor(n.name + ("" if len(n.outputs) == 1 else f" [{j}]"), shape, out,
-                                            f"chosen by the search (rule {n.rule})", self.mesh_shape,
-                                            self._folded_as(module))
-                ids.append(tid)
-            if ids:
-                self.by_name[n.name] = ids[0]
-            where.rows.append(self._row(ids[0] if ids else "", n, ids))
-            where.ops += 1
-            where.compute_s += n.compute_s or 0.0
-        for module, seconds in charged.items():  # collectives of the shown layers, charged where they are made
-            if self._visible(module):
-                where = root
-                for part in self._path(module):
-                    where = where.child(part)
-                where.comm_s += seconds
-        by_layer: dict[str, list[float]] = {}  # every layer's ops, compute and communication, shown or not
-        for n in self.plan.nodes.values():
-            if n.op != "input":
-                counts = by_layer.setdefault(layer_of(n.module), [0, 0.0, 0.0])
-                counts[0], counts[1] = counts[0] + 1, counts[1] + (n.compute_s or 0.0)
-        for module, seconds in charged.items():
-            by_layer.setdefault(layer_of(module), [0, 0.0, 0.0])[2] += seconds
-        for label, members in self.layers:  # a folded entry: its count, and its totals over all its layers
-            if len(members) > 1:
-                where = root
-                for part in self._path(members[0]):
-                    where = where.child(part)
-                where.count = len(members)
-                sums = [by_layer.get(m, [0, 0.0, 0.0]) for m in members]
-                where.folded_totals = (int(sum(s[0] for s in sums)), sum(s[1] for s in sums), sum(s[2] for s in sums))
-        body = "".join(self._module(m, 0) for m in root.children.values())
-        return (f"<section id='tree'><h2>Module tree <small>(click a tensor to see its pieces)</small></h2>"
-                f"{body}</section>")
-
-    def _row(self, tid: str, n, ids: list[str]) -> str:
-        outs = ", ".join(f"<a class='t' data-t='{t}'>{_esc(placements_text(o))}</a>" for t, o in zip(ids, n.outputs))
-        shapes = ", ".join("-" if s is None else str(tuple(s)) for s in n.shapes) or "-"
-        name = f"<a class='t' data-t='{tid}'>{_esc(n.name)}</a>" if tid else _esc(n.name)
-        return (f"<tr><td>{name}</td><td>{_esc(_op(n.op))}</td><td>{_esc(n.rule)}</td>"
-                f"<td>{_esc(', '.join(placements_text(p) for p in n.inputs) or '-')}</td><td>{outs}</td>"
-                f"<td>{_esc(shapes)}</td><td class='num'>{_esc(_seconds(n.compute_s))}</td></tr>")
-
-    def _module(self, m: _Module, depth: int) -> str:
-        ops, compute, comm = m.totals()
-        rows = ""
-        if m.rows:
-            rows = ("<table class='ops'><tr><th>node</th><th>op</th><th>rule</th><th>inputs</th><th>outputs</th>"
-                    "<th>shape</th><th>compute</th></tr>" + "".join(m.rows) + "</table>")
-        kids = "".join(self._module(c, depth + 1) for c in m.children.values())
-        if m.count > 1:
-            rows = f"<p class='hint'>the first of its layers, op by op; the others are planned alike</p>{rows}"
-        # open: the top, and the way down to a folded layer (the tree's point); the rest a click away
-        is_open = " open" if depth == 0 or _holds_folded(m) else ""
-        return (f"<details class='module'{is_open} data-module='{_esc(m.label)}' data-count='{m.count}'><summary>"
-                f"<span class='mname'>{_esc(m.label)}</span>"
-                f"<span class='msum'>{f'{m.count} layers: ' if m.count > 1 else ''}{ops} ops, compute "
-                f"{_esc(_seconds(compute))}, communication {_esc(_seconds(comm))}</span></summary>{rows}{kids}"
-                "</details>")
-
     def tensors_table(self) -> str:
         rows = []
         for k, i in enumerate(self.plan.inputs):
@@ -428,6 +293,146 @@ class _Page:
                  + "".join(rows) + "</table>") if rows else "<p>no collectives</p>"
         return (f"<section id='collectives'><h2>Collectives</h2><div class='filter' id='phase-filter'>{buttons}"
                 f" <span id='shown-count'>{len(rows)} shown</span></div>{table}</section>")
+
+
+def _costs(page) -> str:
+    rows = [r for r in page._per_layer() if r[1] or r[2]]
+    top = max([max(a, b) for _, a, b in rows], default=0.0) or 1.0
+    bars = "".join(
+        f"<div class='layer' data-layer='{_esc(label)}'><span class='lname'>{_esc(label)}</span>"
+        f"<span class='bars'><span class='bar compute' style='width:{100 * a / top:.1f}%'></span>"
+        f"<span class='bar comm' style='width:{100 * b / top:.1f}%'></span></span>"
+        f"<span class='nums'>{_esc(_seconds(a))} | {_esc(_seconds(b))}</span></div>" for label, a, b in rows)
+    note = "" if any(n.compute_s is not None for n in page.plan.nodes.values()) else \
+        "<p class='hint'>this plan records no per-op compute seconds</p>"
+    return ("<section id='costs'><h2>Cost per layer <small>(one layer of a folded run; "
+            "<span class='key compute'></span> compute, <span class='key comm'></span> communication)</small>"
+            f"</h2>{note}<div class='layers'>{bars}</div>{_memory(page)}</section>")
+
+
+def _memory(page) -> str:
+    nodes = page.plan.nodes.values()
+    forward = [n.live_bytes for n in nodes if n.live_bytes is not None]
+    # the backward runs the ops in reverse: each op's point as its backward runs
+    backward = [n.backward_live_bytes for n in reversed(list(nodes)) if n.backward_live_bytes is not None]
+    peak = page.plan.cost.peak_bytes
+    if not forward:
+        return f"<h3>Memory per rank</h3><p id='memory'>peak {_esc(_bytes(peak))} (no timeline recorded)</p>"
+    live = forward + backward
+    step = max(1, -(-len(live) // _MEMORY_POINTS))
+    # each phase drawn as the peaks of its own spans, so the boundary between them stays where it is
+    points = [max(part[i:i + step]) for part in (forward, backward) for i in range(0, len(part), step)]
+    boundary = -(-len(forward) // step)  # the first backward point
+    top = max(max(points), peak, 1)
+    w, h = 600, 80
+
+    def x(k: int) -> float:
+        return w * k / max(len(points) - 1, 1)
+
+    xy = " ".join(f"{x(k):.1f},{h - h * v / top:.1f}" for k, v in enumerate(points))
+    if backward:  # a grey line where the backward begins (between the last forward point and the first backward)
+        at = (x(boundary - 1) + x(boundary)) / 2
+        marker = (f"<line x1='{at:.1f}' x2='{at:.1f}' y1='0' y2='{h + 2}' class='boundary' "
+                  f"data-point='{boundary}'/>")
+        title = (f"Memory per rank over the forward and backward <small>(peak {_esc(_bytes(peak))}; "
+                 f"{len(forward)} ops forward, then {len(backward)} backward in reverse; the grey line: where "
+                 "the backward begins)</small>")
+    else:
+        marker, title = "", (f"Memory per rank over the forward <small>(peak {_esc(_bytes(peak))}; "
+                             f"{len(forward)} ops)</small>")
+    return (f"<h3 id='memory-title'>{title}</h3>"
+            f"<svg id='memory' viewBox='0 0 {w} {h + 2}' preserveAspectRatio='none' class='memory' "
+            f"data-points='{len(points)}' data-forward-points='{boundary}'>"
+            f"<line x1='0' x2='{w}' y1='{h - h * peak / top:.1f}' y2='{h - h * peak / top:.1f}' class='peak'/>"
+            f"{marker}<polyline points='{xy}'/></svg>")
+
+
+def _tree(page) -> str:
+    root = _Module("")
+    charged: dict[str, float] = {}
+    for c in page.plan.collectives:
+        module = collective_module(page.plan, c, page.params)
+        charged[module] = charged.get(module, 0.0) + (c.seconds or 0.0)
+    inputs = {i.name: i for i in page.plan.inputs}
+    for k, n in enumerate(page.plan.nodes.values()):
+        module = n.module
+        if n.op == "input":
+            if n.name not in page._input_ids:
+                continue  # a parameter of a folded layer other than the first
+            module = page._module_of_input(inputs[n.name])
+        elif not page._visible(module):
+            continue
+        where = root
+        for part in page._path(module):
+            where = where.child(part)
+        if n.op == "input":
+            tid = page._input_ids[n.name]
+            where.rows.append(_row(page, tid, n, [tid]))
+            continue
+        ids = []
+        for j, out in enumerate(n.outputs):
+            tid = f"n{k}.{j}"
+            shape = n.shapes[j] if j < len(n.shapes) else None
+            page.tensors[tid] = _tensor(n.name + ("" if len(n.outputs) == 1 else f" [{j}]"), shape, out,
+                                        f"chosen by the search (rule {n.rule})", page.mesh_shape,
+                                        page._folded_as(module))
+            ids.append(tid)
+        if ids:
+            page.by_name[n.name] = ids[0]
+        where.rows.append(_row(page, ids[0] if ids else "", n, ids))
+        where.ops += 1
+        where.compute_s += n.compute_s or 0.0
+    for module, seconds in charged.items():  # collectives of the shown layers, charged where they are made
+        if page._visible(module):
+            where = root
+            for part in page._path(module):
+                where = where.child(part)
+            where.comm_s += seconds
+    by_layer: dict[str, list[float]] = {}  # every layer's ops, compute and communication, shown or not
+    for n in page.plan.nodes.values():
+        if n.op != "input":
+            counts = by_layer.setdefault(layer_of(n.module), [0, 0.0, 0.0])
+            counts[0], counts[1] = counts[0] + 1, counts[1] + (n.compute_s or 0.0)
+    for module, seconds in charged.items():
+        by_layer.setdefault(layer_of(module), [0, 0.0, 0.0])[2] += seconds
+    for label, members in page.layers:  # a folded entry: its count, and its totals over all its layers
+        if len(members) > 1:
+            where = root
+            for part in page._path(members[0]):
+                where = where.child(part)
+            where.count = len(members)
+            sums = [by_layer.get(m, [0, 0.0, 0.0]) for m in members]
+            where.folded_totals = (int(sum(s[0] for s in sums)), sum(s[1] for s in sums), sum(s[2] for s in sums))
+    body = "".join(_module(page, m, 0) for m in root.children.values())
+    return (f"<section id='tree'><h2>Module tree <small>(click a tensor to see its pieces)</small></h2>"
+            f"{body}</section>")
+
+
+def _row(page, tid: str, n, ids: list[str]) -> str:
+    outs = ", ".join(f"<a class='t' data-t='{t}'>{_esc(placements_text(o))}</a>" for t, o in zip(ids, n.outputs))
+    shapes = ", ".join("-" if s is None else str(tuple(s)) for s in n.shapes) or "-"
+    name = f"<a class='t' data-t='{tid}'>{_esc(n.name)}</a>" if tid else _esc(n.name)
+    return (f"<tr><td>{name}</td><td>{_esc(_op(n.op))}</td><td>{_esc(n.rule)}</td>"
+            f"<td>{_esc(', '.join(placements_text(p) for p in n.inputs) or '-')}</td><td>{outs}</td>"
+            f"<td>{_esc(shapes)}</td><td class='num'>{_esc(_seconds(n.compute_s))}</td></tr>")
+
+
+def _module(page, m: _Module, depth: int) -> str:
+    ops, compute, comm = m.totals()
+    rows = ""
+    if m.rows:
+        rows = ("<table class='ops'><tr><th>node</th><th>op</th><th>rule</th><th>inputs</th><th>outputs</th>"
+                "<th>shape</th><th>compute</th></tr>" + "".join(m.rows) + "</table>")
+    kids = "".join(_module(page, c, depth + 1) for c in m.children.values())
+    if m.count > 1:
+        rows = f"<p class='hint'>the first of its layers, op by op; the others are planned alike</p>{rows}"
+    # open: the top, and the way down to a folded layer (the tree's point); the rest a click away
+    is_open = " open" if depth == 0 or _holds_folded(m) else ""
+    return (f"<details class='module'{is_open} data-module='{_esc(m.label)}' data-count='{m.count}'><summary>"
+            f"<span class='mname'>{_esc(m.label)}</span>"
+            f"<span class='msum'>{f'{m.count} layers: ' if m.count > 1 else ''}{ops} ops, compute "
+            f"{_esc(_seconds(compute))}, communication {_esc(_seconds(comm))}</span></summary>{rows}{kids}"
+            "</details>")
 
 
 _TEMPLATE = r"""<!DOCTYPE html>
