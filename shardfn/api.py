@@ -668,7 +668,7 @@ def _used_dtype(precision) -> Callable[[torch.dtype], torch.dtype]:
 
 
 def _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy,
-                mp_policy=None, dynamic=None) -> _Engine:
+                mp_policy=None, dynamic=None, recompute=None) -> _Engine:
     if isinstance(fn, (ShardedFunction, ShardedModule)):
         raise ValueError(f"{fn!r} is already sharded; shard the original function or module once")
     if not callable(fn):
@@ -676,12 +676,12 @@ def _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, da
     module = fn if isinstance(fn, nn.Module) else None
     target = fn.forward if module is not None else fn
     config = ShardConfig.make(target, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy,
-                              module=module, mp_policy=mp_policy, dynamic=dynamic)
+                              module=module, mp_policy=mp_policy, dynamic=dynamic, recompute=recompute)
     return _Engine(target, config, module=module)
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, device=None,
-          dataset_strategy="full_batch", example_inputs=None, mp_policy=None, dynamic=None):
+          dataset_strategy="full_batch", example_inputs=None, mp_policy=None, dynamic=None, recompute=None):
     """Shard ``fn`` (a function of tensors, or an nn.Module, sharded in place) over all ranks.
 
     See the README for the full semantics: ``in_strategy`` has one entry per positional input (a tuple of split
@@ -697,9 +697,12 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
     ``dynamic``: None (default) makes one program for every size of the dims whose size changed, once a second
     size is seen (those dims traced as symbols); False keeps one program per size; a dict {argument position or
     keyword name: dims} makes them dynamic from the first call (every tensor of that argument).
+    ``recompute``: None (default) lets the search choose layers whose activations backward computes again
+    instead of keeping them (where the plan would not fit the memory; at level 1 where it lowers the peak);
+    False never; True every layer. Regions checkpointed by hand (torch.utils.checkpoint) stay checkpointed.
     """
     engine = _engine_for(fn, in_strategy, out_strategy, parameter_plan, level, device, dataset_strategy, mp_policy,
-                         dynamic)
+                         dynamic, recompute)
     if engine.config.ranks is not None:  # a call on a sub-mesh: its process groups are made now, by every rank
         device = runtime.resolve_device(engine.config.device)
         runtime.init(device=device)
@@ -753,7 +756,8 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
 
 def _explained_engine(fn, n_args: int, shard_kwargs: dict) -> _Engine:
     """The engine ``shard(fn, **shard_kwargs)`` would make (in_strategy defaulting to None for each argument)."""
-    known = ("in_strategy", "out_strategy", "parameter_plan", "level", "device", "dataset_strategy", "mp_policy")
+    known = ("in_strategy", "out_strategy", "parameter_plan", "level", "device", "dataset_strategy", "mp_policy",
+             "recompute")
     unknown = sorted(set(shard_kwargs) - set(known))
     if unknown:
         raise TypeError(f"explain: unknown keyword arguments {unknown}; fn's own keyword arguments go in "
@@ -761,7 +765,8 @@ def _explained_engine(fn, n_args: int, shard_kwargs: dict) -> _Engine:
     in_strategy = shard_kwargs.get("in_strategy")
     return _engine_for(fn, (None,) * n_args if in_strategy is None else in_strategy, shard_kwargs.get("out_strategy"),
                        shard_kwargs.get("parameter_plan"), shard_kwargs.get("level", 0), shard_kwargs.get("device"),
-                       shard_kwargs.get("dataset_strategy", "full_batch"), shard_kwargs.get("mp_policy"))
+                       shard_kwargs.get("dataset_strategy", "full_batch"), shard_kwargs.get("mp_policy"),
+                       recompute=shard_kwargs.get("recompute"))
 
 
 def _explained_world(engine: _Engine, world_size: int | None, device: str) -> int:
