@@ -699,17 +699,21 @@ def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> ParallelProg
 def _regions(captured: CapturedGraph, plan: Plan) -> dict[torch.fx.Node, int]:
     """Each op's activation-checkpoint region: one the user checkpointed (torch.utils.checkpoint), or one the plan
     recomputes (``plan.recompute``: its ops by name), numbered in program order as the partitioner wants them (the
-    value leaving a region for the next is kept, not computed again)."""
+    value leaving a region for the next is kept, not computed again): by the region's last op read, since graph
+    order may hoist a layer's ops on inputs alone (a mask) ahead of earlier layers."""
     chosen = {name: r.region for r in plan.recompute for name in r.nodes}
     keys: dict[torch.fx.Node, Any] = {}
-    for node in captured.gm.graph.nodes:
+    last: dict[Any, int] = {}
+    for i, node in enumerate(captured.gm.graph.nodes):
         user = checkpoint_region(node)
         if user is not None:
             keys[node] = ("checkpoint", user)
         elif node.name in chosen and node.op == "call_function":
             keys[node] = ("plan", chosen[node.name])
-    numbers: dict[Any, int] = {}
-    return {node: numbers.setdefault(key, len(numbers) + 1) for node, key in keys.items()}
+        if node in keys and node.users:  # (an unread item of a multi-output op may trail the graph)
+            last[keys[node]] = i
+    numbers = {key: k + 1 for k, key in enumerate(sorted(set(keys.values()), key=lambda k: last.get(k, -1)))}
+    return {node: numbers[key] for node, key in keys.items()}
 
 
 def _node_plans(graph: torch.fx.Graph, plan: Plan) -> tuple[dict[torch.fx.Node, NodePlan], set[torch.fx.Node]]:

@@ -171,13 +171,17 @@ def records(problem: StrategyProblem, plan: Plan, origin: str) -> tuple[Recomput
     and those the user checkpointed (exec reads their marks from the graph), each with the per-rank bytes it
     does not keep and the seconds of forward it computes again."""
     regions: dict = {}
-    for node in problem.captured.gm.graph.nodes:
+    last: dict = {}  # each region's last op: regions in program order (graph order may hoist a layer's mask ops)
+    for i, node in enumerate(problem.captured.gm.graph.nodes):
         key = problem.regions.get(node)
         key = key if key is not None else checkpoint_region(node)
         if key is not None and node.op == "call_function":
             regions.setdefault(key, []).append(node)
+            if node.users:  # (an unread item of a multi-output op may trail the graph)
+                last[key] = i
     out = []
-    for key, nodes in regions.items():
+    for key in sorted(regions, key=lambda k: last.get(k, -1)):
+        nodes = regions[key]
         saved, extra = 0, 0.0
         for n in nodes:
             np_ = plan.nodes.get(n.name)
