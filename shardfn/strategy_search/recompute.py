@@ -133,7 +133,8 @@ def region_groups(problem: StrategyProblem, profile: cm.DeviceProfile) -> list[l
     for name, nodes in layers.items():
         region = _region(problem, name, nodes, profile)
         if region.saved_whole > 0:
-            groups.setdefault(_likeness(name, nodes), []).append(region)
+            # (by what it recomputes: a layer may also hold a value every layer reads, made once: dropout's scalar)
+            groups.setdefault(_likeness(name, [n for n in nodes if n in region.recomputed]), []).append(region)
     return sorted(groups.values(), key=lambda g: -g[0].saved_whole / max(g[0].seconds_whole, 1e-15))
 
 
