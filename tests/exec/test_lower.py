@@ -114,6 +114,14 @@ def _recompute_body(recompute, budget: bool = False):
     saved = 0 if fw is None else sum(n.meta["val"].numel() for n in next(
         n for n in fw.graph.nodes if n.op == "output").args[0][1:] if isinstance(n, torch.fx.Node)
         and isinstance(n.meta.get("val"), torch.Tensor))
+    if fw is not None:  # each region computed again just before its backward: the last layer's first
+        from shardfn.capture.graph import checkpoint_region
+
+        bw = compiled.program.graphs["backward"]
+        again = [checkpoint_region(n) for n in bw.graph.nodes if checkpoint_region(n) is not None
+                 and getattr(n.meta.get("recompute"), "name", "") == "MUST_RECOMPUTE"]
+        firsts = list(dict.fromkeys(again))
+        assert firsts == sorted(firsts, reverse=True), firsts
     return saved, [(r.region, r.origin) for r in compiled.plan.recompute]
 
 
