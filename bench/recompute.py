@@ -1,6 +1,6 @@
 """Recompute chosen by the search against torch.utils.checkpoint on every layer, under a memory that binds.
 
-    python bench/recompute.py [--world 2] [--layers 6] [--dim 256] [--batch 4] [--seq 512] [--steps 6]
+    python bench/recompute.py [--world 2] [--layers 4] [--dim 256] [--batch 4] [--seq 256] [--steps 4]
 
 A stack of GPT blocks (tests.models.GPTStack), each rank a slice of the batch (data parallel), AdamW. The memory
 is set by the profile (SHARDFN_PROFILE: the CPU profile with a hard memory halfway between the plan's peak with
@@ -113,12 +113,12 @@ def _budget(args) -> tuple[float, float, float]:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dim", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=512)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
     from shardfn.strategy_search import cost_model as cm
 
