@@ -58,6 +58,9 @@ def test_recompute_is_priced_as_forward_computed_again_and_walked_by_the_one_mem
     assert again.cost.peak_bytes == walk
     assert sf.Plan.from_json(again.to_json()).to_json() == again.to_json()
     assert sf.Plan.from_json(again.to_json()).recompute == again.recompute
+    from shardfn.plan_page import render_page
+
+    assert "<th>recompute</th><td>blocks.0-2 (x3)  (recompute=True):" in render_page(again)  # the plan page too
 
 
 def test_level_1_recomputes_where_it_lowers_the_peak():
