@@ -52,15 +52,18 @@ class Region:
 def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,
                         plan_within: PlanWithin) -> Plan:
     """The plan of the request's level with the regions it recomputes chosen by ``request.recompute``."""
-    groups = region_groups(problem, request.profile) if request.grad and request.recompute is not False else []
+    if not request.grad or request.recompute is False:
+        return _planned(problem, request, pricing, terms, [], plan_within, True)
+    if request.recompute is None and request.level != 1:
+        try:  # the level's plan without recompute, where it fits (nothing more to price)
+            return _planned(problem, request, pricing, terms, [], plan_within, False)
+        except ValueError:
+            pass
+    groups = region_groups(problem, request.profile)
     if request.recompute is True or not groups:
         return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
     if request.level == 1:
         return _least_peak(problem, request, pricing, terms, groups, plan_within)
-    try:  # the fastest plan without recompute, where it fits
-        return _planned(problem, request, pricing, terms, [], plan_within, False)
-    except ValueError:
-        pass
     for k in range(1, len(groups) + 1):  # groups by bytes saved per second computed again, until the plan fits
         try:
             return _planned(problem, request, pricing, terms, groups[:k], plan_within, k == len(groups))
