@@ -64,13 +64,12 @@ def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing:
         return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
     if request.level == 1:
         return _least_peak(problem, request, pricing, terms, groups, plan_within)
-    for k in range(1, len(groups) + 1):  # groups by bytes saved per second computed again, until the plan fits
+    for k in range(1, len(groups)):  # groups by bytes saved per second computed again, until the plan fits
         try:
-            return _planned(problem, request, pricing, terms, groups[:k], plan_within, k == len(groups))
+            return _planned(problem, request, pricing, terms, groups[:k], plan_within, False)
         except ValueError:
-            if k == len(groups):
-                raise
-    raise AssertionError("unreachable")
+            pass
+    return _planned(problem, request, pricing, terms, groups, plan_within, True)  # (else its error: the figures)
 
 
 def _least_peak(problem, request, pricing, terms, groups, plan_within) -> Plan:
@@ -93,7 +92,8 @@ def _planned(problem, request, pricing, terms, groups, plan_within, final: bool,
     """The plan with ``groups`` recomputed (priced again for them), carrying its recompute records."""
     if groups:
         problem = with_recompute(problem, [r for g in groups for r in g])
-        pricing.problem = problem  # (its memos hold for the new problem: recompute changes no candidate list)
+    pricing.problem = problem  # (its memos hold for every such problem: recompute changes no candidate list)
+    if groups:
         terms = pricing.terms(request.keep_split)
     try:
         plan = plan_within(problem, terms, final)
