@@ -153,3 +153,33 @@ def test_the_search_recomputes_to_fit_and_real_ranks_give_eagers_numbers(gloo2):
     (kept, none), (again, regions) = (gloo2.run(_recompute_body, r, b)[0] for r, b in ((False, False), (None, True)))
     assert none == [] and regions == [(f"blocks.{i}", "search") for i in range(3)]
     assert again < kept / 2, (again, kept)
+
+
+class _OneByHand(_DroppedStack):
+    """The middle block checkpointed by hand, the others left to recompute=."""
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if i == 1 else b(x)
+        return x
+
+
+def test_regions_checkpointed_by_hand_and_recomputed_by_the_plan_run_together():
+    import copy
+
+    torch.manual_seed(0)
+    reference, x = _OneByHand(), torch.randn(4, 8, 16)
+    with simulated_world(1, local_tensors=False):  # a process group of one: the traced graphs run
+        model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), recompute=True)
+        torch.manual_seed(1)
+        y = model(x)
+        torch.manual_seed(1)
+        ref = reference(x)
+        y.square().sum().backward()
+        ref.square().sum().backward()
+        plan = sf.explain(model, x)
+    torch.testing.assert_close(y, ref)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert [(r.region, r.origin) for r in plan.recompute] == [
+        ("blocks.0", "recompute=True"), ("checkpoint 1 (blocks.1)", "checkpoint"), ("blocks.2", "recompute=True")]
