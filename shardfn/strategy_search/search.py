@@ -12,6 +12,7 @@ so a user waiting on a large plan sees it move. Nothing a search builds outlives
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -49,41 +50,45 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
     pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype,
                       links)
     terms = step("pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
-    def within_budget(problem, terms, final: bool) -> Plan:
-        budget, over = request.profile.memory_bytes, None
-        for attempt in range(_BUDGET_ROUNDS):
-            try:
-                solution = step("solve", lambda: solve_level(request.level, terms, request.profile, time_limit_s,
-                                                             budget),
-                                lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
-                                          + ("optimal" if s.optimal else f"gap {s.gap:.2%}"))
-                plan = step("read-out", lambda: read_plan(problem, request, mesh_spec, pricing, terms, solution),
-                            lambda p: f"{len(p.collectives)} collectives")
-                break
-            except OverBudget as e:
-                # the solve bounds the pricing's estimate of memory, the read-out walks the plan's liveness: where
-                # the walk finds more, solve again within a budget smaller by what it found over
-                over = e
-                if not request.profile.memory_is_hard and final:  # (a CPU's: the host's, shared): said, not refused
-                    warnings.warn(PlanMemoryWarning(str(e)), stacklevel=4)
-                    plan = dataclasses.replace(e.plan, notes=[*e.plan.notes, str(e)])
-                    break
-                if request.level == 1 or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes \
-                        or not request.profile.memory_is_hard:
-                    raise  # (outputs returned whole that alone exceed the memory: no plan can fit)
-                budget -= 1.05 * (e.peak - request.profile.memory_bytes) + 2**20
-            except ValueError:
-                if over is None:
-                    raise
-                raise over from None  # (nothing fits the lower budget: the figures of the plan that did not fit)
-        if solution.timed_out:
-            log.warning("shardfn: the strategy search stopped at its time limit (%.0f s, SHARDFN_SEARCH_TIME_LIMIT); "
-                        "the plan is the best found, within %.2f%% of the best bound", time_limit_s,
-                        100 * solution.gap)
-        return plan
-
     # the regions backward computes again are chosen around the level's solve (recompute.py)
-    return plan_with_recompute(problem, request, pricing, terms, within_budget)
+    within = functools.partial(_within_budget, request, mesh_spec, pricing, step, time_limit_s)
+    return plan_with_recompute(problem, request, pricing, terms, within)
+
+
+def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, step, time_limit_s: float,
+                   problem, terms, final: bool) -> Plan:
+    """The level's plan of ``problem`` priced by ``terms`` within the memory; a ValueError where none fits (the
+    figures of the closest). ``final``: a nominal memory's (a CPU's) over-budget plan is returned, said."""
+    budget, over = request.profile.memory_bytes, None
+    for attempt in range(_BUDGET_ROUNDS):
+        try:
+            solution = step("solve", lambda: solve_level(request.level, terms, request.profile, time_limit_s,
+                                                         budget),
+                            lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
+                                      + ("optimal" if s.optimal else f"gap {s.gap:.2%}"))
+            plan = step("read-out", lambda: read_plan(problem, request, mesh_spec, pricing, terms, solution),
+                        lambda p: f"{len(p.collectives)} collectives")
+            break
+        except OverBudget as e:
+            # the solve bounds the pricing's estimate of memory, the read-out walks the plan's liveness: where
+            # the walk finds more, solve again within a budget smaller by what it found over
+            over = e
+            if not request.profile.memory_is_hard and final:  # (a CPU's: the host's, shared): said, not refused
+                warnings.warn(PlanMemoryWarning(str(e)), stacklevel=2)
+                plan = dataclasses.replace(e.plan, notes=[*e.plan.notes, str(e)])
+                break
+            if request.level == 1 or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes \
+                    or not request.profile.memory_is_hard:
+                raise  # (outputs returned whole that alone exceed the memory: no plan can fit)
+            budget -= 1.05 * (e.peak - request.profile.memory_bytes) + 2**20
+        except ValueError:
+            if over is None:
+                raise
+            raise over from None  # (nothing fits the lower budget: the figures of the plan that did not fit)
+    if solution.timed_out:
+        log.warning("shardfn: the strategy search stopped at its time limit (%.0f s, SHARDFN_SEARCH_TIME_LIMIT); "
+                    "the plan is the best found, within %.2f%% of the best bound", time_limit_s, 100 * solution.gap)
+    return plan
 
 
 class _Steps:
