@@ -10,6 +10,7 @@ its own fresh gloo ranks:
 
 - shardfn, the search deciding (recompute=None) under that memory: it recomputes the layers it must;
 - shardfn with recompute=False (no memory limit: the plan that does not fit, for reference);
+- shardfn with torch.utils.checkpoint around every block by hand (recompute=False, no memory limit);
 - FSDP2 (fully_shard on every block and the root) with torch.utils.checkpoint around every block (eager).
 
 Per rank: the median step (forward, backward, optimizer) after two warm-up steps (shardfn plans in the first),
@@ -47,7 +48,8 @@ from fully_sharded import _TensorPeak, _local  # noqa: E402
 from tests.harness import free_port  # noqa: E402
 from tests.models import GPTStack  # noqa: E402
 
-KINDS = ("shardfn, the search deciding", "shardfn, recompute=False", "FSDP2 + checkpoint every block")
+KINDS = ("shardfn, the search deciding", "shardfn, recompute=False", "shardfn, checkpoint every block",
+         "FSDP2 + checkpoint every block")
 
 
 def _model(args):
@@ -65,13 +67,15 @@ def worker(rank, args, port, which, profile, results):
     torch.manual_seed(0)
     x = torch.randn(args.batch * args.world, args.seq, args.dim)[args.batch * rank: args.batch * (rank + 1)]
     model, estimate, recomputed = _model(args), 0, 0
-    if which == KINDS[2]:
-        from torch.distributed.fsdp import fully_shard
+    fsdp = which == KINDS[3]
+    for block in model.blocks:
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard
 
-        for i, block in enumerate(model.blocks):
             fully_shard(block)
-            model.blocks[i].forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
-                                                        use_reentrant=False)
+        if which in KINDS[2:]:  # torch.utils.checkpoint around every block, by hand
+            block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward, use_reentrant=False)
+    if fsdp:
         fully_shard(model)
     else:
         model = sf.shard(model, in_strategy=(None,), dataset_strategy="data_parallel", level=2,
@@ -96,7 +100,7 @@ def worker(rank, args, port, which, profile, results):
         elif step >= 2:
             times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
-    if which != KINDS[2]:
+    if not fsdp:
         plan = sf.explain(model, x)
         estimate, recomputed = plan.cost.peak_bytes, len(plan.recompute)
     results[(which, rank)] = (statistics.median(times), peak, estimate, recomputed, losses)
@@ -172,14 +176,14 @@ def main():
                            start_method="spawn")
     for w in KINDS:  # shardfn's gradients are the ranks' sum, FSDP2's their mean: AdamW's eps lets them drift
         for r in range(args.world):
-            a, b = results[(w, r)][4], results[(KINDS[2], r)][4]
+            a, b = results[(w, r)][4], results[(KINDS[3], r)][4]
             assert all(abs(u - v) <= 2e-5 * (k + 1) * max(1.0, abs(v)) for k, (u, v) in enumerate(zip(a, b))), \
                 (w, r, a, b)
     MiB = 2**20
     print(f"{args.layers} GPT blocks, dim {args.dim}, {args.world} gloo ranks, batch {args.batch} x {args.seq} per "
           f"rank, AdamW; memory {budget / MiB:.1f} MiB a rank (plan without recompute {kept / MiB:.1f} MiB, every "
           f"layer recomputed {again / MiB:.1f} MiB); the same losses for every step")
-    base = statistics.median(results[(KINDS[2], r)][0] for r in range(args.world))
+    base = statistics.median(results[(KINDS[3], r)][0] for r in range(args.world))
     for w in KINDS:
         ms = statistics.median(results[(w, r)][0] for r in range(args.world))
         peak = max(results[(w, r)][1] for r in range(args.world))
