@@ -24,7 +24,7 @@ __all__ = ["ShardedFunction", "ShardedModule", "engine_of", "explain", "no_sync"
 
 
 def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, device=None,
-          dataset_strategy="full_batch", example_inputs=None, mp_policy=None, dynamic=None):
+          dataset_strategy="full_batch", example_inputs=None, mp_policy=None, dynamic=None, recompute=None):
     """Shard ``fn`` (a function of tensors, or an nn.Module, sharded in place) over all ranks.
 
     See the README for the full semantics: ``in_strategy`` has one entry per positional input (a tuple of split
@@ -40,6 +40,9 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
     ``dynamic``: None (default) makes one program for every size of the dims whose size changed, once a second
     size is seen (those dims traced as symbols); False keeps one program per size; a dict {argument position or
     keyword name: dims} makes them dynamic from the first call (every tensor of that argument).
+    ``recompute``: None (default) lets the search choose layers whose activations backward computes again
+    instead of keeping them (where the plan would not fit the memory; at level 1 where it lowers the peak);
+    False never; True every layer. Regions checkpointed by hand (torch.utils.checkpoint) stay checkpointed.
     """
     options = {name: value for name, value in locals().items() if name in _OPTIONS}
     engine = _engine_for(fn, options)

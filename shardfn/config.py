@@ -230,11 +230,12 @@ class ShardConfig:
     # dims whose size changes: None traces those that changed as symbols once a second size is seen (one
     # program for every size), False keeps one program per size; {argument: dims} names some up front
     dynamic: Any = None
+    recompute: bool | None = None  # None: the search decides; False: never; True: every layer
 
     @classmethod
     def make(cls, fn: Callable, *, module: nn.Module | None, in_strategy: Any, out_strategy: Any,
              parameter_plan: Any, level: Any, device: Any, dataset_strategy: Any, mp_policy: Any,
-             dynamic: Any) -> "ShardConfig":
+             dynamic: Any, recompute: Any) -> "ShardConfig":
         """shard()'s options checked and normalised (their defaults are shard()'s)."""
         in_strategy = _check_in_strategy(in_strategy, fn)
         out_strategy = _check_out_strategy(out_strategy)
@@ -254,8 +255,12 @@ class ShardConfig:
             raise TypeError("mp_policy applies to a module's parameters; fn is a function: cast its inputs yourself "
                             "(or use torch.autocast)")
         dynamic = _check_dynamic(dynamic)
+        if recompute not in (None, True, False) or not isinstance(recompute, (bool, type(None))):
+            raise ValueError(
+                f"recompute must be None (the search decides: where the plan does not fit the memory, and at level 1 "
+                f"where it lowers the peak), False (never) or True (every layer), got {recompute!r}")
         config = cls(in_strategy, out_strategy, plan, level, device, dataset_strategy, precision=precision,
-                     dynamic=dynamic)
+                     dynamic=dynamic, recompute=recompute)
         return dataclasses.replace(config, ranks=_call_ranks(config.strategies()))
 
     def strategies(self) -> list:

@@ -32,7 +32,8 @@ def build_request(config: ShardConfig, name: str, call: BoundCall, captured: Cap
                        grad=torch.is_grad_enabled(), level=config.level, profile=profile,
                        keep_split=_data_parallel_dims(config, call, mesh_spec), accumulate=accumulate,
                        optimizer_stage=optimizer_stage, pending_grads=frozenset(pending_grads),
-                       precision=config.precision, name=name, notes=tuple(notes), arrivals=tuple(arrivals))
+                       precision=config.precision, name=name, notes=tuple(notes), arrivals=tuple(arrivals),
+                       recompute=config.recompute)
 
 
 def _input_requests(config: ShardConfig, captured: CapturedGraph, call: BoundCall, param_specs,

@@ -8,14 +8,16 @@ the effect mark that keeps linear algebra's error checks in traced graphs."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
 
-__all__ = ["annotated_as", "boxed_graph", "held_elsewhere", "keep_linalg_error_checks", "keeping_annotations",
-           "release_saved"]
+from ..capture.graph import CHECKPOINT_REGION
+
+__all__ = ["annotated_as", "boxed_graph", "held_elsewhere", "in_region", "keep_linalg_error_checks",
+           "keeping_annotations", "release_saved"]
 
 
 def keep_linalg_error_checks() -> None:
@@ -71,7 +73,31 @@ def keeping_annotations() -> contextlib.AbstractContextManager:
     return fx_traceback.preserve_node_meta()
 
 
-def annotated_as(node: torch.fx.Node) -> contextlib.AbstractContextManager:
-    """The nodes traced inside carry ``node``'s annotations (``meta["custom"]``: its checkpoint region)."""
+def annotated_as(node: torch.fx.Node, region: int | None = None) -> contextlib.AbstractContextManager:
+    """The nodes traced inside carry ``node``'s annotations (``meta["custom"]``: its checkpoint region), the
+    checkpoint region ``region`` where one is given (a region the plan recomputes, or a user's renumbered)."""
     custom = node.meta.get("custom")
+    if region is not None:
+        custom = {**(custom or {}), CHECKPOINT_REGION: region}
     return fx_traceback.annotate(custom) if custom and hasattr(fx_traceback, "annotate") else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def in_region(region: int) -> Iterator[None]:
+    """Inside an fx Interpreter's run of a node (whose meta is the current one): the nodes traced carry checkpoint
+    region ``region``. The current meta's annotations are copied first: they are the node's own dict."""
+    meta = fx_traceback.get_current_meta()
+    if not hasattr(fx_traceback, "annotate") or meta is None:
+        yield
+        return
+    had = "custom" in meta
+    own = meta.get("custom")
+    meta["custom"] = dict(own or {})
+    try:
+        with fx_traceback.annotate({CHECKPOINT_REGION: region}):
+            yield
+    finally:
+        if had:
+            meta["custom"] = own
+        else:
+            meta.pop("custom", None)

@@ -30,7 +30,8 @@ from torch.distributed.tensor.placement_types import Shard
 from .._simulation_internals import local_tensor_mode
 from ..capture.graph import CapturedGraph, checkpoint_region, is_getitem, is_in_place, is_view
 from ._dtensor_internals import is_masked_sum, layout_of, local_as, local_of
-from ._graph_internals import annotated_as, boxed_graph, keep_linalg_error_checks, keeping_annotations, release_saved
+from ._graph_internals import (annotated_as, boxed_graph, in_region, keep_linalg_error_checks, keeping_annotations,
+                               release_saved)
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
 from ..strategy_search.plan import NodePlan, Plan
@@ -139,8 +140,10 @@ class ParallelProgram:
         self._cast_where_read: set[int] = set()
         self._written_elsewhere = [k for k in captured.writes if self.entries[k].held != self.entries[k].planned]
         self._written = {n.args[0] for n in captured.gm.graph.nodes if is_in_place(n.target)}
-        # activation checkpointing: backward computes these regions again (recompute_checkpointed)
-        self._checkpointed = any(checkpoint_region(n) is not None for n in captured.gm.graph.nodes)
+        # activation checkpointing: backward computes these regions again (recompute_checkpointed): the user's and
+        # those the plan recomputes, each op's region numbered in program order
+        self._regions = _regions(captured, plan)
+        self._checkpointed = bool(self._regions)
         # one rank holds everything: the captured graph itself runs, with nothing to lay out
         step = self.whole_step if mesh.size() == 1 else self.local_step
         # a world of one runs the captured graph itself: untraced, with its ops called through torch's bindings
@@ -174,7 +177,8 @@ class ParallelProgram:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
         if node in self._as_is:  # one output of a multi-output node, or a number: as it is
             return node.target(*args, **kwargs)
-        with annotated_as(node):  # its checkpoint region, for the partitioner (recompute_checkpointed)
+        # its checkpoint region, for the partitioner (recompute_checkpointed)
+        with annotated_as(node, self._regions.get(node)):
             out = self._compute(node, args, kwargs)
             if node in self._masked:
                 out = _masks_reduced(out)
@@ -299,7 +303,7 @@ class ParallelProgram:
             # an interpreter hands each node's annotations (its region) to the trace, and reads the graph's
             # constant tensors from the step's inputs (traced, they are its inputs, not tensors of the graph)
             if self._checkpointed or constants:
-                outs = _ConstantsAsInputs(self.captured.gm, constants).run(*used)
+                outs = _ConstantsAsInputs(self.captured.gm, constants, self._regions).run(*used)
             else:
                 outs = self._whole_graph.forward(*used)
         return outs if self.precision is None else [self._returned(o) for o in outs]
@@ -527,14 +531,20 @@ class _ConstantsAsInputs(torch.fx.Interpreter):
     """Runs a captured graph with its constant tensors (get_attr nodes of a tensor value, in graph order) taken
     from ``constants``, as :class:`ParallelProgram` passes them (so AOTAutograd traces them as inputs)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, constants):
+    def __init__(self, gm: torch.fx.GraphModule, constants, regions: dict | None = None):
         super().__init__(gm)
         self.constants = iter(constants)
+        self.regions = regions or {}  # each op's checkpoint region (ParallelProgram._regions)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         if n.op == "get_attr" and isinstance(n.meta.get("val"), torch.Tensor):
             return next(self.constants)
-        return super().run_node(n)
+        region = self.regions.get(n)
+        if region is None:
+            return super().run_node(n)
+        with self._set_current_node(n), in_region(region):  # (as Interpreter.run_node, in the node's region)
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            return getattr(self, n.op)(n.target, args, kwargs)
 
 
 def _masks_reduced(out: Any) -> Any:
@@ -684,6 +694,26 @@ def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> ParallelProg
     keep_linalg_error_checks()
     traced = local_tensor_mode() is None and captured.dynamic is None
     return ParallelProgram(captured, plan, mesh, traced)
+
+
+def _regions(captured: CapturedGraph, plan: Plan) -> dict[torch.fx.Node, int]:
+    """Each op's activation-checkpoint region: one the user checkpointed (torch.utils.checkpoint), or one the plan
+    recomputes (``plan.recompute``: its ops by name), numbered in program order as the partitioner wants them (the
+    value leaving a region for the next is kept, not computed again): by the region's last op read, since graph
+    order may hoist a layer's ops on inputs alone (a mask) ahead of earlier layers."""
+    chosen = {name: r.region for r in plan.recompute for name in r.nodes}
+    keys: dict[torch.fx.Node, Any] = {}
+    last: dict[Any, int] = {}
+    for i, node in enumerate(captured.gm.graph.nodes):
+        user = checkpoint_region(node)
+        if user is not None:
+            keys[node] = ("checkpoint", user)
+        elif node.name in chosen and node.op == "call_function":
+            keys[node] = ("plan", chosen[node.name])
+        if node in keys and node.users:  # (an unread item of a multi-output op may trail the graph)
+            last[keys[node]] = i
+    numbers = {key: k + 1 for k, key in enumerate(sorted(set(keys.values()), key=lambda k: last.get(k, -1)))}
+    return {node: numbers[key] for node, key in keys.items()}
 
 
 def _node_plans(graph: torch.fx.Graph, plan: Plan) -> tuple[dict[torch.fx.Node, NodePlan], set[torch.fx.Node]]:

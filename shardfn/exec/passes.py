@@ -134,9 +134,13 @@ def _is_collective(node: torch.fx.Node) -> bool:
 def _movable(node: torch.fx.Node) -> bool:
     """Can ``node`` run earlier? Pure ops can, and in-place ops on a buffer only they read; placeholders, waits,
     writes into anything else (an input's update) and random ops (their order sets the numbers they draw)
-    stay where they are."""
+    stay where they are, and so do a checkpoint region's ops computed again (the partitioner puts each just
+    before the backward that reads it: hoisted to the graph's start, every region's values would live at once)."""
     target = node.target
     if node.op != "call_function" or target is _c10d.wait_tensor.default:
+        return False
+    if checkpoint_region(node) is not None and node.meta.get("recompute") is not None \
+            and node.meta["recompute"].name == "MUST_RECOMPUTE":
         return False
     if is_in_place(target):
         return _owned(node.args[0])

@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..layout import MeshSpec
 
-__all__ = ["collective_module", "folded_layers", "layer_of", "mesh_text", "placements_text", "summary_lines"]
+__all__ = ["collective_module", "folded_layers", "layer_of", "mesh_text", "placements_text", "recompute_lines",
+           "summary_lines"]
 
 _TOP = "(top level)"
 
@@ -146,3 +147,24 @@ def placements_text(p: tuple | None) -> str:
         s = s.replace("Replicate()", "R").replace("Shard(dim=", "S(").replace("Partial(sum)", "P")
         short.append(s)
     return "(" + ",".join(short) + ")"
+
+
+def recompute_lines(plan) -> list[str]:
+    """The regions backward computes again (repeated layers folded alike), each with the per-rank bytes it does
+    not keep and the forward seconds it computes again (per region)."""
+    runs: list[list] = []
+    for r in plan.recompute:
+        if runs and runs[-1][0].origin == r.origin and _index_free(runs[-1][0].region) == _index_free(r.region) \
+                != r.region:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    lines = []
+    for run in runs:
+        first, last = run[0].region, run[-1].region
+        label = first if len(run) == 1 else f"{first}-{last.rpartition('.')[2]} (x{len(run)})"
+        why = {"search": "chosen by the search", "recompute=True": "recompute=True",
+               "checkpoint": "checkpointed by hand"}.get(run[0].origin, run[0].origin)
+        lines.append(f"recompute {label}  ({why}): {_mib(run[0].saved_bytes)} a rank not kept, "
+                     f"{run[0].extra_s * 1e3:.3f} ms of forward again" + (" each" if len(run) > 1 else ""))
+    return lines

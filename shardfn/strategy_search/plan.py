@@ -15,9 +15,10 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..config import Precision
 from ..layout import Axis, MeshSpec
-from ._summary import mesh_text, placements_text, summary_lines
+from ._summary import mesh_text, placements_text, recompute_lines, summary_lines
 
-__all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "mesh_text", "parse_placement", "placements_text"]
+__all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "Recompute", "mesh_text",
+           "parse_placement", "placements_text"]
 
 Placements = tuple[Placement, ...]
 
@@ -97,6 +98,20 @@ class InputPlan:
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """A region backward computes again instead of keeping its values from forward (activation checkpointing)."""
+
+    region: str  # the layer's path (model.layers.3); "checkpoint N (layer)" for a region checkpointed by hand
+    origin: str  # "search" (to fit the memory; level 1: to lower the peak), "recompute=True", "checkpoint" (by hand)
+    nodes: tuple[str, ...]  # its ops (node names), which exec marks as torch.utils.checkpoint's are (none: by hand)
+    saved_bytes: int  # per-rank bytes not kept from forward to backward
+    extra_s: float  # the cost model's seconds of forward computed again
+
+    def __post_init__(self):
+        object.__setattr__(self, "nodes", tuple(self.nodes))
+
+
+@dataclass(frozen=True)
 class Plan:
     """The partitioned program ``shard()`` runs and ``explain()`` shows: everything exec needs to lower the
     captured graph it was made for, and nothing exec adds (compile times live on the program). Frozen: a plan
@@ -138,10 +153,11 @@ class Plan:
     accumulate: bool = False
     pending_grads: frozenset[str] = frozenset()
     precision: Precision | None = None  # a mixed precision policy the program runs under
+    recompute: tuple[Recompute, ...] = ()  # the regions backward computes again, in program order
 
     def __post_init__(self):
         # read-only all the way down: the containers are tuples and read-only mappings
-        for name in ("inputs", "outputs", "returns_dtensor", "collectives", "notes", "output_shapes"):
+        for name in ("inputs", "outputs", "returns_dtensor", "collectives", "notes", "output_shapes", "recompute"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "nodes", MappingProxyType(dict(self.nodes)))
         object.__setattr__(self, "search", MappingProxyType(dict(self.search)))
@@ -160,12 +176,13 @@ class Plan:
                 f"compute {self.cost.compute_s * 1e3:.3f} ms  comm {self.cost.comm_s * 1e3:.3f} ms  "
                 f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank"
                 + ("" if self.optimal else f"  (best found, within {self.gap:.2%} of the best bound)")
-                + ("  parameters gathered again in backward" if self.reshard_after_forward else ""))
+                + ("  parameters gathered again in backward" if self.reshard_after_forward else "")
+                + (f"  recompute {sum(r.extra_s for r in self.recompute) * 1e3:.3f} ms" if self.recompute else ""))
 
     def __str__(self) -> str:
         """The plan per layer (repeated layers folded): each layer's parameters by layout and its collectives by
         kind; then what is returned and the notes. ``table()`` lists every op and every collective."""
-        lines = [self._header(), *summary_lines(self, placements_text)]
+        lines = [self._header(), *summary_lines(self, placements_text), *recompute_lines(self)]
         if not self.collectives:
             lines.append("no collectives")
         lines.append(f"returns {', '.join(placements_text(p) for p in self.outputs)}  "
@@ -274,6 +291,7 @@ class Plan:
                 "name": self.name,
                 "accumulate": self.accumulate,
                 "pending_grads": sorted(self.pending_grads),
+                "recompute": [asdict(r) for r in self.recompute],
                 "precision": None if self.precision is None else
                 {k: None if v is None else str(v) for k, v in _fields(self.precision).items()},
             },
@@ -359,6 +377,8 @@ def _decode(data: dict) -> Plan:
         accumulate=bool(data.get("accumulate", False)),
         pending_grads=frozenset(str(n) for n in data.get("pending_grads", ())),
         precision=_precision(data.get("precision")),
+        recompute=[Recompute(str(r["region"]), str(r["origin"]), tuple(str(n) for n in r["nodes"]),
+                             int(r["saved_bytes"]), float(r["extra_s"])) for r in data.get("recompute", ())],
     )
 
 

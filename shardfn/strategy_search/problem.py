@@ -58,6 +58,9 @@ class StrategyProblem:
     recomputed: frozenset[torch.fx.Node]  # values backward computes again (activation checkpointing)
     split_values: set[torch.fx.Node]  # values computed from inputs that stay split (data parallelism)
     fallbacks: set[str] = field(default_factory=set)  # ops run replicated for want of a rule
+    # the region of each op of a region the search recomputes (the layer's path; :mod:`.recompute`): the
+    # read-out's walk brings its values back where the backward enters it, as for a checkpointed one
+    regions: dict[torch.fx.Node, str] = field(default_factory=dict)
 
 
 class CandidateLists:

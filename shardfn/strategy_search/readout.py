@@ -336,9 +336,12 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     needs_grad = problem.needs_grad
     if not needs_grad:
         return at, {}, resident, outputs
-    regions: dict[int, list[torch.fx.Node]] = {}
+    def region(n):  # a checkpointed region's number, or the layer the search recomputes
+        return problem.regions.get(n, checkpoint_region(n))
+
+    regions: dict[int | str, list[torch.fx.Node]] = {}
     for n in problem.recomputed:
-        regions.setdefault(checkpoint_region(n), []).append(n)
+        regions.setdefault(region(n), []).append(n)
     grads: dict[torch.fx.Node, int] = {}  # gradients alive, by the value they are the gradient of
 
     def gradient(a) -> None:
@@ -354,7 +357,7 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     for node in reversed(order):
         if node.op != "call_function":
             continue
-        for n in regions.pop(checkpoint_region(node), ()):  # a checkpointed region computed again
+        for n in regions.pop(region(node), ()):  # a checkpointed (or recomputed) region computed again
             saved[n] = own_bytes(n)
             live += saved[n]
         if node in needs_grad:
@@ -408,8 +411,10 @@ def _check_budget(problem: StrategyProblem, request: PlanRequest, plan: Plan, re
         ways.append(f"outputs returned split (out_strategy, or dataset_strategy='data_parallel': each rank its "
                     f"rows) or not at all (a model's logits where only its loss is wanted): returned whole, they "
                     f"take {outputs / GiB:.1f} GiB on every rank")
-    ways.append(f"recompute (torch.utils.checkpoint around layers) or a shorter sequence or smaller batch: "
-                f"activations and gathered parameters take {(peak - resident - outputs) / GiB:.1f} GiB a rank")
+    what = "a shorter sequence or smaller batch" if problem.regions else \
+        "recompute (recompute=True, or torch.utils.checkpoint around layers) or a shorter sequence or smaller batch"
+    ways.append(f"{what}: activations and gathered parameters take {(peak - resident - outputs) / GiB:.1f} GiB a "
+                f"rank")
     raise OverBudget(plan, outputs,
         f"level={request.level}: no plan found fits the per-rank memory of the {request.profile.name} profile "
         f"({budget / GiB:.1f} GiB): this plan's peak is {peak / GiB:.1f} GiB a rank, of which parameters, "

@@ -79,6 +79,8 @@ class PlanRequest:
     # moves of arguments that arrive from other ranks (submesh.arrival_records)
     notes: tuple[str, ...] = ()
     arrivals: tuple[Collective, ...] = ()
+    # recompute in backward (strategy_search.recompute): None the search decides, False never, True every layer
+    recompute: bool | None = None
 
     @property
     def reduce_dtype(self) -> torch.dtype | None:

@@ -12,6 +12,7 @@ so a user waiting on a large plan sees it move. Nothing a search builds outlives
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import warnings
@@ -26,6 +27,7 @@ from .plan import Plan
 from .pricing import Pricing
 from .problem import CandidateLists, build_problem
 from .readout import OverBudget, read_plan
+from .recompute import plan_with_recompute
 from .request import PlanRequest, search_time_limit
 
 __all__ = ["PlanMemoryWarning", "make_plan"]
@@ -48,6 +50,15 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
     pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype,
                       links)
     terms = step("pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
+    # the regions backward computes again are chosen around the level's solve (recompute.py)
+    within = functools.partial(_within_budget, request, mesh_spec, pricing, step, time_limit_s)
+    return plan_with_recompute(problem, request, pricing, terms, within)
+
+
+def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, step, time_limit_s: float,
+                   problem, terms, final: bool) -> Plan:
+    """The level's plan of ``problem`` priced by ``terms`` within the memory; a ValueError where none fits (the
+    figures of the closest). ``final``: a nominal memory's (a CPU's) over-budget plan is returned, said."""
     budget, over = request.profile.memory_bytes, None
     for attempt in range(_BUDGET_ROUNDS):
         try:
@@ -62,11 +73,12 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
             # the solve bounds the pricing's estimate of memory, the read-out walks the plan's liveness: where
             # the walk finds more, solve again within a budget smaller by what it found over
             over = e
-            if not request.profile.memory_is_hard:  # (a CPU's: the host's memory, shared): said, not refused
+            if not request.profile.memory_is_hard and final:  # (a CPU's: the host's, shared): said, not refused
                 warnings.warn(PlanMemoryWarning(str(e)), stacklevel=2)
                 plan = dataclasses.replace(e.plan, notes=[*e.plan.notes, str(e)])
                 break
-            if request.level == 1 or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes:
+            if request.level == 1 or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes \
+                    or not request.profile.memory_is_hard:
                 raise  # (outputs returned whole that alone exceed the memory: no plan can fit)
             budget -= 1.05 * (e.peak - request.profile.memory_bytes) + 2**20
         except ValueError:

@@ -53,3 +53,133 @@ def test_the_plan_is_frozen_and_what_running_finds_is_kept_apart():
     # explain of a signature that ran adds its measured step to a copy: the program's plan stays as made
     (ran,) = sf.engine_of(f).programs.values()
     assert plan.measured_s is not None and ran.plan.measured_s is None and plan.nodes == ran.plan.nodes
+
+
+class _DroppedStack(torch.nn.Module):
+    """Three GPT blocks with dropout: a recomputed layer's draws must be the forward's."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.models import GPTBlock
+
+        self.blocks = torch.nn.ModuleList(GPTBlock(16, 4, dropout=0.2) for _ in range(3))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def _recompute_body(recompute, budget: bool = False):
+    """shard(recompute=...) against eager under one seed (dropout's draws included): the output, every gradient;
+    the elements the traced forward saves for backward and the plan's recompute regions. ``budget``: a hard
+    memory between the least peak without recompute and the fastest plan's with it (the batch split, parameters
+    whole), so the search must recompute to fit."""
+    import copy
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    from shardfn.strategy_search import cost_model as cm
+
+    torch.manual_seed(0)
+    reference, x = _DroppedStack(), torch.randn(4, 8, 16)
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    layouts = dict(in_strategy=((n, 1, 1),), parameter_plan={k: (1,) * p.dim() for k, p in reference.named_parameters()})
+    folder = tempfile.mkdtemp()
+    if budget:
+        # below the least peak without recompute (level 1's), above the fastest plan's with it
+        peaks = [sf.explain(reference, x, level=level, recompute=r, **layouts).cost.peak_bytes
+                 for level, r in ((1, False), (2, True))]
+        path = os.path.join(folder, f"profile{dist.get_rank() if dist.is_initialized() else 0}.json")
+        cm.save_profile(dataclasses.replace(cm.CPU, memory_bytes=sum(peaks) / 2, memory_is_hard=True), path)
+        os.environ["SHARDFN_PROFILE"] = path
+    try:
+        model = sf.shard(copy.deepcopy(reference), level=2, recompute=recompute, **layouts)
+        torch.manual_seed(1)
+        y = model(x)
+        torch.manual_seed(1)
+        ref = reference(x)
+    finally:
+        os.environ.pop("SHARDFN_PROFILE", None)
+    torch.testing.assert_close(y, ref)
+    y.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    (compiled,) = sf.engine_of(model).programs.values()
+    fw = compiled.program.graphs.get("forward")
+    saved = 0 if fw is None else sum(n.meta["val"].numel() for n in next(
+        n for n in fw.graph.nodes if n.op == "output").args[0][1:] if isinstance(n, torch.fx.Node)
+        and isinstance(n.meta.get("val"), torch.Tensor))
+    if fw is not None:  # each region computed again just before its backward: the last layer's first
+        from shardfn.capture.graph import checkpoint_region
+
+        bw = compiled.program.graphs["backward"]
+        again = [checkpoint_region(n) for n in bw.graph.nodes if checkpoint_region(n) is not None
+                 and getattr(n.meta.get("recompute"), "name", "") == "MUST_RECOMPUTE"]
+        firsts = list(dict.fromkeys(again))
+        assert firsts == sorted(firsts, reverse=True), firsts
+    return saved, [(r.region, r.origin) for r in compiled.plan.recompute]
+
+
+def test_recomputed_layers_keep_less_and_give_eagers_numbers_in_a_world_of_one():
+    with simulated_world(1, local_tensors=False):  # a process group of one: the traced graphs run
+        (kept, none), (again, regions) = (_recompute_body(r) for r in (False, True))
+    assert none == [] and regions == [(f"blocks.{i}", "recompute=True") for i in range(3)]
+    assert again < kept / 2, (again, kept)
+
+
+def test_recomputed_layers_give_eagers_numbers_on_simulated_ranks():
+    with simulated_world(2):  # (interpreted: every value kept; the numbers are the check)
+        _, regions = _recompute_body(True)
+    assert len(regions) == 3
+
+
+@pytest.fixture(scope="module")
+def gloo2():
+    from tests.harness import RankPool
+
+    pool = RankPool(2)
+    yield pool
+    pool.close()
+
+
+def test_the_search_recomputes_to_fit_and_real_ranks_give_eagers_numbers(gloo2):
+    # two gloo ranks, a hard memory the plan fits only recomputing: the search chooses every block, the forward
+    # keeps less than half of what it keeps without recompute, and every number (dropout's too) is eager's
+    (kept, none), (again, regions) = (gloo2.run(_recompute_body, r, b)[0] for r, b in ((False, False), (None, True)))
+    assert none == [] and regions == [(f"blocks.{i}", "search") for i in range(3)]
+    assert again < kept / 2, (again, kept)
+
+
+class _OneByHand(_DroppedStack):
+    """The middle block checkpointed by hand, the others left to recompute=."""
+
+    def forward(self, x):
+        for i, b in enumerate(self.blocks):
+            x = torch.utils.checkpoint.checkpoint(b, x, use_reentrant=False) if i == 1 else b(x)
+        return x
+
+
+def test_regions_checkpointed_by_hand_and_recomputed_by_the_plan_run_together():
+    import copy
+
+    torch.manual_seed(0)
+    reference, x = _OneByHand(), torch.randn(4, 8, 16)
+    with simulated_world(1, local_tensors=False):  # a process group of one: the traced graphs run
+        model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), recompute=True)
+        torch.manual_seed(1)
+        y = model(x)
+        torch.manual_seed(1)
+        ref = reference(x)
+        y.square().sum().backward()
+        ref.square().sum().backward()
+        plan = sf.explain(model, x)
+    torch.testing.assert_close(y, ref)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert [(r.region, r.origin) for r in plan.recompute] == [
+        ("blocks.0", "recompute=True"), ("checkpoint 1 (blocks.1)", "checkpoint"), ("blocks.2", "recompute=True")]

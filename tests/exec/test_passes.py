@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import shardfn as sf
 from shardfn.exec.passes import simplify
 from shardfn.runtime import simulated_world
 
@@ -399,3 +400,22 @@ def test_level_1_regathers_parameters_in_backward():
         assert bool({(2, 4), (4, 2)} & saved) != regather  # the whole (gathered) weight, or its transpose
         assert not {(1, 4), (4, 1)} & saved  # no copy of the shard either
         assert bool(gathers) == regather
+
+
+def test_a_region_is_computed_again_just_before_its_backward_not_hoisted():
+    # overlap hoists a collective's inputs as early as they can run: a gradient bucket's all-reduce reads every
+    # layer's gradient, and hoisting the layers' recomputed forward with them would hold every region's values at
+    # once; each region is computed again where the partitioner put it, the last layer's first
+    import copy
+
+    from shardfn.capture.graph import checkpoint_region
+    from tests.models import GPTStack
+
+    with simulated_world(2, local_tensors=False):  # (traced graphs; the numbers are no concern here)
+        model = sf.shard(GPTStack(3, 64, 4), in_strategy=((2, 1, 1),), level=2, recompute=True)
+        model(torch.randn(4, 16, 64)).square().mean().backward()
+        (compiled,) = sf.engine_of(model).programs.values()
+    again = [checkpoint_region(n) for n in compiled.program.graphs["backward"].graph.nodes
+             if checkpoint_region(n) is not None and getattr(n.meta.get("recompute"), "name", "") == "MUST_RECOMPUTE"]
+    firsts = list(dict.fromkeys(again))
+    assert len(firsts) == 3 and firsts == sorted(firsts, reverse=True), firsts

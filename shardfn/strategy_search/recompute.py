@@ -1,0 +1,206 @@
+"""Recompute as a decision of the search: which regions backward computes again instead of keeping their values.
+
+A region is a layer of the module as ``str(plan)`` reads layers (the submodule path up to its index,
+``model.layers.3``; else its first two names, ``model.norm``). Recomputing it keeps, from forward to backward, only
+what enters and leaves it, as ``torch.utils.checkpoint`` around the layer would: its values read only inside it
+are computed again when the backward reaches it (random draws are kept: computed again they would differ). The
+memory model is the read-out's one liveness walk (``readout._live_bytes``), which brings a region's values back
+when the backward enters it; pricing counts a recomputed value's forward once more and keeps none of its bytes.
+
+Identical layers (one name but for the index, the same ops on the same shapes) decide alike: they form one group.
+The policy (``PlanRequest.recompute``): None lets the search decide: at levels 0 and 2, only where the plan does
+not fit the memory without it, groups added in order of bytes saved per second of forward computed again until
+the plan fits (level 2 keeps the fastest plan where memory allows); at level 1, every group that lowers the peak.
+True recomputes every region; False none. Regions the user checkpointed stay checkpointed in every case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.fx
+
+from .. import _pytree_internals as pytree
+from ..capture.graph import checkpoint_region, is_in_place, module_path
+from . import cost_model as cm
+from ._summary import layer_of
+from .plan import Plan, Recompute
+from .pricing import _BACKWARD_FACTOR, Pricing, Terms
+from .problem import StrategyProblem
+from .request import PlanRequest
+
+__all__ = ["Region", "plan_with_recompute", "region_groups", "with_recompute"]
+
+# plan_within(problem, terms, final) -> Plan: the level's plan within the memory, raising a ValueError (OverBudget
+# or the level's "no plan fits") where none fits; ``final``: a nominal memory's over-budget plan returned, said
+PlanWithin = Callable[[StrategyProblem, Terms, bool], Plan]
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str  # the layer's path
+    nodes: tuple[torch.fx.Node, ...]  # its ops in program order: exec marks them all, as checkpoint's region
+    recomputed: frozenset[torch.fx.Node]  # those whose values are not kept: read only inside it, not random
+    saved_whole: int  # bytes of those values, whole (what recomputing saves, before any split)
+    seconds_whole: float  # their forward's seconds, whole on one device (what recomputing costs)
+
+
+def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,
+                        plan_within: PlanWithin) -> Plan:
+    """The plan of the request's level with the regions it recomputes chosen by ``request.recompute``."""
+    if not request.grad or request.recompute is False:
+        return _planned(problem, request, pricing, terms, [], plan_within, True)
+    if request.recompute is None and request.level != 1:
+        try:  # the level's plan without recompute, where it fits (nothing more to price)
+            return _planned(problem, request, pricing, terms, [], plan_within, False)
+        except ValueError:
+            pass
+    groups = region_groups(problem, request.profile)
+    if request.recompute is True or not groups:
+        return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
+    if request.level == 1:
+        return _least_peak(problem, request, pricing, terms, groups, plan_within)
+    for k in range(1, len(groups)):  # groups by bytes saved per second computed again, until the plan fits
+        try:
+            return _planned(problem, request, pricing, terms, groups[:k], plan_within, False)
+        except ValueError:
+            pass
+    return _planned(problem, request, pricing, terms, groups, plan_within, True)  # (else its error: the figures)
+
+
+def _least_peak(problem, request, pricing, terms, groups, plan_within) -> Plan:
+    """Level 1: every group whose recompute lowers the plan's peak (each tried on top of those kept)."""
+    def peak(chosen):
+        try:
+            return _planned(problem, request, pricing, terms, chosen, plan_within, False).cost.peak_bytes
+        except ValueError as e:  # (over a device's memory: the plan that did not fit, for its figures)
+            return e.plan.cost.peak_bytes if hasattr(e, "plan") else float("inf")
+
+    kept, best = [], peak([])
+    for group in groups:
+        trial = peak([*kept, group])
+        if trial < best * (1 - 1e-3):
+            kept, best = [*kept, group], trial
+    return _planned(problem, request, pricing, terms, kept, plan_within, True)
+
+
+def _planned(problem, request, pricing, terms, groups, plan_within, final: bool, origin: str = "search") -> Plan:
+    """The plan with ``groups`` recomputed (priced again for them), carrying its recompute records."""
+    if groups:
+        problem = with_recompute(problem, [r for g in groups for r in g])
+    pricing.problem = problem  # (its memos hold for every such problem: recompute changes no candidate list)
+    if groups:
+        terms = pricing.terms(request.keep_split)
+    try:
+        plan = plan_within(problem, terms, final)
+    except ValueError as e:
+        if hasattr(e, "plan"):  # OverBudget: its plan shows what it recomputed, and the error says so
+            e.plan = dataclasses.replace(e.plan, recompute=records(problem, e.plan, origin))
+            if groups:
+                e.args = (f"{e.args[0]} (with recompute of {_names(groups)})",)
+        elif request.recompute is False and e.args:  # (the level's "no plan fits": what else would)
+            e.args = (f"{e.args[0]}, or let the search recompute layers in backward (recompute=None)",)
+        raise
+    return dataclasses.replace(plan, recompute=records(problem, plan, origin))
+
+
+def _names(groups) -> str:
+    return ", ".join(f"{g[0].name}" + (f" and {len(g) - 1} more like it" if len(g) > 1 else "") for g in groups)
+
+
+def with_recompute(problem: StrategyProblem, regions: list[Region]) -> StrategyProblem:
+    """``problem`` with ``regions`` recomputed: their values are not kept (pricing, the read-out's walk)."""
+    where = {n: r.name for r in regions for n in r.nodes}
+    return dataclasses.replace(problem, recomputed=problem.recomputed | {n for r in regions for n in r.recomputed},
+                               regions={**problem.regions, **where})
+
+
+def region_groups(problem: StrategyProblem, profile: cm.DeviceProfile) -> list[list[Region]]:
+    """The regions the search may recompute, identical layers in one group, groups by bytes saved per second of
+    forward computed again (most first); regions that would save nothing left out."""
+    layers: dict[str, list[torch.fx.Node]] = {}
+    captured = problem.captured
+    # ops on parameters alone (a weight's transpose) are left out: graph order hoists them out of their layer,
+    # and the backward reads them as it reads the parameters
+    from_params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
+    for node in captured.gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.all_input_nodes and set(node.all_input_nodes) <= from_params:
+            from_params.add(node)
+        elif checkpoint_region(node) is None and module_path(node):
+            layers.setdefault(layer_of(module_path(node)), []).append(node)
+    groups: dict[tuple, list[Region]] = {}
+    for name, nodes in layers.items():
+        region = _region(problem, name, nodes, profile)
+        if region.saved_whole > 0:
+            # (by what it recomputes: a layer may also hold a value every layer reads, made once: dropout's scalar)
+            groups.setdefault(_likeness(name, [n for n in nodes if n in region.recomputed]), []).append(region)
+    return sorted(groups.values(), key=lambda g: -g[0].saved_whole / max(g[0].seconds_whole, 1e-15))
+
+
+def _region(problem: StrategyProblem, name: str, nodes: list[torch.fx.Node], profile: cm.DeviceProfile) -> Region:
+    inside = set(nodes)
+    recomputed = frozenset(n for n in nodes if n in problem.needs_grad and n.users and set(n.users) <= inside
+                           and _replayable(n))
+    saved = seconds = 0.0
+    for n in recomputed:
+        vals = [v for v in pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
+        if not cm.is_view_op(n):
+            saved += sum(v.numel() * v.element_size() for v in vals)
+            seconds += cm.compute_seconds(cm.node_flops(n), cm.node_bytes(n), 1, profile,
+                                          vals[0].dtype if vals else torch.float32)
+    return Region(name, tuple(nodes), recomputed, int(saved), seconds)
+
+
+def _replayable(node: torch.fx.Node) -> bool:
+    """Computed again with the same result: not a random draw (exec keeps those), nor a write."""
+    target = node.target
+    return not is_in_place(target) and not (
+        isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)
+
+
+def _likeness(name: str, nodes: list[torch.fx.Node]) -> tuple:
+    """What identical layers share: the name but for its index, and each op with its shapes."""
+    def shapes(n):
+        return tuple(tuple(v.shape) for v in pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor))
+
+    return re.sub(r"\.\d+$", ".#", name), tuple(sorted((str(n.target), shapes(n)) for n in nodes))
+
+
+def records(problem: StrategyProblem, plan: Plan, origin: str) -> tuple[Recompute, ...]:
+    """What the plan recomputes, per region in program order: the search's regions (their ops, which exec marks)
+    and those the user checkpointed (exec reads their marks from the graph), each with the per-rank bytes it
+    does not keep and the seconds of forward it computes again."""
+    regions: dict = {}
+    last: dict = {}  # each region's last op: regions in program order (graph order may hoist a layer's mask ops)
+    for i, node in enumerate(problem.captured.gm.graph.nodes):
+        key = problem.regions.get(node)
+        key = key if key is not None else checkpoint_region(node)
+        if key is not None and node.op == "call_function":
+            regions.setdefault(key, []).append(node)
+            if node.users:  # (an unread item of a multi-output op may trail the graph)
+                last[key] = i
+    out = []
+    for key in sorted(regions, key=lambda k: last.get(k, -1)):
+        nodes = regions[key]
+        saved, extra = 0, 0.0
+        for n in nodes:
+            np_ = plan.nodes.get(n.name)
+            if n not in problem.recomputed or np_ is None:
+                continue
+            extra += (np_.compute_s or 0.0) / (_BACKWARD_FACTOR + 1)  # (priced: forward, backward, forward again)
+            if not cm.is_view_op(n):
+                vals = [v for v in pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
+                saved += sum(cm.local_numel(v.shape, pl, problem.mesh_shape) * v.element_size()
+                             for v, pl in zip(vals, np_.outputs) if pl is not None)
+        if isinstance(key, str):
+            out.append(Recompute(key, origin, tuple(n.name for n in nodes), int(saved), extra))
+        else:  # a region the user checkpointed: named by the layer of its first op
+            where = layer_of(module_path(nodes[0])) if module_path(nodes[0]) else "fn"
+            out.append(Recompute(f"checkpoint {key} ({where})", "checkpoint", (), int(saved), extra))
+    return tuple(out)

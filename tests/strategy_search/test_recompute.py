@@ -1,0 +1,101 @@
+"""Recompute as a decision of the search (strategy_search/recompute.py): which layers backward computes again,
+chosen under the memory, priced as forward computed again, shown on the plan and steerable with recompute=."""
+
+import re
+
+import pytest
+import torch
+
+import shardfn as sf
+from tests.models import CheckpointedStack, GPTStack
+
+
+def _big_stack():
+    # 16 GPT layers of width 1024 at 64 x 2048 tokens on 2 H100s: about 15 GB kept per layer whole, over 80 GB a
+    # rank with everything kept; one layer's values at a time (and the layers' inputs) fit
+    with torch.device("meta"):
+        return GPTStack(16, 1024, 16), torch.empty(64, 2048, 1024)
+
+
+def _explain(model, x, **kwargs):
+    return sf.explain(model, x, world_size=2, in_strategy=(None,), device="cuda", **kwargs)
+
+
+def test_level_2_recomputes_only_where_memory_binds_and_then_fits():
+    model, x = _big_stack()
+    with pytest.raises(ValueError, match=r"level=2: no plan.*or let the search recompute layers in backward "
+                                         r"\(recompute=None\)"):
+        _explain(model, x, level=2, recompute=False)
+    plan = _explain(model, x, level=2)
+    assert 0 < plan.cost.peak_bytes <= 80e9
+    # identical layers decide alike: every block, chosen by the search, with what each costs
+    assert [r.region for r in plan.recompute] == [f"blocks.{i}" for i in range(16)]
+    assert {r.origin for r in plan.recompute} == {"search"}
+    assert all(r.saved_bytes > 0 and r.extra_s > 0 for r in plan.recompute)
+    assert re.search(r"recompute blocks\.0-15 \(x16\)  \(chosen by the search\): [\d.]+ MiB a rank not kept, "
+                     r"[\d.]+ ms of forward again each", str(plan))
+    # a plan that fits without recompute keeps everything (the fastest)
+    with torch.device("meta"):
+        small = torch.empty(4, 2048, 1024)
+    assert _explain(model, small, level=2).recompute == ()
+
+
+def test_recompute_is_priced_as_forward_computed_again_and_walked_by_the_one_memory_model():
+    # every layer recomputed against none, at one layout (data parallel): the compute grows by the forward of the
+    # recomputed values (the plan's figure), the peak drops; the peak is the liveness walk's, as for checkpoint
+    model, x = GPTStack(3, 16, 4), torch.randn(4, 8, 16)
+    kept, again = (sf.explain(model, x, world_size=2, in_strategy=(None,), dataset_strategy="data_parallel",
+                              level=2, recompute=r) for r in (False, True))
+    assert kept.recompute == () and [r.region for r in again.recompute] == ["blocks.0", "blocks.1", "blocks.2"]
+    # a recomputed op at the same layout: forward, backward (twice the forward) and its forward again
+    same = [n for n in again.nodes.values() if n.compute_s and n.outputs == kept.nodes[n.name].outputs
+            and n.inputs == kept.nodes[n.name].inputs]
+    grown = [n for n in same if n.compute_s > kept.nodes[n.name].compute_s]
+    assert len(grown) > 30
+    assert all(n.compute_s == pytest.approx(kept.nodes[n.name].compute_s * 4 / 3, rel=1e-9) for n in grown)
+    assert sum(r.extra_s for r in again.recompute) == pytest.approx(sum(n.compute_s / 4 for n in grown), rel=1e-9)
+    assert again.cost.peak_bytes < kept.cost.peak_bytes
+    walk = max(max(n.live_bytes or 0, n.backward_live_bytes or 0) for n in again.nodes.values())
+    assert again.cost.peak_bytes == walk
+    assert sf.Plan.from_json(again.to_json()).to_json() == again.to_json()
+    assert sf.Plan.from_json(again.to_json()).recompute == again.recompute
+    from shardfn.show.plan_page import render_page
+
+    assert "<th>recompute</th><td>blocks.0-2 (x3)  (recompute=True):" in render_page(again)  # the plan page too
+
+
+def test_level_1_recomputes_where_it_lowers_the_peak():
+    model, x = GPTStack(3, 16, 4), torch.randn(8, 8, 16)
+    never = sf.explain(model, x, world_size=2, in_strategy=(None,), level=1, recompute=False)
+    chosen = sf.explain(model, x, world_size=2, in_strategy=(None,), level=1)
+    assert chosen.recompute and chosen.cost.peak_bytes < never.cost.peak_bytes
+
+
+def test_hand_checkpointed_regions_stay_checkpointed_and_are_shown():
+    x = torch.randn(8, 16, 16)
+    for recompute in (None, False, True):
+        plan = sf.explain(CheckpointedStack(True), x, world_size=4, in_strategy=(None,), level=2,
+                          recompute=recompute)
+        assert [r.origin for r in plan.recompute] == ["checkpoint", "checkpoint"], recompute
+        assert "(checkpointed by hand)" in str(plan)
+    kept, again = (sf.explain(CheckpointedStack(False), x, world_size=4, in_strategy=(None,), level=2,
+                              recompute=r) for r in (False, True))
+    by_hand = sf.explain(CheckpointedStack(True), x, world_size=4, in_strategy=(None,), level=2)
+    # the search's regions walk as checkpoint's do (the captured regions differ by a few ops: checkpoint's own)
+    assert again.cost.peak_bytes < 0.8 * kept.cost.peak_bytes
+    assert again.cost.peak_bytes == pytest.approx(by_hand.cost.peak_bytes, rel=0.05)
+
+
+def test_recompute_argument_is_checked():
+    for bad in ("yes", 1, 0.5, ["blocks.0"]):
+        with pytest.raises(ValueError, match=r"recompute must be None \(the search decides.*False \(never\) or "
+                                             r"True \(every layer\), got"):
+            sf.shard(GPTStack(1, 16, 4), in_strategy=(None,), recompute=bad)
+        with pytest.raises(ValueError, match="recompute must be None"):
+            sf.explain(GPTStack(1, 16, 4), torch.randn(2, 4, 16), world_size=2, in_strategy=(None,), recompute=bad)
+
+
+def test_a_function_without_layers_recomputes_nothing():
+    w = torch.randn(8, 8, requires_grad=True)
+    plan = sf.explain(lambda x, w: torch.tanh(x @ w).sum(), torch.randn(4, 8), w, world_size=2, recompute=True)
+    assert plan.recompute == ()
