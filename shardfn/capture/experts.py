@@ -170,6 +170,8 @@ def moe_experts_backward(grad: torch.Tensor, hidden: torch.Tensor, index: torch.
                          experts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str,
                          impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ins = [t.detach().requires_grad_() for t in (hidden, weights, gate_up, down)]
+    if experts.numel() == 0:  # no expert here: no contribution, no gradient
+        return tuple(torch.zeros_like(t) for t in ins)
     with autograd_inside_an_op(), torch.enable_grad():
         out = _run_experts(ins[0], index, ins[1], experts, ins[2], ins[3], act, impl)
         grads = torch.autograd.grad(out, ins, grad, allow_unused=True)
