@@ -134,7 +134,13 @@ def _local_experts(gate_up, down, act: str, n_local: int):
     ns = types.SimpleNamespace(gate_up_proj=gate_up, down_proj=down, num_experts=n_local, has_gate=True,
                                has_bias=False, has_post_expert_norm=False, is_transposed=False,
                                _is_expert_parallel=True, act_fn=ACT2FN[act])
-    ns._apply_gate = lambda x: ns.act_fn(x.chunk(2, dim=-1)[0]) * x.chunk(2, dim=-1)[1]
+
+
+    def apply_gate(x):  # transformers' _default_apply_gate (the only gate taken: _supported)
+        gate, up = x.chunk(2, dim=-1)
+        return ns.act_fn(gate) * up
+
+    ns._apply_gate = apply_gate
     return ns
 
 
