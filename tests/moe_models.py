@@ -19,12 +19,13 @@ _SMALL = dict(hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, n
               vocab_size=VOCAB, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
 
 
-def make(name: str, impl: str = "grouped_mm") -> torch.nn.Module:
+def make(name: str, impl: str = "grouped_mm", experts: int = 4) -> torch.nn.Module:
     if name == "mixtral":
-        cfg = tf.MixtralConfig(intermediate_size=2048, num_local_experts=4, experts_implementation=impl, **_SMALL)
+        cfg = tf.MixtralConfig(intermediate_size=2048, num_local_experts=experts, experts_implementation=impl,
+                               **_SMALL)
         return tf.MixtralForCausalLM(cfg)
     cfg = tf.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=2048, shared_expert_intermediate_size=64,
-                            num_experts=4, experts_implementation=impl, **_SMALL)
+                            num_experts=experts, experts_implementation=impl, **_SMALL)
     return tf.Qwen2MoeForCausalLM(cfg)
 
 
@@ -47,7 +48,8 @@ def experts_split(plan) -> bool:
 
 
 def train_and_compare(name: str, impl: str, world: int, rank_slice: Callable | None = None, ranks: int = 1,
-                      steps: int = 3, rtol: float = 1e-4, atol: float = 1e-5) -> tuple[list[float], bool]:
+                      steps: int = 3, rtol: float = 1e-4, atol: float = 1e-5,
+                      experts: int = 4) -> tuple[list[float], bool]:
     """Train ``name`` with its experts split (data parallel where ``rank_slice`` gives this rank's rows) and
     unsharded on the same batches; assert the losses (aux loss included), the aux loss, every gradient and,
     after each AdamW step, every parameter agree. Returns rank 0's losses and whether the plan split the
@@ -59,7 +61,7 @@ def train_and_compare(name: str, impl: str, world: int, rank_slice: Callable | N
                                        msg=lambda m: f"{what} (rank {r}): {m}")
 
     torch.manual_seed(0)
-    reference = make(name, impl)
+    reference = make(name, impl, experts)
     model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=expert_plan(world), level=2,
                      dataset_strategy="data_parallel" if rank_slice else "full_batch")
     groups = [[p for p in model.parameters() if isinstance(p, DTensor) == kind] for kind in (True, False)]

@@ -33,6 +33,33 @@ def test_data_parallel_with_split_expert_storage_trains_like_unsharded():
         train_and_compare("mixtral", "grouped_mm", WORLD, _simulated_slice, ranks=WORLD, steps=2)
 
 
+def test_experts_split_unevenly_train_like_unsharded():
+    # 6 experts over 4 ranks as DTensor lays them out: 2, 2, 2 and none (that rank contributes nothing)
+    with simulated_world(WORLD):
+        _, split = train_and_compare("mixtral", "grouped_mm", WORLD, ranks=WORLD, steps=2, experts=6)
+    assert split
+
+
+def test_generate_gives_the_unsharded_tokens():
+    import copy
+
+    import torch
+
+    import shardfn as sf
+    from tests.moe_models import expert_plan, make
+
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        reference = make("mixtral").eval()
+        reference.config.output_router_logits = False  # its aux loss is for training (and refuses a cache's mask)
+        model = sf.shard(copy.deepcopy(reference), in_strategy={}, parameter_plan=expert_plan(WORLD), level=2)
+        ids = torch.randint(0, 64, (2, 5))
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+        got, want = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+        for r in range(WORLD):
+            assert torch.equal(on_rank(got, r), on_rank(want, r))
+
+
 def _train_body(name, impl):
     return train_and_compare(name, impl, dist.get_world_size())
 
