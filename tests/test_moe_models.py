@@ -33,6 +33,40 @@ def test_data_parallel_with_split_expert_storage_trains_like_unsharded():
         train_and_compare("mixtral", "grouped_mm", WORLD, _simulated_slice, ranks=WORLD, steps=2)
 
 
+def test_experts_over_one_mesh_dim_of_two():
+    # a 2 x 2 mesh: the tokens given split over "dp", the experts stored split over "ep": the experts run split over
+    # "ep"; loss and every gradient as unsharded
+    import copy
+
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    import shardfn as sf
+    from tests.moe_models import LAYERS, batch, make
+
+    mesh = sf.Layout((2, 2), ("dp", "ep"))
+    experts = {f"model.layers.{i}.mlp.experts.{w}": mesh("ep", "None", "None")
+               for i in range(LAYERS) for w in ("gate_up_proj", "down_proj")}
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        reference = make("mixtral")
+        model = sf.shard(copy.deepcopy(reference), in_strategy={"input_ids": mesh("dp", "None")},
+                         parameter_plan=experts, level=2)
+        ids, kwargs = batch(0)
+        out, ref = model(ids, **kwargs), reference(ids, **kwargs)
+        out.loss.backward()
+        ref.loss.backward()
+        for r in range(WORLD):
+            torch.testing.assert_close(on_rank(out.loss, r), on_rank(ref.loss, r))
+        for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for r in range(WORLD):
+                torch.testing.assert_close(on_rank(g, r), on_rank(q.grad, r), rtol=1e-4, atol=1e-5, msg=n)
+        plan = sf.explain(model, ids, kwargs=kwargs)
+    calls = [n for n in plan.nodes.values() if n.op == "MoEExperts.apply"]
+    assert calls and all(n.inputs[4][1] == Shard(0) for n in calls)
+
+
 def test_experts_split_unevenly_train_like_unsharded():
     # 6 experts over 4 ranks as DTensor lays them out: 2, 2, 2 and none (that rank contributes nothing)
     with simulated_world(WORLD):
