@@ -43,7 +43,7 @@ def main() -> None:
     took = time.perf_counter() - start
     calls = [n for n in plan.nodes.values() if n.op == "MoEExperts.apply"]
     split = sorted({names[m] for n in calls for m, p in enumerate(n.inputs[4]) if not p.is_replicate()})
-    print(f"planned in {took:.1f} s (optimal: {plan.optimal}, gap {plan.gap:.2%}); process peak "
+    print(f"planned in {took:.1f} s (optimal: {plan.optimal}, gap {(plan.gap or 0):.2%}); process peak "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
     print(f"experts calls: {len(calls)}, expert weights used as {calls[0].inputs[4]}, tokens {calls[0].inputs[0]}: "
           f"experts split over {split or 'nothing'}")
