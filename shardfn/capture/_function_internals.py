@@ -60,3 +60,14 @@ class OpRecorder(TorchDispatchMode):
         if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(out)):
             self.ops.append((func, *pytree.tree_map(_as_meta, (args, kwargs, out))))
         return out
+
+
+def autograd_inside_an_op():
+    """A context where autograd records again inside a custom op's implementation (which torch runs with the
+    autograd dispatch keys excluded): the op computes its gradient with autograd on its own real tensors."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradCPU", "AutogradCUDA", "AutogradOther", "AutogradFunctionality", "ADInplaceOrView"):
+        if hasattr(C.DispatchKey, key):
+            exclude = exclude.remove(getattr(C.DispatchKey, key))
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)

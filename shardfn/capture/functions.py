@@ -27,9 +27,16 @@ from ._function_internals import OpRecorder, applies_routed_to, is_reentrant_che
 from ._tracing import checkpoint_region
 from .graph import CaptureError
 
-__all__ = ["FunctionCall", "functions_as_calls", "functions_as_targets"]
+__all__ = ["FunctionCall", "functions_as_calls", "functions_as_targets", "substitute_function"]
 
 _STATE = threading.local()  # .calls: the FunctionCall of each call so far in the capture running on this thread
+# Function class name -> fn(*args, **kwargs) captured in its place (same result, a form the search can split)
+_SUBSTITUTES: dict[str, Any] = {}
+
+
+def substitute_function(name: str, fn) -> None:
+    """While fn is captured, calls of the Function class named ``name`` run ``fn(*args, **kwargs)`` instead."""
+    _SUBSTITUTES[name] = fn
 
 
 class FunctionCall:
@@ -154,6 +161,8 @@ def _routed(cls: type, args: tuple, kwargs: dict) -> Any:
     calls = getattr(_STATE, "calls", None)
     if calls is None:
         return original_apply(cls, args, kwargs)
+    if cls.__name__ in _SUBSTITUTES:
+        return _SUBSTITUTES[cls.__name__](*args, **kwargs)
     if is_reentrant_checkpoint(cls):
         function, _preserve_rng_state, *inputs = args
         with checkpoint_region():

@@ -20,6 +20,7 @@ from ._fake_internals import (DataDependentOutputException, DynamicOutputShapeEx
                               disable_current_modes, enable_python_dispatcher, get_decompositions)
 from ._tracing import checkpoint_regions_marked, looks_like_tracing, module_paths_marked, requires_grad_marks_ignored
 from .dynamic import DynamicDims, functionalized, symbolic_input
+from .experts import eager_experts_hint, experts_captured
 from .functions import functions_as_calls, functions_as_targets
 from .order import canonical_order
 from .graph import CaptureError, CapturedGraph, GraphInput, is_in_place
@@ -227,7 +228,7 @@ def capture(
                 _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing(), \
                 requires_grad_marks_ignored(capturing), checkpoint_regions_marked(capturing), \
                 module_paths_marked(_module_of(fn), capturing), \
-                functions_as_calls() as function_calls, \
+                functions_as_calls() as function_calls, experts_captured(), \
                 enable_python_dispatcher() if dynamic else contextlib.nullcontext():
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
             functional = functionalized(flat_fn) if dynamic else torch.func.functionalize(flat_fn)
@@ -240,13 +241,13 @@ def capture(
             f"shardfn could not trace {what()}: its control flow or output shape depends "
             f"on tensor values ({e}).\n  at {_user_frame(sys.exc_info()[2])}\n"
             "Make the branch depend on shapes or Python values, use torch.where/torch.cond, or compute it "
-            "outside the sharded function."
+            "outside the sharded function." + eager_experts_hint(_module_of(fn))
         ) from None
     except Exception as e:
         if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__:
             raise CaptureError(
                 f"shardfn could not trace {what()}: it depends on tensor values.\n"
-                f"  at {_user_frame(sys.exc_info()[2])}"
+                f"  at {_user_frame(sys.exc_info()[2])}" + eager_experts_hint(_module_of(fn))
             ) from e
         raise
     _check_constants(gm, fake_mode, what)

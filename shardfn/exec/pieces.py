@@ -115,8 +115,8 @@ def local_piece(outputs, shared: dict | None = None) -> Callable[[DTensor], torc
     """An input's piece for an op run on the pieces. Along a mesh dim where the op's results are split, each rank
     computes its own part of them from a whole (replicated) input, so that input's gradient on each rank is its
     part of the sum: it goes back as a pending sum there (a convolution's weight under a batch split), never as
-    if every rank had the whole gradient."""
-    split = {i for pl in outputs if pl for i, p in enumerate(pl) if isinstance(p, Shard)}
+    if every rank had the whole gradient. So too where a result is a pending sum (each rank's experts' rows)."""
+    split = {i for pl in outputs if pl for i, p in enumerate(pl) if not p.is_replicate()}
 
     def piece(t: DTensor) -> torch.Tensor:
         grad = tuple(Partial() if i in split and p.is_replicate() else p for i, p in enumerate(t.placements))

@@ -1,6 +1,6 @@
 """Stage 2: CapturedGraph + PlanRequest -> Plan."""
 
-from . import rules  # noqa: F401 - shardfn's own rules and checks, registered with the candidates
+from . import expert_rules, rules  # noqa: F401 - shardfn's own rules and checks, registered with the candidates
 from .cost_model import CPU, H100, DeviceProfile, profile_for
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
 from .request import InputRequest, OutputRequest, PlanRequest

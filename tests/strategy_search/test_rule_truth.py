@@ -157,7 +157,10 @@ def test_every_own_rule_has_ground_truth():
     # the reshapes' own rule answers zero sizes itself and hands any other to DTensor's (checked in DTENSOR_CASES)
     from shardfn.strategy_search.rules import _EDGE_PADS, _RESHAPES, SCANS
 
-    assert set(_RULES) - set(RANDOM_FILLS) == {SDPA, aten.var_mean.correction, aten.constant_pad_nd.default,
+    # the experts' rules: tests/strategy_search/test_expert_rules.py
+    from shardfn.capture.experts import ExpertMM, MoEExperts
+
+    assert set(_RULES) - set(RANDOM_FILLS) - {ExpertMM, MoEExperts} == {SDPA, aten.var_mean.correction, aten.constant_pad_nd.default,
                                                FunctionCall, *_RESHAPES, *_EDGE_PADS, *SCANS} | lacking
 
 

@@ -1,0 +1,105 @@
+"""transformers' mixtures of experts (Mixtral, Qwen2-MoE) trained with their experts split over the ranks, against
+the unsharded model (tests/moe_models.py): losses, the load-balancing loss, every gradient (router included) and
+the parameters after AdamW steps equal, on 4 simulated ranks and on 4 real gloo ranks."""
+
+import pytest
+import torch.distributed as dist
+from torch.distributed._local_tensor import local_tensor_mode
+
+pytest.importorskip("transformers")
+
+from shardfn.runtime import simulated_world  # noqa: E402
+from tests.harness import on_rank  # noqa: E402
+from tests.moe_models import train_and_compare  # noqa: E402
+
+WORLD = 4
+
+
+def _simulated_slice(t):
+    per = t.shape[0] // WORLD
+    return local_tensor_mode().rank_map(lambda r: on_rank(t, r)[per * r: per * (r + 1)].clone())
+
+
+@pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "batched_mm")])
+def test_experts_split_train_like_unsharded_on_simulated_ranks(name, impl):
+    with simulated_world(WORLD):
+        _, split = train_and_compare(name, impl, WORLD, ranks=WORLD)
+    assert split, "the plan did not split the experts"
+
+
+def test_data_parallel_with_split_expert_storage_trains_like_unsharded():
+    # the batch split over the ranks and the experts stored split: the search decides how they meet
+    with simulated_world(WORLD):
+        train_and_compare("mixtral", "grouped_mm", WORLD, _simulated_slice, ranks=WORLD, steps=2)
+
+
+def test_experts_over_one_mesh_dim_of_two():
+    # a 2 x 2 mesh: the tokens given split over "dp", the experts stored split over "ep": the experts run split over
+    # "ep"; loss and every gradient as unsharded
+    import copy
+
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    import shardfn as sf
+    from tests.moe_models import LAYERS, batch, make
+
+    mesh = sf.Layout((2, 2), ("dp", "ep"))
+    experts = {f"model.layers.{i}.mlp.experts.{w}": mesh("ep", "None", "None")
+               for i in range(LAYERS) for w in ("gate_up_proj", "down_proj")}
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        reference = make("mixtral")
+        model = sf.shard(copy.deepcopy(reference), in_strategy={"input_ids": mesh("dp", "None")},
+                         parameter_plan=experts, level=2)
+        ids, kwargs = batch(0)
+        out, ref = model(ids, **kwargs), reference(ids, **kwargs)
+        out.loss.backward()
+        ref.loss.backward()
+        for r in range(WORLD):
+            torch.testing.assert_close(on_rank(out.loss, r), on_rank(ref.loss, r))
+        for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for r in range(WORLD):
+                torch.testing.assert_close(on_rank(g, r), on_rank(q.grad, r), rtol=1e-4, atol=1e-5, msg=n)
+        plan = sf.explain(model, ids, kwargs=kwargs)
+    calls = [n for n in plan.nodes.values() if n.op == "MoEExperts.apply"]
+    assert calls and all(n.inputs[4][1] == Shard(0) for n in calls)
+
+
+def test_experts_split_unevenly_train_like_unsharded():
+    # 6 experts over 4 ranks as DTensor lays them out: 2, 2, 2 and none (that rank contributes nothing)
+    with simulated_world(WORLD):
+        _, split = train_and_compare("mixtral", "grouped_mm", WORLD, ranks=WORLD, steps=2, experts=6)
+    assert split
+
+
+def test_generate_gives_the_unsharded_tokens():
+    import copy
+
+    import torch
+
+    import shardfn as sf
+    from tests.moe_models import expert_plan, make
+
+    with simulated_world(WORLD):
+        torch.manual_seed(0)
+        reference = make("mixtral").eval()
+        reference.config.output_router_logits = False  # its aux loss is for training (and refuses a cache's mask)
+        model = sf.shard(copy.deepcopy(reference), in_strategy={}, parameter_plan=expert_plan(WORLD), level=2)
+        ids = torch.randint(0, 64, (2, 5))
+        kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+        got, want = model.generate(ids, **kwargs), reference.generate(ids, **kwargs)
+        for r in range(WORLD):
+            assert torch.equal(on_rank(got, r), on_rank(want, r))
+
+
+def _train_body(name, impl):
+    return train_and_compare(name, impl, dist.get_world_size())
+
+
+@pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "grouped_mm")])
+def test_experts_split_train_like_unsharded_on_real_ranks(gloo4, name, impl):
+    results = gloo4.run(_train_body, name, impl)
+    assert all(r == results[0] for r in results), results
+    assert results[0][1], "the plan did not split the experts"
