@@ -39,11 +39,11 @@ aten = torch.ops.aten
 
 def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, terms: Terms,
               solution: Solution) -> Plan:
-    captured, decisions, mesh_shape = problem.captured, problem.decisions, problem.mesh_shape
-    needs_grad, held, level = problem.needs_grad, request.held(), request.level
+    captured, decisions = problem.captured, problem.decisions
+    held, level = request.held(), request.level
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
     returned = [r.placements for r in request.outputs]
-    live, live_backward, resident, outputs = _live_bytes(problem, chosen, needs_grad - problem.recomputed,
+    live, live_backward, resident, outputs = _live_bytes(problem, chosen, problem.needs_grad - problem.recomputed,
                                                          request.optimizer_stage, returned)
     nodes = {}
     for v, (d, c) in enumerate(zip(decisions, chosen)):
@@ -52,97 +52,11 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node),
                                           _shapes(d.node), float(terms.compute[v][solution.choice[v]]),
                                           live.get(d.node), live_backward.get(d.node))
-    profile, share = request.profile, pricing.share
-
-    def priced(o: cm.CommOp, phase: str, where: str, handed_back: bool = False) -> Collective:
-        # as the search priced it: a gradient handed back bears its share of its bucket's latency
-        seconds = cm.collective_seconds(o, mesh_shape, profile, share(o) if handed_back else 1.0, pricing.links)
-        return Collective(o.kind, phase, (o.mesh_dim,), o.nbytes, where, seconds=seconds)
-    fwd_colls, bwd_colls, regathers, regather_s = [], [], [], 0.0
-    # split parameters' all-gathers (forward, and again in backward), with their kind: exec fuses them in buckets
-    gathered: list[tuple[Collective, tuple]] = []
-    regathered: list[tuple[Collective, tuple]] = []
-    # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy from
-    # forward to backward (FSDP's reshard_after_forward): one more all-gather per gathered parameter
-    reshard = level == 1 and request.grad
-    params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
-    from_params = set(params)
-    for node in captured.gm.graph.nodes:  # what backward computes again from the shards: ops on parameters alone
-        if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= from_params:
-            from_params.add(node)
-    # reductions of a gradient handed straight back: (position in bwd_colls, (mesh dim, dtype), input number)
-    gradients = []
-    position = {n: i for i, n in enumerate(captured.placeholders)}
-    # accumulating without sync, a parameter's gradient is not all-reduced where it leaves the program; for a
-    # stage-2 sharded optimizer it is reduce-scattered into the optimizer's piece instead
-
-    def synced(ops, placeholder):
-        if placeholder not in params:
-            return ops
-        if request.accumulate:
-            return [o for o in ops if o.kind != "all_reduce"]
-        if request.optimizer_stage == 2:
-            return [dataclasses.replace(o, kind="reduce_scatter") if o.kind == "all_reduce" else o for o in ops]
-        return ops
-
-    for d, c in zip(decisions, chosen):
-        for slot, (u, out_idx, value_node) in enumerate(d.sources):
-            val = value_node.meta["val"]
-            src = chosen[u].outputs[out_idx]
-            grad_dtype = terms.grad_dtypes.get(value_node)
-            fwd, bwd = terms.comm_ops(val, src, c.inputs[slot], pending(c, slot, passes_on(d, c)),
-                                      value_node in needs_grad, chosen[u].accumulate, grad_dtype)
-            where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
-            handed_back = gradient_handed_back(value_node)
-            # a split parameter's all-gathers: exec fuses them into buckets too (forward, and again in backward)
-            gathers = [priced(o, "forward", where) for o in fwd]
-            fwd_colls += gathers
-            if handed_back is not None:
-                gathered += [(g, ("all_gather", o.mesh_dim, val.dtype)) for g, o in zip(gathers, fwd)
-                             if o.kind == "all_gather"]
-            if reshard and value_node in from_params and _read_in_backward(d.node, slot, needs_grad):
-                again = [priced(o, "backward", where + " (again)") for o in fwd if o.kind == "all_gather"]
-                regathers += again
-                if handed_back is not None:
-                    regathered += [(g, ("all_gather", o.mesh_dim, val.dtype))
-                                   for g, o in zip(again, [o for o in fwd if o.kind == "all_gather"])]
-                regather_s += sum(c.seconds for c in again)
-            bwd = synced(bwd, handed_back)
-            if handed_back is not None:
-                gradients += [(len(bwd_colls) + k, (o.kind, o.mesh_dim, grad_dtype or val.dtype), position[handed_back])
-                              for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
-            bwd_colls += [priced(o, "backward", where, handed_back is not None) for o in bwd]
-    for i, (d, c) in enumerate(zip(decisions, chosen)):
-        fwd, bwd = node_collectives(d, c, held.get(i), d.node in needs_grad if d.node is not None else False,
-                                    mesh_shape, terms.grad_dtypes.get(d.node))
-        bwd = synced(bwd, d.node)
-        entry = held.get(i) is not None and held[i] != c.outputs[0]  # else its readers' gradients summed
-        what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
-        placeholder = d.node is not None and d.node.op == "placeholder"
-        if placeholder:  # a graph input's gradient, handed back
-            grad_dtype = terms.grad_dtypes.get(d.node) or d.node.meta["val"].dtype
-            gradients += [(len(bwd_colls) + k, (o.kind, o.mesh_dim, grad_dtype), position[d.node])
-                          for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
-        fwd_colls = [priced(o, "forward", what) for o in fwd] + fwd_colls
-        bwd_colls += [priced(o, "backward", what, placeholder) for o in bwd]
-    bwd_colls = _with_buckets(bwd_colls, gradients)
+    read = _Collectives(problem, request, pricing, terms, chosen)
+    fwd_colls, bwd_colls, regathers = read.all()
     compute_s = terms.compute_of(solution.choice)
-    comm_s = terms.comm_of(solution.choice) + regather_s
-    first = max((c.bucket for c in bwd_colls if c.bucket is not None), default=-1) + 1
-    fwd_colls, first = _gathers_in_buckets(fwd_colls, gathered, first)
-    regathers, _ = _gathers_in_buckets(regathers, regathered, first)
-    bwd_colls += regathers
+    comm_s = terms.comm_of(solution.choice) + read.regather_s
     peak = max(max(live.values(), default=0), max(live_backward.values(), default=0))  # forward and backward
-    notes = [solution.message] if solution.message not in ("optimal", "") else []
-    if solution.timed_out:
-        notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
-                     f"{solution.gap:.2%} of the best bound")
-    notes += _why_gathered(problem, request, pricing, terms, solution)
-    if problem.fallbacks:
-        notes.append("replicated fallback for: " + ", ".join(sorted(problem.fallbacks)))
-    notes += request.notes
-    if request.precision is not None:
-        notes.append(f"mixed precision: {request.precision}")
     inputs = tuple(InputPlan(gi.kind, gi.name, gi.shape, held.get(i, chosen[i].outputs[0]), chosen[i].outputs[0],
                              request.inputs[i].origin)
                    for i, gi in enumerate(captured.inputs))
@@ -158,7 +72,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
                      *(c for c in request.arrivals if c.phase == "backward")),
         cost=Cost(compute_s, comm_s, peak, terms.savings_of(solution.choice)),
         optimal=solution.optimal,
-        notes=notes,
+        notes=_notes(problem, request, pricing, terms, solution),
         reshard_after_forward=bool(regathers),
         gap=solution.gap,
         search=dict(solution.stats),
@@ -170,6 +84,131 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     )
     _check_budget(problem, request, plan, resident, outputs)
     return plan
+
+
+def _notes(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,
+           solution: Solution) -> list[str]:
+    """What the plan says of itself: how the solve ended, why values were gathered, fallbacks, the caller's."""
+    notes = [solution.message] if solution.message not in ("optimal", "") else []
+    if solution.timed_out:
+        notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
+                     f"{solution.gap:.2%} of the best bound")
+    notes += _why_gathered(problem, request, pricing, terms, solution)
+    if problem.fallbacks:
+        notes.append("replicated fallback for: " + ", ".join(sorted(problem.fallbacks)))
+    notes += request.notes
+    if request.precision is not None:
+        notes.append(f"mixed precision: {request.precision}")
+    return notes
+
+
+class _Collectives:
+    """The collectives of the chosen candidates, forward and backward, priced as the search priced them, with
+    their buckets: gradients' reductions, split parameters' all-gathers (forward, and at level 1 again in
+    backward: FSDP's reshard_after_forward)."""
+
+    def __init__(self, problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,
+                 chosen: list):
+        self.problem, self.request, self.pricing, self.terms, self.chosen = problem, request, pricing, terms, chosen
+        captured = problem.captured
+        self.fwd: list[Collective] = []
+        self.bwd: list[Collective] = []
+        self.regathers: list[Collective] = []
+        self.regather_s = 0.0
+        # split parameters' all-gathers (forward, and again in backward), with their kind: exec fuses them in
+        # buckets
+        self.gathered: list[tuple[Collective, tuple]] = []
+        self.regathered: list[tuple[Collective, tuple]] = []
+        # reductions of a gradient handed straight back: (position in bwd, (kind, mesh dim, dtype), input number)
+        self.gradients: list[tuple[int, tuple, int]] = []
+        self.position = {n: i for i, n in enumerate(captured.placeholders)}
+        self.params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
+        # what backward computes again from the shards: ops on parameters alone
+        self.from_params = set(self.params)
+        for node in captured.gm.graph.nodes:
+            if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= self.from_params:
+                self.from_params.add(node)
+        # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy
+        # from forward to backward: one more all-gather per gathered parameter
+        self.reshard = request.level == 1 and request.grad
+        self.held = request.held()
+
+    def all(self) -> tuple[list[Collective], list[Collective], list[Collective]]:
+        """(forward, backward, backward's gathers again), each in buckets."""
+        for d, c in zip(self.problem.decisions, self.chosen):
+            for slot, source in enumerate(d.sources):
+                self._edge(d, c, slot, *source)
+        for i, (d, c) in enumerate(zip(self.problem.decisions, self.chosen)):
+            self._node(i, d, c)
+        bwd = _with_buckets(self.bwd, self.gradients)
+        first = max((c.bucket for c in bwd if c.bucket is not None), default=-1) + 1
+        fwd, first = _gathers_in_buckets(self.fwd, self.gathered, first)
+        regathers, _ = _gathers_in_buckets(self.regathers, self.regathered, first)
+        return fwd, bwd + regathers, regathers
+
+    def _priced(self, o: cm.CommOp, phase: str, where: str, handed_back: bool = False) -> Collective:
+        # as the search priced it: a gradient handed back bears its share of its bucket's latency
+        share = self.pricing.share(o) if handed_back else 1.0
+        seconds = cm.collective_seconds(o, self.problem.mesh_shape, self.request.profile, share, self.pricing.links)
+        return Collective(o.kind, phase, (o.mesh_dim,), o.nbytes, where, seconds=seconds)
+
+    def _synced(self, ops, placeholder):
+        """A parameter's gradient reductions as the program runs them: accumulating without sync none where it
+        leaves the program; for a stage-2 sharded optimizer reduce-scattered into the optimizer's piece."""
+        if placeholder not in self.params:
+            return ops
+        if self.request.accumulate:
+            return [o for o in ops if o.kind != "all_reduce"]
+        if self.request.optimizer_stage == 2:
+            return [dataclasses.replace(o, kind="reduce_scatter") if o.kind == "all_reduce" else o for o in ops]
+        return ops
+
+    def _edge(self, d, c, slot: int, u: int, out_idx: int, value_node: torch.fx.Node) -> None:
+        """The collectives between a value's producer (decision ``u``) and its reader ``d``'s input ``slot``."""
+        val, terms = value_node.meta["val"], self.terms
+        grad_dtype = terms.grad_dtypes.get(value_node)
+        fwd, bwd = terms.comm_ops(val, self.chosen[u].outputs[out_idx], c.inputs[slot],
+                                  pending(c, slot, passes_on(d, c)), value_node in self.problem.needs_grad,
+                                  self.chosen[u].accumulate, grad_dtype)
+        decisions = self.problem.decisions
+        where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
+        handed_back = gradient_handed_back(value_node)
+        gathers = [self._priced(o, "forward", where) for o in fwd]
+        self.fwd += gathers
+        if handed_back is not None:  # a split parameter's all-gathers: exec fuses them into buckets too
+            self.gathered += [(g, ("all_gather", o.mesh_dim, val.dtype)) for g, o in zip(gathers, fwd)
+                              if o.kind == "all_gather"]
+        if self.reshard and value_node in self.from_params and \
+                _read_in_backward(d.node, slot, self.problem.needs_grad):
+            gathers_again = [o for o in fwd if o.kind == "all_gather"]
+            again = [self._priced(o, "backward", where + " (again)") for o in gathers_again]
+            self.regathers += again
+            if handed_back is not None:
+                self.regathered += [(g, ("all_gather", o.mesh_dim, val.dtype)) for g, o in zip(again, gathers_again)]
+            self.regather_s += sum(c.seconds for c in again)
+        bwd = self._synced(bwd, handed_back)
+        if handed_back is not None:
+            self.gradients += [(len(self.bwd) + k, (o.kind, o.mesh_dim, grad_dtype or val.dtype),
+                                self.position[handed_back])
+                               for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
+        self.bwd += [self._priced(o, "backward", where, handed_back is not None) for o in bwd]
+
+    def _node(self, i: int, d, c) -> None:
+        """Decision ``i``'s own collectives: a graph input entering in another layout than it is held in, the
+        summing of its readers' gradients."""
+        held = self.held.get(i)
+        needs = d.node in self.problem.needs_grad if d.node is not None else False
+        fwd, bwd = node_collectives(d, c, held, needs, self.problem.mesh_shape, self.terms.grad_dtypes.get(d.node))
+        bwd = self._synced(bwd, d.node)
+        entry = held is not None and held != c.outputs[0]  # else its readers' gradients summed
+        what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
+        placeholder = d.node is not None and d.node.op == "placeholder"
+        if placeholder:  # a graph input's gradient, handed back
+            grad_dtype = self.terms.grad_dtypes.get(d.node) or d.node.meta["val"].dtype
+            self.gradients += [(len(self.bwd) + k, (o.kind, o.mesh_dim, grad_dtype), self.position[d.node])
+                               for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
+        self.fwd = [self._priced(o, "forward", what) for o in fwd] + self.fwd
+        self.bwd += [self._priced(o, "backward", what, placeholder) for o in bwd]
 
 
 def _shapes(node: torch.fx.Node) -> tuple[tuple[int, ...] | None, ...]:
