@@ -40,6 +40,25 @@ __all__ = ["ShardedFunction", "ShardedModule", "engine_of", "explain", "no_sync"
 _log = logging.getLogger("shardfn")
 
 
+@dataclasses.dataclass(frozen=True)
+class _UnevenInputs:
+    """An uneven call's batch inputs moved to the rows the program for their global batch holds on each rank."""
+
+    args: tuple
+    kwargs: dict
+    tensors: list  # the call's tensors, the batch inputs moved
+    moves: dict[int, uneven_batch.Rows]  # each batch input's rows, by tensor number
+    held: dict  # each tensor's held split
+    mesh_spec: MeshSpec
+    me: int  # this rank's position in the call's ranks (simulated: 0, every rank's at once)
+    ranks: tuple[int, ...]
+
+    @property
+    def batch(self) -> dict[int, int]:
+        """Each batch input's global rows: the key and the bound call of the program for them."""
+        return {j: where.total for j, where in self.moves.items()}
+
+
 class _Engine:
     """Plans and runs one sharded callable: the shared core of ShardedFunction and ShardedModule."""
 
@@ -123,6 +142,24 @@ class _Engine:
         """A call whose ranks passed batch slices of other lengths (``rows``: per global rank of the call, its
         batch inputs' row counts): run on their concatenation (see shardfn.uneven_batch). The program is the one
         for that global batch, kept by the signature with the batch's rows."""
+        uneven = self._uneven_inputs(rows, args, kwargs, tensors)
+        args, kwargs, moves, batch = uneven.args, uneven.kwargs, uneven.moves, uneven.batch
+        compiled, outs = self._run(self._key(args, kwargs, arrived, batch=batch), args, kwargs, uneven.tensors,
+                                   arrived, start, batch)
+        plan, vals = compiled.plan, [n.meta["val"] for n in compiled.captured.output_nodes]
+        outs = list(outs)
+        me, ranks = uneven.me, uneven.ranks
+        for k, out in enumerate(outs):  # outputs split as a batch input is go back into that input's slices
+            if plan.returns_dtensor[k] or plan.outputs[k] is None or not vals[k].dim():
+                continue
+            same = [where for j, where in moves.items() if where.total == vals[k].shape[0] and
+                    to_placements(uneven.held[j], uneven.mesh_spec) == tuple(plan.outputs[k])]
+            if same:
+                outs[k] = uneven_batch.move_rows(out, same[0].back(), me, ranks)
+        return compiled, outs
+
+    def _uneven_inputs(self, rows: dict[int, tuple[int, ...]], args, kwargs, tensors: list) -> _UnevenInputs:
+        """``rows``: per global rank of the call, its batch inputs' row counts."""
         device = runtime.resolve_device(self.config.device)
         world = self._world(device)
         ranks = self._ranks() or tuple(range(world))
@@ -136,21 +173,8 @@ class _Engine:
         moved = list(tensors)
         for j, where in moves.items():
             moved[j] = uneven_batch.move_rows(tensors[j], where, me, ranks)
-        structure = split_arguments(args, kwargs)[2]
-        args, kwargs = structure.rebuild(moved)
-        batch = {j: where.total for j, where in moves.items()}
-        compiled, outs = self._run(self._key(args, kwargs, arrived, batch=batch), args, kwargs, moved, arrived, start,
-                                   batch)
-        plan, vals = compiled.plan, [n.meta["val"] for n in compiled.captured.output_nodes]
-        outs = list(outs)
-        for k, out in enumerate(outs):  # outputs split as a batch input is go back into that input's slices
-            if plan.returns_dtensor[k] or plan.outputs[k] is None or not vals[k].dim():
-                continue
-            same = [where for j, where in moves.items() if where.total == vals[k].shape[0] and
-                    to_placements(call.held[j], mesh_spec) == tuple(plan.outputs[k])]
-            if same:
-                outs[k] = uneven_batch.move_rows(out, same[0].back(), me, ranks)
-        return compiled, outs
+        args, kwargs = split_arguments(args, kwargs)[2].rebuild(moved)
+        return _UnevenInputs(args, kwargs, moved, moves, call.held, mesh_spec, me, ranks)
 
     def _accumulating(self) -> bool:
         """Does this call leave parameters' gradients pending (inside no_sync, or the synced call after it)?"""
@@ -744,11 +768,18 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
     world_size = _explained_world(engine, world_size, device)
     args, kwargs, arrived, key, tensors, _ = engine._signature(tuple(example_args), dict(kwargs or {}),
                                                                move=False, world=world_size)
+    call = None
+    if (rows := engine._simulated_rows(tensors)) is not None:  # slices of other lengths: as a call runs them
+        uneven = engine._uneven_inputs(rows, args, kwargs, tensors)
+        args, kwargs, tensors = uneven.args, uneven.kwargs, uneven.tensors
+        key = engine._key(args, kwargs, arrived, batch=uneven.batch)
+        with runtime.outside_simulation():
+            call = bind(engine.config, engine.fn, engine.name, args, kwargs, world_size, rows=uneven.batch)
     ran = engine.programs.that_ran(key, tensors)
     if ran is not None and ran.plan.mesh.world_size == world_size:
         return ran.explained()  # the plan that ran, with what running it found (compile times, the step time)
     return engine.plan(list(args), kwargs, world_size, lambda spec: runtime.planning_mesh(spec, device), device,
-                       arrived).plan
+                       arrived, call=call).plan
 
 
 def _explained_engine(fn, n_args: int, shard_kwargs: dict) -> _Engine:
