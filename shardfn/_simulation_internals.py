@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["LocalTensorMode", "PerRankBoolError", "PerRankWriteError", "init_fake_world", "local_tensor_mode",
-           "local_values", "not_simulated", "per_rank_bools_refused", "per_rank_ints", "plain_writes_once"]
+           "local_values", "not_simulated", "per_rank_bools_refused", "per_rank_ints", "plain_writes_once",
+           "zero_tensors_materialized"]
 
 
 def init_fake_world(world_size: int) -> None:
@@ -119,6 +120,28 @@ def plain_writes_once():
         return pytree.tree_map(lambda o: back.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
 
     lt._for_each_rank_run_func = apart
+    try:
+        yield
+    finally:
+        lt._for_each_rank_run_func = run
+
+
+@contextlib.contextmanager
+def zero_tensors_materialized():
+    """A backward formula may make an efficient zero tensor (no storage: sgn's gradient of a real input). Under
+    LocalTensorMode each rank's is one, inside a per-rank tensor that does not carry its kind, and accumulating a
+    gradient into it crashed the process (a segmentation fault). Each rank gets real zeros instead: the same
+    numbers, as real ranks compute them."""
+    import torch.distributed._local_tensor as lt
+
+    run = lt._for_each_rank_run_func
+
+    def materialized(func, ranks, args, kwargs, **kw):
+        if func is torch.ops.aten._efficientzerotensor.default:  # (zeros' own signature)
+            func = torch.ops.aten.zeros.default
+        return run(func, ranks, args, kwargs, **kw)
+
+    lt._for_each_rank_run_func = materialized
     try:
         yield
     finally:

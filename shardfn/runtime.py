@@ -372,7 +372,7 @@ def simulated_world(world_size: int, local_tensors: bool = True) -> Iterator[Non
     try:
         if local_tensors:
             with _simulation.LocalTensorMode(world_size), _simulation.per_rank_bools_refused(), \
-                    _simulation.plain_writes_once():
+                    _simulation.plain_writes_once(), _simulation.zero_tensors_materialized():
                 yield
         else:
             yield

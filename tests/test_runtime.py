@@ -223,3 +223,26 @@ def test_a_simulated_world_writes_into_an_ordinary_tensor_once_per_value_not_onc
         differing = simulated_map(torch.ones(3), lambda r, values: values[r] * r)
         with pytest.raises(PerRankWriteError, match="differing values into an ordinary tensor"):
             plain.add_(differing)
+
+
+def test_a_simulated_world_accumulates_a_gradient_into_an_efficient_zero_tensor():
+    # sgn's gradient of a real input is an efficient zero tensor (no storage); under LocalTensorMode each rank held
+    # one inside a per-rank tensor that did not say so, and accumulating a second gradient into it killed the
+    # process (a segmentation fault: the OpInfo sweep's worker, at sgn, in every mode). In a process of its own
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch
+        from shardfn.runtime import simulated_world
+        x = torch.randn(8, requires_grad=True)
+        with simulated_world(4):
+            for _ in range(2):
+                (torch.sgn(x) * torch.linspace(-1, 1, 8)).sum().backward()
+            assert all(not bool(g.any()) for g in x.grad._local_tensors.values()) and len(x.grad._local_tensors) == 4
+        print("ok")
+    """
+    from tests.launch import ROOT
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])
