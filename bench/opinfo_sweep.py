@@ -385,8 +385,8 @@ class Pool:
             try:
                 self.fresh = False
                 return self.conn.recv()
-            except EOFError:
-                pass
+            except EOFError:  # the worker died: waited for, so a crash is not read as a timeout
+                self.proc.join(10)
         alive = self.proc.is_alive()
         self.close(kill=True)
         if alive:

@@ -9,12 +9,14 @@ through it)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["LocalTensorMode", "PerRankBoolError", "init_fake_world", "local_tensor_mode", "local_values",
-           "not_simulated", "per_rank_bools_refused", "per_rank_ints"]
+__all__ = ["LocalTensorMode", "PerRankBoolError", "PerRankWriteError", "init_fake_world", "local_tensor_mode",
+           "local_values", "not_simulated", "per_rank_bools_refused", "per_rank_ints", "plain_writes_once",
+           "zero_tensors_materialized"]
 
 
 def init_fake_world(world_size: int) -> None:
@@ -56,6 +58,90 @@ def per_rank_bools_refused():
         return out
 
     lt._for_each_rank_run_func = refusing
+    try:
+        yield
+    finally:
+        lt._for_each_rank_run_func = run
+
+
+class PerRankWriteError(RuntimeError):
+    """An op writes ranks' differing values into an ordinary tensor, which holds one value for every rank."""
+
+
+@functools.cache
+def _written(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument an op writes into (self of an in-place op, out=, a running statistic)."""
+    schema = getattr(func, "_schema", None)
+    return () if schema is None else tuple(
+        (i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _plain_written(func, args, kwargs) -> list[torch.Tensor]:
+    from torch.distributed._local_tensor import LocalTensor
+
+    found = [args[i] if i < len(args) else kwargs.get(name) for i, name in _written(func)]
+    return [t for t in found if isinstance(t, torch.Tensor) and not isinstance(t, LocalTensor)]
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and (torch.equal(a, b) or (
+        a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+
+
+@contextlib.contextmanager
+def plain_writes_once():
+    """LocalTensorMode runs an op once per rank; where the op writes into an ordinary tensor (made outside the
+    world, or from one by an op on ordinary tensors) and reads a per-rank one, every rank wrote into that one
+    tensor in turn: ``plain.mul_(per_rank)`` multiplied it world-size times (a custom op's backward, in eager, so
+    gave each rank a wrong gradient). Inside this context each rank writes into its own copy, as real ranks do,
+    and the copy lands in the tensor when the ranks agree; where they differ, one tensor cannot hold the ranks'
+    values and it raises."""
+    import torch.distributed._local_tensor as lt
+    import torch.utils._pytree as pytree
+
+    run = lt._for_each_rank_run_func
+
+    def apart(func, ranks, args, kwargs, **kw):
+        plain = _plain_written(func, args, kwargs)
+        if not plain or not any(isinstance(a, lt.LocalTensor) for a in pytree.tree_leaves((args, kwargs))):
+            return run(func, ranks, args, kwargs, **kw)
+        copies = {id(t): lt.LocalTensor({r: t.detach().clone() for r in ranks}) for t in plain}
+        swap = lambda a: copies.get(id(a), a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+        out = run(func, ranks, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs), **kw)
+        for t in plain:
+            values = list(copies[id(t)]._local_tensors.values())
+            if not all(_same(values[0], v) for v in values[1:]):
+                raise PerRankWriteError(
+                    f"{func} writes the ranks' differing values into an ordinary tensor of shape {tuple(t.shape)}, "
+                    "which holds one value for every rank in a simulated world (real ranks each hold their own): "
+                    "make it per rank first (a factory inside the world, or simulated_map)")
+            t.copy_(values[0])
+        back = {id(copies[id(t)]): t for t in plain}  # an in-place op or out= returns what it wrote into
+        return pytree.tree_map(lambda o: back.get(id(o), o) if isinstance(o, torch.Tensor) else o, out)
+
+    lt._for_each_rank_run_func = apart
+    try:
+        yield
+    finally:
+        lt._for_each_rank_run_func = run
+
+
+@contextlib.contextmanager
+def zero_tensors_materialized():
+    """A backward formula may make an efficient zero tensor (no storage: sgn's gradient of a real input). Under
+    LocalTensorMode each rank's is one, inside a per-rank tensor that does not carry its kind, and accumulating a
+    gradient into it crashed the process (a segmentation fault). Each rank gets real zeros instead: the same
+    numbers, as real ranks compute them."""
+    import torch.distributed._local_tensor as lt
+
+    run = lt._for_each_rank_run_func
+
+    def materialized(func, ranks, args, kwargs, **kw):
+        if func is torch.ops.aten._efficientzerotensor.default:  # (zeros' own signature)
+            func = torch.ops.aten.zeros.default
+        return run(func, ranks, args, kwargs, **kw)
+
+    lt._for_each_rank_run_func = materialized
     try:
         yield
     finally:

@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from . import runtime
 from .call import Engine, ShardedFunction, ShardedModule, engine_of
-from .call import accumulation, parameters
+from .call import accumulation, parameters, uneven_batch
+from .call.arguments import bind
 from .call.planning import call_mesh, param_specs
 from .config import ShardConfig
 from .layout import TensorSpec, normalize_strategy, to_placements
@@ -134,10 +135,17 @@ def explain(fn_or_sharded, *example_args, world_size: int | None = None, kwargs:
     world_size = _explained_world(engine, world_size, device)
     args, kwargs, arrived, key, tensors, _ = engine.signature(tuple(example_args), dict(kwargs or {}),
                                                               move=False, world=world_size)
+    call = None
+    if (rows := uneven_batch.simulated_rows(engine, tensors)) is not None:  # slices of other lengths: as a call
+        uneven = uneven_batch.uneven_inputs(engine, rows, args, kwargs, tensors)  # runs them
+        args, kwargs, tensors = uneven.args, uneven.kwargs, uneven.tensors
+        key = engine.key(args, kwargs, arrived, batch=uneven.batch)
+        with runtime.outside_simulation():
+            call = bind(engine.config, engine.fn, engine.name, args, kwargs, world_size, rows=uneven.batch)
     ran = engine.programs.that_ran(key, tensors)
     if ran is not None and ran.plan.mesh.world_size == world_size:
         return ran.explained()  # the plan that ran, with what running it found (compile times, the step time)
-    return engine.plan(list(args), kwargs, world_size, device, arrived).plan
+    return engine.plan(list(args), kwargs, world_size, device, arrived, call=call).plan
 
 
 def _explained_engine(fn, n_args: int, shard_kwargs: dict) -> Engine:

@@ -371,7 +371,8 @@ def simulated_world(world_size: int, local_tensors: bool = True) -> Iterator[Non
     _simulation.init_fake_world(world_size)
     try:
         if local_tensors:
-            with _simulation.LocalTensorMode(world_size), _simulation.per_rank_bools_refused():
+            with _simulation.LocalTensorMode(world_size), _simulation.per_rank_bools_refused(), \
+                    _simulation.plain_writes_once(), _simulation.zero_tensors_materialized():
                 yield
         else:
             yield

@@ -169,6 +169,30 @@ def test_explain_matches_the_plan_shard_runs():
         assert str(sf.explain(f, x, w, b)) == str(compiled.plan)
 
 
+
+def test_explain_of_data_parallel_slices_of_other_lengths_is_the_plan_that_ran():
+    # simulated ranks holding batch slices of other lengths (2, 2, 2, 0 rows; a 1-row input all on rank 0) give a
+    # per-rank size: explain hashed it into the cache key (TypeError: unhashable SymInt). It plans, and finds the
+    # program that ran, for the ranks' global batch, as the call does
+    from shardfn.runtime import simulated_map
+
+    def f(x, y):
+        return torch.broadcast_tensors(x, y)[0] * y
+
+    full_x, full_y = torch.randn(6, 3), torch.randn(1, 3)
+    with simulated_world(4):
+        x = simulated_map(full_x, lambda r, v: v[r][2 * r:2 * r + 2] if r < 3 else v[r][:0])
+        y = simulated_map(full_y, lambda r, v: v[r] if r == 0 else v[r][:0])
+        sharded = sf.shard(f, in_strategy=(None, None), dataset_strategy="data_parallel")
+        before = sf.explain(sharded, x, y)
+        out = sharded(x, y)
+        (compiled,) = sf.engine_of(sharded).programs.values()
+        assert str(sf.explain(sharded, x, y)) == str(compiled.plan)
+        assert before.table() == compiled.plan.table()
+        assert compiled.captured.output_nodes[0].meta["val"].shape == (6, 3)  # the global batch's program
+        for r in range(4):
+            torch.testing.assert_close(on_rank(out, r), f(full_x, full_y)[2 * r:2 * r + 2])
+
 def test_explain_module_does_not_shard_it():
     block = BasicBlock()
     plan = sf.explain(block, torch.empty(8, 32, device="meta"), in_strategy=((4, 1),), world_size=4)

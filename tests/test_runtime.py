@@ -3,7 +3,7 @@ import time
 import pytest
 
 from shardfn.runtime import DEFAULT_MASTER_PORT, detect_launch
-from tests.harness import free_port
+from tests.harness import free_port, on_rank
 from tests.launch import run_mpirun, run_python, run_ranks, run_torchrun, succeeds
 
 
@@ -191,3 +191,58 @@ def test_a_simulated_world_refuses_a_bool_its_ranks_answer_differently():
         with pytest.raises(PerRankBoolError, match="answers differently"):
             torch.equal(x, torch.zeros(3))
     assert torch.equal(torch.zeros(3), torch.zeros(3))  # ordinary tensors again outside
+
+
+def test_a_simulated_world_writes_into_an_ordinary_tensor_once_per_value_not_once_per_rank():
+    # LocalTensorMode ran an op once per rank on the same ordinary tensor: plain.mul_(per_rank) multiplied it 4
+    # times, so eager's gradient of linear_cross_entropy's chunked custom op (whose backward scales an ordinary
+    # buffer in place by a per-rank grad_output) was wrong in a simulated world only, and the OpInfo sweep's
+    # data-parallel reference with it
+    import torch
+    import torch.nn.functional as F
+
+    from shardfn._simulation_internals import PerRankWriteError
+    from shardfn.runtime import simulated_map, simulated_world
+
+    def loss_grads(x, w, t, g):
+        x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        opts = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=2)
+        (F.linear_cross_entropy(x, w, t, reduction="none", options=opts) * g).sum().backward()
+        return x.grad, w.grad
+
+    x, w, t = torch.randn(8, 12), torch.randn(4, 12), torch.randint(0, 4, (8,))
+    want = loss_grads(x, w, t, torch.linspace(-1, 1, 8))
+    plain = torch.full((3,), 2.0)
+    with simulated_world(4):
+        got = loss_grads(x, w, t, torch.linspace(-1, 1, 8))  # made here: per rank, all ranks alike
+        for g, e in zip(got, want):
+            for r in range(4):
+                torch.testing.assert_close(on_rank(g, r), e, rtol=1e-5, atol=1e-5)
+        plain.mul_(torch.full((3,), 3.0))
+        assert type(plain) is torch.Tensor and plain.tolist() == [6.0] * 3
+        differing = simulated_map(torch.ones(3), lambda r, values: values[r] * r)
+        with pytest.raises(PerRankWriteError, match="differing values into an ordinary tensor"):
+            plain.add_(differing)
+
+
+def test_a_simulated_world_accumulates_a_gradient_into_an_efficient_zero_tensor():
+    # sgn's gradient of a real input is an efficient zero tensor (no storage); under LocalTensorMode each rank held
+    # one inside a per-rank tensor that did not say so, and accumulating a second gradient into it killed the
+    # process (a segmentation fault: the OpInfo sweep's worker, at sgn, in every mode). In a process of its own
+    import subprocess
+    import sys
+
+    code = """if True:
+        import torch
+        from shardfn.runtime import simulated_world
+        x = torch.randn(8, requires_grad=True)
+        with simulated_world(4):
+            for _ in range(2):
+                (torch.sgn(x) * torch.linspace(-1, 1, 8)).sum().backward()
+            assert all(not bool(g.any()) for g in x.grad._local_tensors.values()) and len(x.grad._local_tensors) == 4
+        print("ok")
+    """
+    from tests.launch import ROOT
+
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", (result.returncode, result.stderr[-2000:])

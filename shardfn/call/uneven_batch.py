@@ -28,7 +28,7 @@ from ..strategy_search import profile_for
 from .arguments import bind
 from .planning import call_mesh, param_specs
 
-__all__ = ["Rows", "move_rows", "rows_of", "simulated_rows", "uneven_call"]
+__all__ = ["Rows", "UnevenInputs", "move_rows", "rows_of", "simulated_rows", "uneven_call", "uneven_inputs"]
 
 Span = tuple[int, int]  # (first row, number of rows) of the global batch
 
@@ -159,11 +159,28 @@ def simulated_rows(engine, tensors: list) -> dict[int, tuple[int, ...]] | None:
     return {r: tuple(int(t.shape[0]) if c is None else c[r] for t, c in zip(batch, counts)) for r in range(world)}
 
 
-def uneven_call(engine, rows: dict[int, tuple[int, ...]], args, kwargs, tensors: list, arrived: tuple, start):
-    """A call whose ranks passed batch slices of other lengths (``rows``: per global rank of the call, its batch
-    inputs' row counts): run on their concatenation. The program is the one for that global batch, kept by the
-    signature with the batch's rows. Returns the program and the outputs (those split as a batch input is, back
-    in that input's slices)."""
+@dataclass(frozen=True)
+class UnevenInputs:
+    """An uneven call's batch inputs moved to the rows the program for their global batch holds on each rank."""
+
+    args: tuple
+    kwargs: dict
+    tensors: list  # the call's tensors, the batch inputs moved
+    moves: dict[int, Rows]  # each batch input's rows, by tensor number
+    held: tuple  # each tensor's held split
+    mesh_spec: MeshSpec
+    me: int  # this rank's position in the call's ranks (simulated: 0, every rank's at once)
+    ranks: tuple[int, ...]
+
+    @property
+    def batch(self) -> dict[int, int]:
+        """Each batch input's global rows: the key and the bound call of the program for them."""
+        return {j: where.total for j, where in self.moves.items()}
+
+
+def uneven_inputs(engine, rows: dict[int, tuple[int, ...]], args, kwargs, tensors: list) -> UnevenInputs:
+    """The call's batch inputs moved into the pieces of their global batch (``rows``: per global rank of the
+    call, its batch inputs' row counts): as a call runs them, and as explain() plans them."""
     device = runtime.resolve_device(engine.config.device)
     world = engine.world(device)
     ranks = engine.ranks() or tuple(range(world))
@@ -180,16 +197,25 @@ def uneven_call(engine, rows: dict[int, tuple[int, ...]], args, kwargs, tensors:
     for j, where in moves.items():
         moved[j] = move_rows(tensors[j], where, me, ranks)
     args, kwargs = split_arguments(args, kwargs)[2].rebuild(moved)
-    batch = {j: where.total for j, where in moves.items()}
-    compiled, outs = engine.run(engine.key(args, kwargs, arrived, batch=batch), args, kwargs, moved, arrived, start,
-                                batch)
+    return UnevenInputs(args, kwargs, moved, moves, call.held, mesh_spec, me, ranks)
+
+
+def uneven_call(engine, rows: dict[int, tuple[int, ...]], args, kwargs, tensors: list, arrived: tuple, start):
+    """A call whose ranks passed batch slices of other lengths (``rows``: per global rank of the call, its batch
+    inputs' row counts): run on their concatenation. The program is the one for that global batch, kept by the
+    signature with the batch's rows. Returns the program and the outputs (those split as a batch input is, back
+    in that input's slices)."""
+    uneven = uneven_inputs(engine, rows, args, kwargs, tensors)
+    args, kwargs, batch = uneven.args, uneven.kwargs, uneven.batch
+    compiled, outs = engine.run(engine.key(args, kwargs, arrived, batch=batch), args, kwargs, uneven.tensors,
+                                arrived, start, batch)
     plan, vals = compiled.plan, [n.meta["val"] for n in compiled.captured.output_nodes]
     outs = list(outs)
     for k, out in enumerate(outs):  # outputs split as a batch input is go back into that input's slices
         if plan.returns_dtensor[k] or plan.outputs[k] is None or not vals[k].dim():
             continue
-        same = [where for j, where in moves.items() if where.total == vals[k].shape[0] and
-                to_placements(call.held[j], mesh_spec) == tuple(plan.outputs[k])]
+        same = [where for j, where in uneven.moves.items() if where.total == vals[k].shape[0] and
+                to_placements(uneven.held[j], uneven.mesh_spec) == tuple(plan.outputs[k])]
         if same:
-            outs[k] = move_rows(out, same[0].back(), me, ranks)
+            outs[k] = move_rows(out, same[0].back(), uneven.me, uneven.ranks)
     return compiled, outs

@@ -284,7 +284,7 @@ class ParallelProgram:
             if e.kind != "param" or not self._cast(d, e.kind):
                 d = self._used(d, e.kind)
             inputs.append(d if e.held == e.planned else redistribute(d, e.planned))
-        outs = [self._returned(o.to_local()) for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
+        outs = [self._returned(_Exit.apply(o)) for o in self.interpret(inputs, list(locals_[len(self.entries):]))]
         for k in self._written_elsewhere:  # updated in place in another layout than the caller's: written back
             locals_[k].copy_(redistribute(inputs[k], self.entries[k].held).to_local())
         return outs
@@ -585,6 +585,24 @@ class _Enter(torch.autograd.Function):
         if tuple(grad.placements) != target:
             grad = grad.redistribute(ctx.mesh, target)
         return grad.to_local().to(ctx.dtype), None, None, None, None, None
+
+
+class _Exit(torch.autograd.Function):
+    """An output's piece on this rank (``to_local()``), whose gradient goes back as a DTensor of the output's global
+    shape and strides in the piece's order. DTensor's own to_local backward scales the piece's strides by the mesh
+    size, which for uneven pieces is no tensor's of that shape, and differs on the rank with an empty piece (a
+    per-rank size in a simulated world, where reading it fails: a circular pad's output split 9 ways in 4)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mesh, ctx.placements, ctx.shape = x.device_mesh, gradient_placements(x.placements), x.shape
+        local = local_of(x)
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape,
+                                  stride=global_stride(grad, ctx.shape))
 
 
 class _UsedAs(torch.autograd.Function):
