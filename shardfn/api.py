@@ -33,6 +33,7 @@ from .config import ShardConfig
 from .exec.lower import lower, use_inductor
 from .layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy, to_placements
 from .programs import Compiled, Planned, Programs
+from .progress import Progress
 from .strategy_search import Plan, build_request, make_plan, profile_for
 
 __all__ = ["ShardedFunction", "ShardedModule", "engine_of", "explain", "no_sync", "shard", "shard_optimizer"]
@@ -411,7 +412,10 @@ class _Engine:
             param_specs = self._param_specs(world)
             profile = profile_for(device)
             mesh_spec = self._mesh_spec(call, param_specs, world, device, profile)
-            captured = self._capture(args, kwargs, call, device, dynamic)
+            params, _ = self._state()
+            progress = Progress(sum(t.numel() for t in params.values()) + sum(math.prod(s) for s in call.shapes))
+            captured = progress("capture", lambda: self._capture(args, kwargs, call, device, dynamic),
+                                lambda c: f"{len(c.gm.graph.nodes)} graph nodes", f"{self.name} on {world} ranks")
             self.captures += 1
             planned = captured if not dynamic else dataclasses.replace(
                 captured, gm=planning_graph(captured.gm), dynamic=None)
@@ -421,7 +425,7 @@ class _Engine:
                                     profile, accumulate, self.optimizer_stage,
                                     pending_grads=self.grad_targets.keys(), arrivals=moves,
                                     notes=((_dynamic_note(captured, dynamic),) if dynamic else ()) + moved)
-            plan = make_plan(planned, mesh_of(mesh_spec), mesh_spec, request)
+            plan = make_plan(planned, mesh_of(mesh_spec), mesh_spec, request, progress)
         params, buffers = self._state()
         return Planned(captured, plan, mesh_spec, tuple(parameters.slot(self.module, n) for n in params),
                        tuple(parameters.slot(self.module, n) for n in buffers), dict(dynamic or {}))

@@ -397,7 +397,7 @@ def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                        for i in b.integrality]
     h = _highs()
-    h.setOptionValue("time_limit", float(max(time_limit_s, 0.1)))
+    h.setOptionValue("time_limit", float(max(time_limit_s, 1e-3)))
     h.setOptionValue("mip_rel_gap", _GAP)
     h.setOptionValue("threads", 1)
     h.passModel(lp)
@@ -417,6 +417,16 @@ def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_
     return choice, optimal, gap, "optimal" if optimal else "time limit"
 
 
+def _gap_to_simple_bound(red: _Reducer, alive: list[int], choice: dict[int, int]) -> float:
+    """The relative gap of ``choice`` on what elimination left to the bound each term gives alone (every cost and
+    edge at its least): where no time is left for the integer program's own bound."""
+    edges = [(u, v, m) for u in alive for v, m in red.adj[u].items() if u < v]
+    value = sum(float(red.costs[v][choice[v]]) for v in alive) + sum(float(m[choice[u], choice[v]])
+                                                                      for u, v, m in edges)
+    bound = sum(float(red.costs[v].min()) for v in alive) + sum(float(m.min()) for _, _, m in edges)
+    return max(value - bound, 0.0) / max(abs(value), 1e-30)
+
+
 def _unconstrained(costs, edges, time_limit_s: float) -> Solution:
     start = time.perf_counter()
     red = _Reducer(costs, edges)
@@ -424,10 +434,13 @@ def _unconstrained(costs, edges, time_limit_s: float) -> Solution:
     choice: dict[int, int] = {}
     optimal, gap, message = True, 0.0, "optimal"
     if alive:
-        start_choice = _incumbent(red)
-        log.info("search: %d decisions of %d left after exact elimination; integer program (limit %.0f s)",
-                 len(alive), len(costs), time_limit_s)
-        choice, optimal, gap, message = _program(red, alive, start_choice, time_limit_s)
+        choice, optimal, gap, message = _incumbent(red), False, float("inf"), "time limit"
+        if time_limit_s > 0:
+            log.info("search: %d decisions of %d left after exact elimination; integer program (limit %.1f s)",
+                     len(alive), len(costs), time_limit_s)
+            choice, optimal, gap, message = _program(red, alive, choice, time_limit_s)
+        if gap == float("inf"):  # no time left for the integer program, or it found nothing: the incumbent
+            gap = _gap_to_simple_bound(red, alive, choice)
     red.recover(choice)
     ordered = [choice[v] for v in range(len(costs))]
     stats = {"decisions": len(costs), "ilp_decisions": len(alive), "eliminated": len(red.trail),
@@ -447,7 +460,7 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
 
     def at(mu: float) -> Solution:
         return _unconstrained([c + mu * w for c, w in zip(problem.costs, weights)], problem.edges,
-                              max(deadline - time.perf_counter(), 0.1))
+                              max(deadline - time.perf_counter(), 0.0))
 
     def weight(sol: Solution) -> float:
         return float(sum(w[k] for w, k in zip(weights, sol.choice)))
@@ -498,7 +511,7 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     red = _Reducer(problem.costs, problem.edges, keep=keep)
     alive = sorted(red.alive)
     start = dict(enumerate(best.choice))
-    choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.1),
+    choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.0),
                                                  ([w if v in keep else np.zeros_like(w) for v, w in
                                                    enumerate(weights)], limit - offset))
     red.recover(choice)
