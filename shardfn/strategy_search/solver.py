@@ -80,6 +80,7 @@ class Solution:
     stats: dict = field(default_factory=dict)
     gap: float = 0.0  # relative distance to the best lower bound known (0: proven optimal)
     timed_out: bool = False  # the time limit ended the search: the best plan found, not a proven one
+    bound: float = -np.inf  # a lower bound on the objective (the objective itself where optimal)
 
 
 def _groups(matrix: np.ndarray, axis: int) -> list[np.ndarray]:
@@ -434,14 +435,14 @@ def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_
     return choice, optimal, gap, "optimal" if optimal else "time limit"
 
 
-def _gap_to_simple_bound(red: _Reducer, alive: list[int], choice: dict[int, int]) -> float:
-    """The relative gap of ``choice`` on what elimination left to the bound each term gives alone (every cost and
-    edge at its least): where no time is left for the integer program's own bound."""
+def _residue_terms(red: _Reducer, alive: list[int], choice: dict[int, int]) -> tuple[float, float]:
+    """The value of ``choice`` on what elimination left, and the bound each term gives alone (every cost and edge
+    at its least): the bound where no time is left for the integer program's own."""
     edges = [(u, v, m) for u in alive for v, m in red.adj[u].items() if u < v]
     value = sum(float(red.costs[v][choice[v]]) for v in alive) + sum(float(m[choice[u], choice[v]])
                                                                       for u, v, m in edges)
     bound = sum(float(red.costs[v].min()) for v in alive) + sum(float(m.min()) for _, _, m in edges)
-    return max(value - bound, 0.0) / max(abs(value), 1e-30)
+    return value, bound
 
 
 def _unconstrained(costs, edges, time_limit_s: float, interned: dict | None = None) -> Solution:
@@ -456,14 +457,17 @@ def _unconstrained(costs, edges, time_limit_s: float, interned: dict | None = No
             log.info("search: %d decisions of %d left after exact elimination; integer program (limit %.1f s)",
                      len(alive), len(costs), time_limit_s)
             choice, optimal, gap, message = _program(red, alive, choice, time_limit_s)
-        if gap == float("inf"):  # no time left for the integer program, or it found nothing: the incumbent
-            gap = _gap_to_simple_bound(red, alive, choice)
+        if not optimal:  # the gap in absolute terms: HiGHS's (relative to what it solved) or the simplest bound
+            value, bound = _residue_terms(red, alive, choice)
+            gap = value - max(bound, value - gap * abs(value) if gap < float("inf") else bound)
     red.recover(choice)
     ordered = [choice[v] for v in range(len(costs))]
     stats = {"decisions": len(costs), "ilp_decisions": len(alive), "eliminated": len(red.trail),
              "seconds": time.perf_counter() - start}
-    return Solution(ordered, objective(Problem(costs, edges), ordered), optimal, message, stats, gap,
-                    timed_out=message == "time limit")
+    f = objective(Problem(costs, edges), ordered)
+    bound = f if optimal else f - gap
+    return Solution(ordered, f, optimal, message, stats, 0.0 if optimal else max(gap, 0.0) / max(abs(f), 1e-30),
+                    timed_out=message == "time limit", bound=bound)
 
 
 def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
@@ -486,13 +490,12 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     first = at(0.0)
     if weight(first) <= limit:
         return first
-    best, bound = None, first.objective if first.optimal else -np.inf
+    best, bound = None, first.bound
 
     def take(mu: float, sol: Solution) -> bool:
         nonlocal best, bound
         w = weight(sol)
-        if sol.optimal:  # a Lagrangian bound holds only for an exact inner solve
-            bound = max(bound, sol.objective - mu * limit)
+        bound = max(bound, sol.bound - mu * limit)  # (a Lagrangian bound from the inner solve's own bound)
         if w <= limit:
             f = objective(problem, sol.choice)
             if best is None or f < best.objective:
@@ -503,8 +506,8 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     # keeps it, then bisected (geometrically) until the bracket or the gap closes
     lo, hi = 0.0, 1e-6 * max(abs(first.objective), 1e-30) / max(limit, 1e-30)
     rounds = 0
-    while not take(hi, at(hi)):
-        lo, hi = hi, hi * 8
+    while not take(hi, at(hi)):  # (past the deadline, bigger steps to a plan within the budget)
+        lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
     while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and \
             best.objective - bound > _GAP * max(abs(best.objective), 1e-30):
