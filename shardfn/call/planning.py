@@ -17,6 +17,7 @@ from ..capture.dynamic import planning_graph
 from ..capture.graph import CapturedGraph
 from ..config import ShardConfig
 from ..layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy
+from ..progress import Progress
 from ..strategy_search import Plan, make_plan, profile_for
 from . import accumulation, parameters, submesh
 from .arguments import BoundCall, bind
@@ -38,7 +39,10 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
         profile = profile_for(device)
         mesh_spec = call_mesh(config, [*call.held, *(f for f in call.fixed if f is not None),
                                        *fixed.values()], world, profile.devices_per_node)
-        captured = _capture(engine, args, kwargs, call, device, dynamic)
+        params, _ = engine.state()
+        progress = Progress(sum(t.numel() for t in params.values()) + sum(math.prod(s) for s in call.shapes))
+        captured = progress("capture", lambda: _capture(engine, args, kwargs, call, device, dynamic),
+                            lambda c: f"{len(c.gm.graph.nodes)} graph nodes", f"{engine.name} on {world} ranks")
         engine.captures += 1
         planned = captured if not dynamic else dataclasses.replace(
             captured, gm=planning_graph(captured.gm), dynamic=None)
@@ -48,7 +52,7 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
                                 profile, accumulate, engine.optimizer_stage,
                                 pending_grads=engine.grad_targets.keys(), arrivals=moves,
                                 notes=((_dynamic_note(captured, dynamic),) if dynamic else ()) + moved)
-        plan = make_plan(planned, runtime.planning_mesh(mesh_spec, device), mesh_spec, request)
+        plan = make_plan(planned, runtime.planning_mesh(mesh_spec, device), mesh_spec, request, progress)
     params, buffers = engine.state()
     return Planned(captured, plan, mesh_spec, tuple(parameters.slot(engine.module, n) for n in params),
                    tuple(parameters.slot(engine.module, n) for n in buffers), dict(dynamic or {}))

@@ -233,4 +233,5 @@ def functions_as_targets(gm: torch.fx.GraphModule, calls: list[FunctionCall], fa
             recorded.add(id(call))
             with fake_mode:
                 call._record_ops([t.meta["val"] for t in tensors])
-    gm.recompile()
+    if calls:  # (a big model's graph takes a while to compile into code)
+        gm.recompile()

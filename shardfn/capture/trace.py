@@ -288,9 +288,11 @@ def _copies_as_values(gm: torch.fx.GraphModule) -> None:
     """Functionalization's out-of-place ``aten.copy(dest, src)`` (autograd has no derivative for it, DTensor no
     rule) as what it is: src in dest's dtype, broadcast to dest's shape, a tensor of its own."""
     aten = torch.ops.aten
+    changed = False
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not aten.copy.default:
             continue
+        changed = True
         dest, src = node.args[0].meta["val"], node.args[1].meta["val"]
         with gm.graph.inserting_before(node):
             value = node.args[1]
@@ -304,7 +306,8 @@ def _copies_as_values(gm: torch.fx.GraphModule) -> None:
         value.meta = dict(node.meta)
         node.replace_all_uses_with(value)
         gm.graph.erase_node(node)
-    gm.recompile()
+    if changed:  # (a big model's graph takes a while to compile into code)
+        gm.recompile()
 
 
 def _out_of_place_metadata_ops(gm: torch.fx.GraphModule) -> None:

@@ -12,8 +12,10 @@ Nothing here runs an op on data; nothing outside this module imports torch.distr
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
+import sys
 from typing import Any
 
 import torch
@@ -252,12 +254,40 @@ def _placements(spec):
     return tuple(_placements(s) for s in spec)
 
 
+def _unpriced(src_strategy, dst_spec) -> list[float]:
+    return [0.0] * len(src_strategy.strategies)
+
+
+@contextlib.contextmanager
+def _redistributions_unpriced():
+    """DTensor's strategy functions price each strategy's redistribution from every input option (for its eager
+    dispatch's choice); the search prices its own, and offers every option: on a 3-D mesh that pricing was most of
+    the rules' time (a view: 216 x 216 placements). Skipped while the search asks, in every module that holds it."""
+    from torch.distributed.tensor._ops import utils
+
+    real = utils.generate_redistribute_costs
+    holders = [m for name, m in list(sys.modules.items()) if name.startswith("torch.distributed.tensor._ops")
+               and getattr(m, "generate_redistribute_costs", None) is real]
+    for m in holders:
+        m.generate_redistribute_costs = _unpriced
+    try:
+        yield
+    finally:
+        for m in holders:
+            m.generate_redistribute_costs = real
+
+
 def dtensor_strategies(op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[Strategy] | None:
     """Every (output placements, input placements) DTensor allows for ``op`` on ``mesh``; None: no rule.
 
     ``args``/``kwargs`` hold fake tensors of the global shapes where the node has tensors. Input placements are
     listed for the flat tensor inputs (args then kwargs, lists flattened) in order.
     """
+    with _redistributions_unpriced():
+        return _strategies(op, args, kwargs, mesh)
+
+
+def _strategies(op, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[Strategy] | None:
     sp = _propagator()
     if not (op in sp.op_single_dim_strategy_funcs or op in sp.op_strategy_funcs
             or DecompShardingStrategy.has_decomp(op)):

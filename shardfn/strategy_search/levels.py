@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from . import cost_model as cm
@@ -20,7 +22,8 @@ __all__ = ["solve_level"]
 def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: float,
                 budget: float | None = None) -> Solution:
     """Choose candidates for the level's objective (see the README's *Search* section); levels 0 and 2 within
-    ``budget`` bytes of the pricing's memory estimate (the profile's memory where None)."""
+    ``budget`` bytes of the pricing's memory estimate (the profile's memory where None). ``time_limit_s`` bounds
+    all the level's solves together (0: exact elimination and the incumbent only)."""
     budget = profile.memory_bytes if budget is None else budget
     unary_time = [c + r for c, r in zip(t.compute, t.reductions)]
     upper_time = sum(float(c.max()) for c in unary_time) + sum(float(m.max()) for _, _, m in t.edges) + 1e-12
@@ -45,10 +48,11 @@ def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: f
         costs = [mem + eps * c for mem, c in zip(t.memory, unary_time)]
         scale = sum(float(m.max()) for m in t.memory) + 1.0
         return solve(Problem(costs, kept_split([(u, v, eps * m) for u, v, m in t.edges], scale)), time_limit_s)
-    best = _best_ratio(t, unary_time, upper_time, kept_split, time_limit_s, None)
+    deadline = time.perf_counter() + time_limit_s
+    best = _best_ratio(t, unary_time, upper_time, kept_split, deadline, None)
     if t.memory_of(best.choice) > budget:  # the best ratio does not fit: the best that does
         try:
-            best = _best_ratio(t, unary_time, upper_time, kept_split, time_limit_s, budget)
+            best = _best_ratio(t, unary_time, upper_time, kept_split, deadline, budget)
         except Infeasible:
             raise ValueError(
                 f"level=0: no plan fits the per-rank memory of the {profile.name} profile "
@@ -57,20 +61,26 @@ def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: f
     return best
 
 
-def _best_ratio(t: Terms, unary_time, upper_time: float, kept_split, time_limit_s: float,
+def _best_ratio(t: Terms, unary_time, upper_time: float, kept_split, deadline: float,
                 budget: float | None) -> Solution:
-    """Level 0 by Dinkelbach's rounds, within ``budget`` bytes of memory where one is given."""
+    """Level 0 by Dinkelbach's rounds, within ``budget`` bytes of memory where one is given; past ``deadline``
+    (perf_counter) the last round's plan, said to be stopped by the time limit."""
     eps = 1e-6 * max(sum(float(s.max()) for s in t.savings), 1e-12) / upper_time
     lam, best = 0.0, None
     for _ in range(50):
         costs = [-s + lam * r + eps * c for s, r, c in zip(t.savings, t.reductions, unary_time)]
         scale = sum(float(np.abs(s).max()) for s in t.savings) + (lam + 1) * upper_time
         sol = solve(Problem(costs, kept_split([(u, v, (lam + eps) * m) for u, v, m in t.edges], scale),
-                            None if budget is None else (t.memory, budget)), time_limit_s)
+                            None if budget is None else (t.memory, budget)), max(deadline - time.perf_counter(), 0.0))
         saved, comm = t.savings_of(sol.choice), t.comm_of(sol.choice)
         best = sol
         if comm <= 0 or saved - lam * comm <= 1e-9 * max(saved, 1e-12):
             break
-        lam = saved / comm
+        lam, last = saved / comm, lam
+        if time.perf_counter() > deadline:
+            # the ratio not proven the best; Dinkelbach's rounds give no bound: the gap said is the last round's gain
+            best.optimal, best.timed_out = False, True
+            best.gap = max(best.gap, (lam - last) / lam)
+            break
     best.message = best.message if best.message != "optimal" else ""
     return best

@@ -16,6 +16,7 @@ import torch.fx
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from .. import _pytree_internals as pytree
+from . import cost_arrays
 from . import cost_model as cm
 from .buckets import bucket_bytes
 from .candidates import Candidate
@@ -110,6 +111,17 @@ class Pricing:
             hit = self._comm[key] = (fwd, bwd, self.seconds(fwd, bwd, handed_back))
         return hit
 
+    def _edge_seconds(self, val, src_keys, dst_keys, grad, handed_back, grad_dtype) -> np.ndarray:
+        """Seconds of each (output layout, accumulates) x (input layout, pending) pair: all at once on arrays
+        (cost_arrays, the same figures), else one pair at a time."""
+        small = cost_arrays.edge_seconds(val.shape, val.element_size(), _grad_item(val, grad_dtype), src_keys,
+                                         dst_keys, self.mesh_shape, self.profile, self.links, grad,
+                                         self.share.many if handed_back else None)
+        if small is None:
+            small = np.array([[self.comm(val, s, t, pd, grad, acc, handed_back, grad_dtype)[2] for t, pd in dst_keys]
+                              for s, acc in src_keys])
+        return small
+
     def comm_ops(self, val, src, dst, pending, grad, accumulate, grad_dtype=None):
         return self.comm(val, src, dst, pending, grad, accumulate, grad_dtype=grad_dtype)[:2]
 
@@ -194,9 +206,7 @@ class Pricing:
                     pend = [pending(c, slot, passes_on(d, c)) for c in d.candidates]
                     src_keys, src_idx = _distinct([(sc.outputs[out_idx], sc.accumulate) for sc in src_cands])
                     dst_keys, dst_idx = _distinct([(c.inputs[slot], pd) for c, pd in zip(d.candidates, pend)])
-                    small = np.array([[self.comm(val, s, t, pd, grad, acc, handed_back, grad_dtype)[2]
-                                       for t, pd in dst_keys]
-                                      for s, acc in src_keys])
+                    small = self._edge_seconds(val, src_keys, dst_keys, grad, handed_back, grad_dtype)
                     return (small[np.ix_(src_idx, dst_idx)],
                             _left_to_view(src_cands, pend, self.mesh_shape) if from_view else None)
 
@@ -222,16 +232,28 @@ class Pricing:
                 key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, keep_split)
 
                 def build(d=d, slot=slot, src_cands=src_cands, out_idx=out_idx, val=val):
-                    src_keys, src_idx = _distinct([sc.outputs[out_idx] for sc in src_cands])
-                    dst_keys, dst_idx = _distinct([c.inputs[slot] for c in d.candidates])
-                    bad = np.array([[float(_gathers(self.comm(val, a, b, (), False, False)[0], keep_split))
-                                     for b in dst_keys] for a in src_keys])
-                    return bad[np.ix_(src_idx, dst_idx)] if bad.any() else None
+                    src_keys = [sc.outputs[out_idx] for sc in src_cands]
+                    dst_keys = [c.inputs[slot] for c in d.candidates]
+                    bad = self._gathers(val, src_keys, dst_keys, keep_split)
+                    return bad if bad.any() else None
 
                 bad = _per_candidate_lists(self._violations, key, src_cands, d.candidates, build)
                 if bad is not None:
                     found.append((u, v, bad))
         return found
+
+    def _gathers(self, val, srcs, dsts, keep_split) -> np.ndarray:
+        """1 for each pair of layouts whose forward redistribution gathers over a mesh dim of ``keep_split``."""
+        partials: dict = {}
+        a, b = [cost_arrays.codes(s, partials) for s in srcs], [cost_arrays.codes(t, partials) for t in dsts]
+        if None not in a and None not in b:
+            return cost_arrays.pair_seconds(val.shape, val.element_size(), a, b, self.mesh_shape, self.profile,
+                                            self.links, gathers_on=keep_split)[1].astype(float)
+        src_keys, src_idx = _distinct(srcs)
+        dst_keys, dst_idx = _distinct(dsts)
+        bad = np.array([[float(_gathers(self.comm(val, s, t, (), False, False)[0], keep_split)) for t in dst_keys]
+                        for s in src_keys])
+        return bad[np.ix_(src_idx, dst_idx)]
 
 
 def parameter_copies(placements: Placements, mesh_shape: Sequence[int], optimizer_stage: int = 0,
@@ -337,6 +359,12 @@ class _BucketShare:
         if op.kind != "all_reduce" or self.limit <= 0:
             return 1.0
         return min(1.0, max(op.nbytes / self.limit, 1 / max(self.grads, 1)))
+
+    def many(self, kind: str, nbytes: np.ndarray):
+        """The same for collectives of one kind and many sizes (cost_arrays)."""
+        if kind != "all_reduce" or self.limit <= 0:
+            return 1.0
+        return np.minimum(1.0, np.maximum(nbytes / self.limit, 1 / max(self.grads, 1)))
 
 
 def gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:

@@ -7,6 +7,7 @@ out as a candidate says, the op run on each rank's pieces, the pieces assembled 
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 import torch.fx
@@ -163,7 +164,23 @@ def _view_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     def numels(shape, pl):
         return [int(torch.Size(s).numel()) for s in local_shapes(shape, pl, mesh)]
 
+    ways_in, ways_out = _even_ways(x.shape, cand.inputs[0], mesh.shape), _even_ways(out.shape, cand.outputs[0],
+                                                                                  mesh.shape)
+    if ways_in is not None and ways_out is not None:  # even pieces: every rank holds numel / ways (no rank walk)
+        return ways_in == ways_out
     return numels(x.shape, cand.inputs[0]) == numels(out.shape, cand.outputs[0])
+
+
+def _even_ways(shape, placements, mesh_shape) -> int | None:
+    """In how many pieces ``placements`` cut a tensor of ``shape`` where every split dim divides evenly (each
+    rank's piece then holds numel / pieces); None where some piece is uneven."""
+    ways = [1] * len(shape)
+    for p, n in zip(placements, mesh_shape):
+        if isinstance(p, Shard):
+            ways[p.dim] *= n
+    if any(size % w for size, w in zip(shape, ways)):
+        return None
+    return math.prod(ways)
 
 
 @register_check(aten.squeeze.dims)

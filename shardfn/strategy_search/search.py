@@ -5,8 +5,9 @@
 3. the solution (:mod:`.levels` over :mod:`.solver`): the level's objective, exact where the solver finishes;
 4. the plan (:mod:`.readout`): placements, collectives, costs and notes read off the solution.
 
-Each step's time and size go to the ``shardfn`` logger (INFO for a plan that takes over a second, else DEBUG),
-so a user waiting on a large plan sees it move. Nothing a search builds outlives it.
+Each step says on the ``shardfn`` logger what it starts on and, when it ends, its size and time (:mod:`..progress`:
+INFO for a large call or a plan that takes over a second, else DEBUG), so a user waiting on a large plan sees it
+move. ``SHARDFN_SEARCH_TIME_LIMIT`` bounds the four steps together. Nothing a search builds outlives it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ..capture.graph import CapturedGraph
 from ..layout import MeshSpec
+from ..progress import Progress
 from . import cost_model as cm
 from .levels import solve_level
 from .plan import Plan
@@ -41,32 +43,40 @@ class PlanMemoryWarning(UserWarning):
     host): the plan is returned, with the figures and what would fit in its notes."""
 
 
-def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, request: PlanRequest) -> Plan:
+def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, request: PlanRequest,
+              progress: Progress | None = None) -> Plan:
+    """The plan of one captured call. Its time limit bounds the whole search, from here to the plan (the capture
+    before it is not the search's): the solve takes what the steps before it left, and past the limit the best
+    plan found so far is the answer, its gap to the best bound in its notes."""
     time_limit_s = request.time_limit_s if request.time_limit_s is not None else search_time_limit()
-    step = _Steps()
-    problem = step("candidates", lambda: build_problem(captured, mesh, request, CandidateLists()),
-                   lambda p: f"{len(p.decisions)} decisions, {sum(len(d.candidates) for d in p.decisions)} candidates")
+    deadline = time.perf_counter() + time_limit_s
+    step = progress if progress is not None else Progress()
+    problem = step("search candidates", lambda: build_problem(captured, mesh, request, CandidateLists()),
+                   lambda p: f"{len(p.decisions)} decisions, {sum(len(d.candidates) for d in p.decisions)} candidates",
+                   f"{len(captured.gm.graph.nodes)} graph nodes on a mesh {tuple(mesh.shape)}, "
+                   f"limit {time_limit_s:g} s")
     links = cm.mesh_links(problem.mesh_shape, request.profile, mesh_spec.links)  # each mesh dim's link
     pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype,
                       links)
-    terms = step("pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
+    terms = step("search pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
     # the regions backward computes again are chosen around the level's solve (recompute.py)
-    within = functools.partial(_within_budget, request, mesh_spec, pricing, step, time_limit_s)
+    within = functools.partial(_within_budget, request, mesh_spec, pricing, step, time_limit_s, deadline)
     return plan_with_recompute(problem, request, pricing, terms, within)
 
 
 def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, step, time_limit_s: float,
-                   problem, terms, final: bool) -> Plan:
-    """The level's plan of ``problem`` priced by ``terms`` within the memory; a ValueError where none fits (the
-    figures of the closest). ``final``: a nominal memory's (a CPU's) over-budget plan is returned, said."""
+                   deadline: float, problem, terms, final: bool) -> Plan:
+    """The level's plan of ``problem`` priced by ``terms`` within the memory, the solve given what is left before
+    ``deadline``; a ValueError where none fits (the figures of the closest). ``final``: a nominal memory's (a
+    CPU's) over-budget plan is returned, said."""
     budget, over = request.profile.memory_bytes, None
     for attempt in range(_BUDGET_ROUNDS):
         try:
-            solution = step("solve", lambda: solve_level(request.level, terms, request.profile, time_limit_s,
-                                                         budget),
+            left = max(deadline - time.perf_counter(), 0.0)
+            solution = step("search solve", lambda: solve_level(request.level, terms, request.profile, left, budget),
                             lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
-                                      + ("optimal" if s.optimal else f"gap {s.gap:.2%}"))
-            plan = step("read-out", lambda: read_plan(problem, request, mesh_spec, pricing, terms, solution),
+                                      + ("optimal" if s.optimal else f"gap {s.gap:.2%}"), f"{left:.1f} s left")
+            plan = step("search read-out", lambda: read_plan(problem, request, mesh_spec, pricing, terms, solution),
                         lambda p: f"{len(p.collectives)} collectives")
             break
         except OverBudget as e:
@@ -86,26 +96,6 @@ def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, 
                 raise
             raise over from None  # (nothing fits the lower budget: the figures of the plan that did not fit)
     if solution.timed_out:
-        log.warning("shardfn: the strategy search stopped at its time limit (%.0f s, SHARDFN_SEARCH_TIME_LIMIT); "
+        log.warning("shardfn: the strategy search stopped at its time limit (%g s, SHARDFN_SEARCH_TIME_LIMIT); "
                     "the plan is the best found, within %.2f%% of the best bound", time_limit_s, 100 * solution.gap)
     return plan
-
-
-class _Steps:
-    """Runs and times each step; reports them on the logger once the plan has taken more than a second."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-        self.quiet: list[str] = []  # the steps not reported yet
-
-    def __call__(self, name: str, run, describe):
-        began = time.perf_counter()
-        result = run()
-        self.quiet.append(f"search {name}: {describe(result)} in {time.perf_counter() - began:.2f} s")
-        if time.perf_counter() - self.start > 1.0:
-            for line in self.quiet:
-                log.info("shardfn %s", line)
-            self.quiet = []
-        else:
-            log.debug("shardfn %s", self.quiet[-1])
-        return result

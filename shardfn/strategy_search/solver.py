@@ -80,6 +80,7 @@ class Solution:
     stats: dict = field(default_factory=dict)
     gap: float = 0.0  # relative distance to the best lower bound known (0: proven optimal)
     timed_out: bool = False  # the time limit ended the search: the best plan found, not a proven one
+    bound: float = -np.inf  # a lower bound on the objective (the objective itself where optimal)
 
 
 def _groups(matrix: np.ndarray, axis: int) -> list[np.ndarray]:
@@ -96,13 +97,14 @@ def _link(c_uv: np.ndarray, c_v: np.ndarray, c_vw: np.ndarray) -> tuple[np.ndarr
     """``min_j C_uv[i, j] + c_v[j] + C_vw[j, k]`` and its argmin, a few rows of ``u`` at a time (bounded memory)."""
     ku, kv, kw = c_uv.shape[0], c_v.shape[0], c_vw.shape[1]
     left = c_uv + c_v[None, :]
+    right = np.ascontiguousarray(c_vw.T)  # (k, j): the minimum runs along contiguous memory, several times faster
     rows = max(1, 2_000_000 // max(kv * kw, 1))
     best = np.empty((ku, kw))
     table = np.empty((ku, kw), dtype=np.int64)
     for start in range(0, ku, rows):
-        total = left[start:start + rows, :, None] + c_vw[None, :, :]
-        table[start:start + rows] = total.argmin(axis=1)
-        best[start:start + rows] = np.take_along_axis(total, table[start:start + rows][:, None, :], 1)[:, 0, :]
+        total = left[start:start + rows, None, :] + right[None, :, :]
+        table[start:start + rows] = total.argmin(axis=2)
+        best[start:start + rows] = np.take_along_axis(total, table[start:start + rows][:, :, None], 2)[:, :, 0]
     return best, table
 
 
@@ -116,14 +118,21 @@ class _Shared:
     (:meth:`intern`), so identical layers, whose costs and edges are equal, go through their elimination on the
     same objects: each step is computed for the first of them and its result shared by the rest."""
 
-    def __init__(self):
-        self._interned: dict = {}
+    def __init__(self, interned: dict | None = None):
+        # content -> array, and id -> (array, its interned one); given, they are shared with other reducers of one
+        # solve (the Lagrangian rounds: their edges are the same objects, hashed once)
+        self._interned: dict = {} if interned is None else interned
         self._memo: dict = {}
 
     def intern(self, a: np.ndarray) -> np.ndarray:
-        a = np.asarray(a, dtype=float)
-        key = (a.shape, hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest())
-        return self._interned.setdefault(key, a)
+        seen = self._interned.get(id(a))
+        if seen is not None and seen[0] is a:
+            return seen[1]
+        b = np.asarray(a, dtype=float)
+        key = (b.shape, hashlib.blake2b(np.ascontiguousarray(b).tobytes(), digest_size=16).digest())
+        b = self._interned.setdefault(key, b)
+        self._interned[id(a)] = (a, b)  # (keeping ``a``: its id stays its own)
+        return b
 
     def __call__(self, fn, *operands):
         key = (fn, *(id(o) if isinstance(o, np.ndarray) else o for o in operands))
@@ -157,8 +166,9 @@ class _Reducer:
     """The problem as an adjacency structure, shrunk by exact eliminations. ``keep`` decisions are never
     eliminated (those a budget weighs: eliminating them would lose their weights)."""
 
-    def __init__(self, costs: list[np.ndarray], edges, keep: frozenset[int] = frozenset()):
-        self.op = _Shared()
+    def __init__(self, costs: list[np.ndarray], edges, keep: frozenset[int] = frozenset(),
+                 interned: dict | None = None):
+        self.op = _Shared(interned)
         self.costs = [self.op.intern(c) for c in costs]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in self.costs]  # adj[u][v]: matrix oriented u x v
         for u, v, m in edges:
@@ -190,11 +200,17 @@ class _Reducer:
 
     def _eliminate(self, start) -> None:
         op = self.op
-        queue = sorted(start, key=lambda v: len(self.adj[v]))
+        queue = sorted(start, key=lambda v: (len(self.adj[v]), v))
         while queue:
-            nxt = []
+            nxt, touched = [], set()
             for v in queue:
                 if v not in self.alive or v in self.keep:
+                    continue
+                if v in touched:
+                    # changed in this pass: left to the next, so each pass eliminates decisions whose neighbours
+                    # are as they were; a chain of identical layers then contracts by halves, each pass's links
+                    # alike (one memo hit after the first) instead of one new product per layer
+                    nxt.append(v)
                     continue
                 nbrs = list(self.adj[v])
                 cv = self.costs[v]
@@ -208,14 +224,16 @@ class _Reducer:
                     self.trail.append(("leaf", v, u, table))
                     self._drop(v)
                     nxt.append(u)
+                    touched.add(u)
                 elif len(nbrs) == 2:
-                    u, w = nbrs
+                    u, w = sorted(nbrs)  # (the same orientation in every layer: the operands are the same objects)
                     best, table = op(_link, self.adj[u][v], cv, self.adj[v][w])
                     self.trail.append(("link", v, u, w, table))
                     self._drop(v)
                     self._add(u, w, best)
                     nxt += [u, w]
-            queue = sorted(set(nxt) & self.alive, key=lambda v: len(self.adj[v]))
+                    touched.update((u, w))
+            queue = sorted(set(nxt) & self.alive, key=lambda v: (len(self.adj[v]), v))
 
     def fix(self, v: int, k: int) -> None:
         """Decide ``v`` (its candidate ``k``): its edges become costs of its neighbours, which may then go."""
@@ -397,7 +415,7 @@ def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
                        for i in b.integrality]
     h = _highs()
-    h.setOptionValue("time_limit", float(max(time_limit_s, 0.1)))
+    h.setOptionValue("time_limit", float(max(time_limit_s, 1e-3)))
     h.setOptionValue("mip_rel_gap", _GAP)
     h.setOptionValue("threads", 1)
     h.passModel(lp)
@@ -417,23 +435,39 @@ def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_
     return choice, optimal, gap, "optimal" if optimal else "time limit"
 
 
-def _unconstrained(costs, edges, time_limit_s: float) -> Solution:
+def _residue_terms(red: _Reducer, alive: list[int], choice: dict[int, int]) -> tuple[float, float]:
+    """The value of ``choice`` on what elimination left, and the bound each term gives alone (every cost and edge
+    at its least): the bound where no time is left for the integer program's own."""
+    edges = [(u, v, m) for u in alive for v, m in red.adj[u].items() if u < v]
+    value = sum(float(red.costs[v][choice[v]]) for v in alive) + sum(float(m[choice[u], choice[v]])
+                                                                      for u, v, m in edges)
+    bound = sum(float(red.costs[v].min()) for v in alive) + sum(float(m.min()) for _, _, m in edges)
+    return value, bound
+
+
+def _unconstrained(costs, edges, time_limit_s: float, interned: dict | None = None) -> Solution:
     start = time.perf_counter()
-    red = _Reducer(costs, edges)
+    red = _Reducer(costs, edges, interned=interned)
     alive = sorted(red.alive)
     choice: dict[int, int] = {}
     optimal, gap, message = True, 0.0, "optimal"
     if alive:
-        start_choice = _incumbent(red)
-        log.info("search: %d decisions of %d left after exact elimination; integer program (limit %.0f s)",
-                 len(alive), len(costs), time_limit_s)
-        choice, optimal, gap, message = _program(red, alive, start_choice, time_limit_s)
+        choice, optimal, gap, message = _incumbent(red), False, float("inf"), "time limit"
+        if time_limit_s > 0:
+            log.info("search: %d decisions of %d left after exact elimination; integer program (limit %.1f s)",
+                     len(alive), len(costs), time_limit_s)
+            choice, optimal, gap, message = _program(red, alive, choice, time_limit_s)
+        if not optimal:  # the gap in absolute terms: HiGHS's (relative to what it solved) or the simplest bound
+            value, bound = _residue_terms(red, alive, choice)
+            gap = value - max(bound, value - gap * abs(value) if gap < float("inf") else bound)
     red.recover(choice)
     ordered = [choice[v] for v in range(len(costs))]
     stats = {"decisions": len(costs), "ilp_decisions": len(alive), "eliminated": len(red.trail),
              "seconds": time.perf_counter() - start}
-    return Solution(ordered, objective(Problem(costs, edges), ordered), optimal, message, stats, gap,
-                    timed_out=message == "time limit")
+    f = objective(Problem(costs, edges), ordered)
+    bound = f if optimal else f - gap
+    return Solution(ordered, f, optimal, message, stats, 0.0 if optimal else max(gap, 0.0) / max(abs(f), 1e-30),
+                    timed_out=message == "time limit", bound=bound)
 
 
 def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
@@ -444,10 +478,11 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     if sum(float(w.min()) for w in weights) > limit * (1 + 1e-12):
         raise Infeasible("no assignment satisfies the budget")
     deadline = time.perf_counter() + time_limit_s
+    interned: dict = {}  # the rounds' arrays, hashed once
 
     def at(mu: float) -> Solution:
         return _unconstrained([c + mu * w for c, w in zip(problem.costs, weights)], problem.edges,
-                              max(deadline - time.perf_counter(), 0.1))
+                              max(deadline - time.perf_counter(), 0.0), interned)
 
     def weight(sol: Solution) -> float:
         return float(sum(w[k] for w, k in zip(weights, sol.choice)))
@@ -455,13 +490,12 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     first = at(0.0)
     if weight(first) <= limit:
         return first
-    best, bound = None, first.objective if first.optimal else -np.inf
+    best, bound = None, first.bound
 
     def take(mu: float, sol: Solution) -> bool:
         nonlocal best, bound
         w = weight(sol)
-        if sol.optimal:  # a Lagrangian bound holds only for an exact inner solve
-            bound = max(bound, sol.objective - mu * limit)
+        bound = max(bound, sol.bound - mu * limit)  # (a Lagrangian bound from the inner solve's own bound)
         if w <= limit:
             f = objective(problem, sol.choice)
             if best is None or f < best.objective:
@@ -472,8 +506,8 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     # keeps it, then bisected (geometrically) until the bracket or the gap closes
     lo, hi = 0.0, 1e-6 * max(abs(first.objective), 1e-30) / max(limit, 1e-30)
     rounds = 0
-    while not take(hi, at(hi)):
-        lo, hi = hi, hi * 8
+    while not take(hi, at(hi)):  # (past the deadline, bigger steps to a plan within the budget)
+        lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
     while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and \
             best.objective - bound > _GAP * max(abs(best.objective), 1e-30):
@@ -495,10 +529,10 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     # the integer program on the whole problem: decisions the budget does not weigh are still eliminated
     keep = frozenset(v for v, w in enumerate(weights) if np.ptp(w) > 0)
     offset = sum(float(w.min()) for v, w in enumerate(weights) if v not in keep)
-    red = _Reducer(problem.costs, problem.edges, keep=keep)
+    red = _Reducer(problem.costs, problem.edges, keep=keep, interned=interned)
     alive = sorted(red.alive)
     start = dict(enumerate(best.choice))
-    choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.1),
+    choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.0),
                                                  ([w if v in keep else np.zeros_like(w) for v, w in
                                                    enumerate(weights)], limit - offset))
     red.recover(choice)

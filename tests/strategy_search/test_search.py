@@ -2,13 +2,14 @@
 
 import logging
 import sys
+import time
 
 import pytest
 import torch
 import transformers as tf
 
 import shardfn as sf
-from shardfn.strategy_search import levels
+from shardfn.strategy_search import levels, search, solver
 from shardfn.strategy_search.lru import LRU
 
 
@@ -56,12 +57,24 @@ def test_values_computed_from_buffers_are_whole_and_tie_no_layers_together():
     assert cos and all(p.is_replicate() for n in cos for p in n.outputs[0])
 
 
-def test_the_steps_are_reported_on_the_shardfn_logger(caplog):
+def test_the_steps_are_reported_on_the_shardfn_logger_as_they_start_and_end(caplog):
     with caplog.at_level(logging.DEBUG, logger="shardfn"):
         sf.explain(torch.mm, torch.empty(8, 4, device="meta"), torch.empty(4, 6, device="meta"), world_size=4)
-    steps = [r.getMessage().split(":")[0] for r in caplog.records if "search " in r.getMessage()]
-    assert steps == ["shardfn search candidates", "shardfn search pricing", "shardfn search solve",
-                     "shardfn search read-out"], steps
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("shardfn ")]
+    steps = [(m.split(":")[0], "started" in m) for m in lines]
+    assert steps == [(f"shardfn {s}", started) for s in ("capture", "search candidates", "search pricing",
+                                                          "search solve", "search read-out")
+                     for started in (True, False)], lines
+    assert all(r.levelno == logging.DEBUG for r in caplog.records if r.getMessage() in lines)  # a small call
+
+
+def test_a_large_call_reports_from_its_first_step(caplog):
+    # a model of over 100 M elements: its capture says it started at INFO, before anything has taken a second
+    with caplog.at_level(logging.INFO, logger="shardfn"):
+        sf.explain(torch.mm, torch.empty(2**14, 2**14, device="meta"), torch.empty(2**14, 8, device="meta"),
+                   world_size=4)
+    first = next(r for r in caplog.records if r.getMessage().startswith("shardfn "))
+    assert first.levelno == logging.INFO and first.getMessage().startswith("shardfn capture: started")
 
 
 def test_a_search_stopped_by_its_time_limit_returns_its_best_plan_and_says_so(monkeypatch, caplog):
@@ -81,6 +94,39 @@ def test_a_search_stopped_by_its_time_limit_returns_its_best_plan_and_says_so(mo
     assert "within 3.40% of the best bound" in str(plan)
     assert any("time limit" in n for n in plan.notes)
     assert any("strategy search stopped at its time limit" in r.getMessage() for r in caplog.records)
+
+
+def _tangled(x, y, z, w):
+    # every pair of the four read together: exact elimination leaves a residue to the integer program
+    return (x @ y) @ z + (x @ w) @ z + (y @ w) * (x @ z) + (z @ w) @ (y @ x)
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_the_time_limit_bounds_the_whole_search_not_its_solve_alone(monkeypatch, caplog, level):
+    # steps before the solve that use up the limit leave it none: the plan is the best found at once (exact
+    # elimination, then the incumbent), its gap in its notes; no integer program runs past the limit
+    args = [torch.empty(64, 64, device="meta", requires_grad=True) for _ in range(4)]
+    timed = sf.explain(_tangled, *args, world_size=8, in_strategy=(None,) * 4, level=level)
+    assert timed.search["ilp_decisions"] > 0 and timed.optimal
+    terms = search.Pricing.terms
+
+    def slow(self, keep_split=()):
+        time.sleep(0.3)
+        return terms(self, keep_split)
+
+    def past_the_limit(*args, **kwargs):
+        raise AssertionError("the integer program ran with no time left")
+
+    monkeypatch.setattr(search.Pricing, "terms", slow)
+    monkeypatch.setattr(solver, "_program", past_the_limit)
+    monkeypatch.setenv("SHARDFN_SEARCH_TIME_LIMIT", "0.2")
+    with caplog.at_level(logging.WARNING, logger="shardfn"):
+        plan = sf.explain(_tangled, *args, world_size=8, in_strategy=(None,) * 4, level=level)
+    assert not plan.optimal and plan.gap > 0
+    assert any("stopped at its time limit" in n and f"{plan.gap:.2%}" in n for n in plan.notes), plan.notes
+    assert any("strategy search stopped at its time limit" in r.getMessage() for r in caplog.records)
+    if level == 2:  # the plan the full search proves best is no worse than the one found at once
+        assert timed.cost.total_s <= plan.cost.total_s * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "soon"])

@@ -1,0 +1,152 @@
+"""The cost model's redistributions for many pairs of layouts at once (numpy): what pricing's edge matrices need.
+
+:func:`cost_model.redistribute_collectives` walks one pair of layouts; an edge of a 3-D mesh pairs hundreds of
+producer layouts with hundreds of consumer ones (1.9 million pairs for two Llama-3-70B layers on 8 x 8 x 8), too
+many to walk one at a time in Python. Here the same walk runs on arrays of pairs, one mesh dim at a time, with the
+same arithmetic in the same order, so every figure is bit for bit the scalar one (tests/strategy_search/
+test_cost_arrays.py checks both on every pair of layouts). A layout is coded one int per mesh dim:
+``Shard(d)`` d, ``Replicate`` -1, a pending sum -2 (other kinds of pending sums below).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from . import cost_model as cm
+
+__all__ = ["R", "P", "codes", "edge_seconds", "redistribute_seconds"]
+
+R, P = -1, -2
+
+
+def codes(placements: Sequence[Placement], partials: dict) -> tuple[int, ...] | None:
+    """The layout's code; None for what only the scalar walk knows (strided shards). Pending sums are -2 for a
+    plain sum, and one code below that per other kind (embedding's masked sum) in ``partials``, which the codes
+    compared with each other share."""
+    out = []
+    for p in placements:
+        if type(p) is Shard and p.dim >= 0:
+            out.append(p.dim)
+        elif type(p) is Replicate:
+            out.append(R)
+        elif type(p) is Partial and p.reduce_op == "sum":
+            out.append(P)
+        elif p.is_partial():
+            out.append(partials.setdefault(p, P - 1 - len(partials)))
+        else:
+            return None
+    return tuple(out)
+
+
+def _local_bytes(shape, cur: np.ndarray, mesh_shape, itemsize: int) -> np.ndarray:
+    """Bytes one rank holds of each layout (rows of ``cur``): as cost_model.local_numel (nested ceil divisions
+    are one ceil division by the product)."""
+    total = np.ones(len(cur), dtype=np.int64)
+    for t, size in enumerate(shape):
+        ways = np.ones(len(cur), dtype=np.int64)
+        for d, n in enumerate(mesh_shape):
+            ways = np.where(cur[:, d] == t, ways * n, ways)
+        total *= -(-int(size) // ways)
+    return total * itemsize
+
+
+def redistribute_seconds(shape, itemsize: int, src: np.ndarray, dst: np.ndarray, mesh_shape, profile,
+                         links: Sequence[str], share: Callable | None = None,
+                         gathers_on: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds of redistributing each row of ``src`` to the same row of ``dst`` (coded layouts, one row a pair),
+    as the sum of :func:`cost_model.collective_seconds` over :func:`cost_model.redistribute_collectives`; and
+    whether each runs an all_gather or all_to_all on a mesh dim of ``gathers_on``. ``share(kind, nbytes)``: the
+    latency share of each collective (None: 1)."""
+    cur = src.copy()
+    total = np.zeros(len(src))
+    gathers = np.zeros(len(src), dtype=bool)
+
+    def collective(mask, kind: str, d: int, nbytes, copied):
+        nonlocal total
+        if mesh_shape[d] <= 1 or not mask.any():
+            return
+        alpha, beta, launch = profile.link(links[d]).constants(kind)
+        if share is not None:
+            ls = share(kind, nbytes)
+            alpha, launch = alpha * ls, launch * ls
+        hops, part = cm.ring_terms(kind, mesh_shape[d])
+        seconds = launch + 2 * copied / profile.mem_bytes_per_s + hops * alpha + part * nbytes * beta
+        total = np.where(mask, total + seconds, total)
+        if d in gathers_on and kind in ("all_gather", "all_to_all"):
+            gathers[mask] = True
+
+    for d in range(len(mesh_shape)):  # pending sums first, in mesh-dim order
+        s, t = cur[:, d].copy(), dst[:, d]
+        moving = (s <= P) & (t != s)
+        if moving.any():
+            size = _local_bytes(shape, cur, mesh_shape, itemsize)
+            scatter = moving & (t >= 0)
+            collective(scatter, "reduce_scatter", d, size, np.where(t != 0, size, 0))
+            collective(moving & (t < 0), "all_reduce", d, size, 0)
+            cur[:, d] = np.where(scatter, t, np.where(moving, R, s))
+    for d in range(len(mesh_shape)):  # then shards, in mesh-dim order
+        s, t = src[:, d], dst[:, d]
+        moving = (s >= 0) & (t != s)
+        if moving.any():
+            swap = moving & (t >= 0)
+            collective(swap, "all_to_all", d, _local_bytes(shape, cur, mesh_shape, itemsize), 0)
+            gathered = cur.copy()
+            gathered[:, d] = R
+            size = _local_bytes(shape, gathered, mesh_shape, itemsize)
+            collective(moving & (t < 0), "all_gather", d, size, np.where(s != 0, size, 0))
+            cur[:, d] = np.where(swap, t, np.where(moving, R, cur[:, d]))
+    return total, gathers
+
+
+def _distinct(keys: list) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keys (rows) in first-seen order, and each key's row."""
+    pos: dict = {}
+    idx = np.array([pos.setdefault(k, len(pos)) for k in keys], dtype=np.int64)
+    return np.array(list(pos), dtype=np.int64).reshape(len(pos), -1), idx
+
+
+def pair_seconds(shape, itemsize: int, srcs: list, dsts: list, mesh_shape, profile, links,
+                 share: Callable | None = None, gathers_on: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`redistribute_seconds` of every coded layout of ``srcs`` to every one of ``dsts``, as matrices
+    (each distinct pair computed once)."""
+    a, i = _distinct(srcs)
+    b, j = _distinct(dsts)
+    seconds, gathers = redistribute_seconds(shape, itemsize, np.repeat(a, len(b), 0), np.tile(b, (len(a), 1)),
+                                            mesh_shape, profile, links, share, gathers_on)
+    pick = np.ix_(i, j)
+    return seconds.reshape(len(a), len(b))[pick], gathers.reshape(len(a), len(b))[pick]
+
+
+def _gradient_target(code: tuple[int, ...], accumulate: bool) -> tuple[int, ...]:
+    # cost_model.gradient_placement (pending sums whole), or accumulator_placement (whole dims pending)
+    if accumulate:
+        return tuple(P if c < 0 else c for c in code)
+    return tuple(R if c <= P else c for c in code)
+
+
+def _gradient_arriving(code: tuple[int, ...], pend: Sequence[bool]) -> tuple[int, ...]:
+    # cost_model.backward_collectives' gradient at the consumer: pending where it left a sum, else resolved
+    return tuple(P if p else (R if c <= P else c) for c, p in zip(code, pend))
+
+
+def edge_seconds(shape, itemsize: int, grad_itemsize: int, src_keys: list, dst_keys: list, mesh_shape, profile,
+                 links, grad: bool, share: Callable | None = None) -> np.ndarray | None:
+    """Pricing's edge matrix: for producer keys (output layout, accumulates) and consumer keys (input layout,
+    pending sums), the seconds of the forward redistribution plus, with ``grad``, its backward dual (the
+    gradient's collectives bearing ``share`` of their latency). None where a layout has no code."""
+    partials: dict = {}
+    src = [codes(p, partials) for p, _ in src_keys]
+    dst = [codes(p, partials) for p, _ in dst_keys]
+    if None in src or None in dst:
+        return None
+    fwd, _ = pair_seconds(shape, itemsize, src, dst, mesh_shape, profile, links)
+    if not grad:
+        return fwd
+    back, _ = pair_seconds(shape, grad_itemsize, [_gradient_arriving(c, pd) for c, (_, pd) in zip(dst, dst_keys)],
+                           [_gradient_target(c, acc) for c, (_, acc) in zip(src, src_keys)], mesh_shape, profile,
+                           links, share)
+    return fwd + back.T
