@@ -36,12 +36,15 @@ _CHOICES = [
 ]
 
 
+def _valid(node: torch.fx.Node, mesh: DeviceMesh, choices: list) -> list[Candidate]:
+    """``choices`` per mesh dim (run on the local pieces), those whose inputs' placements fit their shapes."""
+    valid = [set(valid_placements(a.meta["val"].shape, mesh)) for a in tensor_inputs(node)]
+    return [c for c in _per_mesh_dim(mesh, choices, "local") if all(pl in ok for pl, ok in zip(c.inputs, valid))]
+
+
 @register_rule(ExpertMM)
 def _expert_mm(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
-    vals = [a.meta["val"] for a in tensor_inputs(node)]
-    valid = [set(valid_placements(v.shape, mesh)) for v in vals]
-    return [c for c in _per_mesh_dim(mesh, _CHOICES, "local")
-            if all(pl in ok for pl, ok in zip(c.inputs, valid))]
+    return _valid(node, mesh, _CHOICES)
 
 
 def expert_dims(cand: Candidate) -> tuple[int, ...]:
@@ -61,7 +64,4 @@ _MOE_CHOICES = [
 
 @register_rule(MoEExperts)
 def _moe_experts(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
-    vals = [a.meta["val"] for a in tensor_inputs(node)]
-    valid = [set(valid_placements(v.shape, mesh)) for v in vals]
-    return [c for c in _per_mesh_dim(mesh, _MOE_CHOICES, "local")
-            if all(pl in ok for pl, ok in zip(c.inputs, valid))]
+    return _valid(node, mesh, _MOE_CHOICES)
