@@ -2,7 +2,7 @@
 
 Every check here is local (no communication) and runs on every rank, so a bad argument raises the same error
 everywhere. What can only be checked against a call's inputs (shapes, the number of arguments) is checked when
-the call binds them (:mod:`shardfn.arguments`).
+the call binds them (:mod:`shardfn.call.arguments`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ an error on every rank, never a hang or a wrong number.
 With dataset_strategy="data_parallel" the batch slices' row counts are compared apart from the rest: ranks that
 agree on everything else but pass slices of other lengths (an epoch's last batch) make an uneven call, which they
 all learn of together (:class:`UnevenBatch`, with every rank's row counts from a second exchange) and which the
-engine runs on the whole batch (shardfn.uneven_batch).
+engine runs on the whole batch (shardfn.call.uneven_batch).
 
 The values that must be equal on every rank are compared too, by digests of their bytes: every full-batch input
 (dataset_strategy="full_batch": the whole batch, the same on every rank), every replicated input DTensor, and, on

@@ -147,8 +147,8 @@ class BoundCall:
 def bind(config: ShardConfig, fn: Callable, name: str, args: Sequence[Any], kwargs: dict,
          world: int, rows: dict[int, int] | None = None) -> BoundCall:
     """Check a call's arguments against the config (local, every rank) and lay out what each tensor is.
-    ``rows``: data_parallel inputs' global rows by tensor number, where the slices are uneven (shardfn.uneven_batch);
-    else each is its slice's rows times the slices."""
+    ``rows``: data_parallel inputs' global rows by tensor number, where the slices are uneven
+    (shardfn.call.uneven_batch); else each is its slice's rows times the slices."""
     tensors, names, _ = split_arguments(args, kwargs, names=True, where=lambda: name)
     strategies = _strategies(config, fn, name, args, kwargs)
     bound = BoundCall([], [], [], [], [])

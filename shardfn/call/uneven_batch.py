@@ -3,7 +3,7 @@
 Ranks may pass slices of any lengths, an empty one too. The global batch is their concatenation in the order of
 the pieces the input's strategy gives the ranks (rank order for the default split over every rank); ranks that
 hold the same piece (replicas along the other mesh axes) pass equal slices. A call whose ranks agree on all but
-their slices' lengths (shardfn.agreement tells them all, with every rank's row counts) is run on that global
+their slices' lengths (shardfn.call.agreement tells them all, with every rank's row counts) is run on that global
 batch as any call of its shape: the rows first move between ranks, point to point, into the pieces DTensor lays
 a tensor of that many rows out in (``torch.chunk``'s, the last ones shorter or empty), the program planned for
 that batch runs, and each output split like an input of the same rows moves back into that input's slices, so

@@ -168,7 +168,7 @@ class ParallelProgram:
 
     def traced_at_these_sizes(self) -> ParallelProgram:
         """This program for every size, traced into local graphs at the sizes of its first call (real ranks
-        trace a size met again: shardfn.programs)."""
+        trace a size met again: shardfn.call.programs)."""
         return ParallelProgram(self.captured, self.plan, self.mesh, traced=True)
 
 

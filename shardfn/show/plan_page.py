@@ -6,7 +6,7 @@ parameter, input, output and activation drawn as the device mesh with each rank'
 DTensor's chunking: uneven and empty pieces marked) and where its layout came from, the collectives with the cost
 model's seconds (filtered by phase), and the costs: compute and communication per layer, memory over the forward
 and the backward (one line, the backward's start marked), the measured step next to the estimate where the plan
-carries one (``sf.explain`` of a signature that ran: shardfn.step_times).
+carries one (``sf.explain`` of a signature that ran: shardfn.call.step_times).
 Only the first of each run of folded layers is written out in full, so a 32-layer model's page stays small.
 """
 
