@@ -82,7 +82,14 @@ def test_generate_gives_the_unsharded_tokens():
     import shardfn as sf
     from tests.moe_models import expert_plan, make
 
-    with simulated_world(WORLD):
+    import warnings
+
+    from shardfn.strategy_search.candidates import ReplicatedFallbackWarning
+
+    with simulated_world(WORLD), warnings.catch_warnings():
+        if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13):
+            # torch 2.11's DTensor has no rule for aten.index.Tensor (a generation's cache update): run whole, correct
+            warnings.simplefilter("ignore", ReplicatedFallbackWarning)
         torch.manual_seed(0)
         reference = make("mixtral").eval()
         reference.config.output_router_logits = False  # its aux loss is for training (and refuses a cache's mask)
