@@ -53,7 +53,8 @@ def test_forced_splits_are_never_wrong_and_run_sharded():
              if r == "WRONG"}
     assert wrong == {}
     for name in ("nn.functional.linear_cross_entropy.chunked_none", "broadcast_tensors"):
-        assert results["dp"][name][0] == "pass", results["dp"][name]
+        if name in results["dp"] or "linear_cross_entropy" not in name:  # torch 2.11 has no chunked variant
+            assert results["dp"][name][0] == "pass", results["dp"][name]
     for mode, per in results.items():  # most pass, and most of those ran an op on split pieces (read from the plan)
         passed = [name for name, (r, *_) in per.items() if r == "pass"]
         assert len(passed) >= 8, (mode, per)
