@@ -177,6 +177,30 @@ def capture(
     grad = torch.is_grad_enabled() if grad is None else grad
     what = lambda: getattr(fn, "__qualname__", type(fn).__name__)  # noqa: E731
     params, buffers = params or {}, buffers or {}
+    inputs, arg_structure = _graph_inputs(params, buffers, args, kwargs, what)
+    traced: dict[str, Any] = {}
+    flat_fn = _flat_function(fn, call, list(params) + list(buffers), arg_structure, traced, what)
+    symbols = DynamicDims(ShapeEnv()) if dynamic else None
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=symbols.shape_env if symbols else None)
+    fakes = _fake_inputs(inputs, fake_mode, symbols, dynamic or {}, device)
+    gm, function_calls = _traced(fn, flat_fn, fakes, fake_mode, grad, bool(dynamic), what)
+    _check_constants(gm, fake_mode, what)
+    _check_no_communication(gm, what)
+    _out_of_place_metadata_ops(gm)
+    _drop_skipped_cat_operands(gm)
+    # identical ops on the same inputs (q, k and v each viewing the same normalised activations) become one node,
+    # so the search sees one value with several readers; random ops are never merged
+    gm = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
+    functions_as_targets(gm, function_calls, fake_mode)  # after CSE: two calls of a Function stay two
+    # every rank holds this graph in one order, whatever order fn's Python ran independent work in on this rank
+    gm = canonical_order(gm)
+    return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"],
+                         dynamic=symbols)
+
+
+def _graph_inputs(params, buffers, args, kwargs, what):
+    """The graph's inputs in placeholder order (parameters, buffers, then the argument tensors) and the arguments'
+    structure."""
     inputs: list[GraphInput] = []
     for kind, state in (("param", params), ("buffer", buffers)):
         for i, (name, t) in enumerate(state.items()):
@@ -184,10 +208,13 @@ def capture(
     arg_tensors, names, arg_structure = split_arguments(args, kwargs, names=True, where=what)
     for j, (a, name) in enumerate(zip(arg_tensors, names)):
         inputs.append(GraphInput("input", name, j, tuple(a.shape), a.dtype, bool(a.requires_grad)))
+    return inputs, arg_structure
 
-    n_state = len(params) + len(buffers)
-    state_names = list(params) + list(buffers)
-    traced: dict[str, Any] = {}
+
+def _flat_function(fn, call, state_names, arg_structure, traced, what):
+    """fn over flat tensors (the state, then the arguments' tensors) returning flat tensors: its outputs, then the
+    new state of argument objects it changed. What the outputs and changes look like lands in ``traced``."""
+    n_state = len(state_names)
 
     def flat_fn(*flat):
         state = dict(zip(state_names, flat[:n_state]))
@@ -206,21 +233,29 @@ def capture(
                 tensors = tensors + new
         return tensors
 
-    # real tensors fn reads that are not its inputs (a closure's mask) become constants of the graph
-    symbols = DynamicDims(ShapeEnv()) if dynamic else None
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=symbols.shape_env if symbols else None)
+    return flat_fn
+
+
+def _fake_inputs(inputs, fake_mode, symbols, dynamic, device):
+    """A fake tensor per graph input; the dims ``dynamic`` names are symbols."""
     fakes = []
     for position, gi in enumerate(inputs):
         # inputs require grad as the call's do: ops choose their kernel by it (SDPA takes its math path for a
         # mask that needs a gradient, the CPU flash kernel otherwise)
         grads = gi.requires_grad and (gi.dtype.is_floating_point or gi.dtype.is_complex)
-        dims = (dynamic or {}).get(gi.index, ()) if gi.kind == "input" else ()
+        dims = dynamic.get(gi.index, ()) if gi.kind == "input" else ()
         if dims:
             fakes.append(symbolic_input(fake_mode, symbols, position, gi.shape, dims, dtype=gi.dtype,
                                         device=device).requires_grad_(grads))
             continue
         with fake_mode:
             fakes.append(torch.empty(gi.shape, dtype=gi.dtype, device=device).requires_grad_(grads))
+    return fakes
+
+
+def _traced(fn, flat_fn, fakes, fake_mode, grad, dynamic, what):
+    """make_fx of the functionalized flat function (real tensors fn reads that are not its inputs, a closure's
+    mask, become constants of the graph); a value-dependent trace is a CaptureError saying what to change."""
     try:
         # a simulated world's mode leaves the tensors of Python functionalization to their own dispatch, which
         # refuses: off the stack while a dynamic capture traces
@@ -250,18 +285,7 @@ def capture(
                 f"  at {_user_frame(sys.exc_info()[2])}" + eager_experts_hint(_module_of(fn))
             ) from e
         raise
-    _check_constants(gm, fake_mode, what)
-    _check_no_communication(gm, what)
-    _out_of_place_metadata_ops(gm)
-    _drop_skipped_cat_operands(gm)
-    # identical ops on the same inputs (q, k and v each viewing the same normalised activations) become one node,
-    # so the search sees one value with several readers; random ops are never merged
-    gm = CSEPass(banned_ops=get_CSE_banned_ops())(gm).graph_module
-    functions_as_targets(gm, function_calls, fake_mode)  # after CSE: two calls of a Function stay two
-    # every rank holds this graph in one order, whatever order fn's Python ran independent work in on this rank
-    gm = canonical_order(gm)
-    return CapturedGraph(gm, inputs, arg_structure, traced["outputs"], traced["n_outputs"], traced["states"],
-                         dynamic=symbols)
+    return gm, function_calls
 
 
 def _writes_into_views(gm: torch.fx.GraphModule) -> bool:

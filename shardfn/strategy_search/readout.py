@@ -322,59 +322,81 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     enters the region, and go as kept ones do. A trainable parameter's gradient is counted throughout already; an
     input's stays until it is handed back; a view's is a view (no bytes), as its value is.
     """
-    by_node = {d.node: c for d, c in zip(problem.decisions, chosen) if d.node is not None}
-    mesh_shape, trainable = problem.mesh_shape, problem.trainable
-    last_use: dict[torch.fx.Node, int] = {}
-    order = list(problem.captured.gm.graph.nodes)
-    for i, node in enumerate(order):
-        for a in node.all_input_nodes:
-            last_use[a] = i
+    sizes = _NodeBytes(problem, chosen)
+    at, resident, outputs, live, saved = _forward_walk(problem, sizes, kept, optimizer_stage, returned)
+    if not problem.needs_grad:
+        return at, {}, resident, outputs
+    return at, _backward_walk(problem, sizes, live, saved), resident, outputs
 
-    def local_bytes(node) -> int:
-        c = by_node.get(node)
+
+class _NodeBytes:
+    """A node's per-rank bytes in the chosen plan."""
+
+    def __init__(self, problem: StrategyProblem, chosen):
+        self.by_node = {d.node: c for d, c in zip(problem.decisions, chosen) if d.node is not None}
+        self.mesh_shape = problem.mesh_shape
+
+    def local(self, node) -> int:
+        c = self.by_node.get(node)
         if c is None:  # getitem: its producer holds the value
             return 0
         vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-        return sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
+        return sum(cm.local_numel(v.shape, pl, self.mesh_shape) * v.element_size()
                    for v, pl in zip(vals, c.outputs) if pl is not None)
 
-    def own_bytes(node) -> int:  # what computing it allocates: a view none
-        return 0 if node.op == "call_function" and cm.is_view_op(node) else local_bytes(node)
+    def own(self, node) -> int:
+        """What computing it allocates: a view none."""
+        return 0 if node.op == "call_function" and cm.is_view_op(node) else self.local(node)
 
-    def returned_bytes() -> int:  # what the exit makes: an output returned in another layout than its own
+    def returned(self, output_nodes, returned) -> int:
+        """What the exit makes: an output returned in another layout than its own."""
         extra = 0
-        for out, placements in zip(problem.captured.output_nodes, returned or ()):
+        for out, placements in zip(output_nodes, returned or ()):
             if not isinstance(out, torch.fx.Node) or not isinstance(out.meta.get("val"), torch.Tensor):
                 continue
-            own = _chosen_output(out, by_node)
+            own = _chosen_output(out, self.by_node)
             if own is not None and tuple(own) != tuple(placements):
                 v = out.meta["val"]
-                extra += cm.local_numel(v.shape, placements, mesh_shape) * v.element_size()
+                extra += cm.local_numel(v.shape, placements, self.mesh_shape) * v.element_size()
         return extra
 
+
+def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, kept, optimizer_stage, returned):
+    """The forward in program order: (bytes after each node, the inputs' bytes, the exit's bytes, the bytes alive
+    at the end, the values saved for backward with their bytes)."""
+    order = list(problem.captured.gm.graph.nodes)
+    last_use: dict[torch.fx.Node, int] = {}
+    for i, node in enumerate(order):
+        for a in node.all_input_nodes:
+            last_use[a] = i
     live, at, resident, outputs = 0, {}, 0, 0
     transient: dict[torch.fx.Node, int] = {}
     saved: dict[torch.fx.Node, int] = {}  # values held for backward: released as the backward walk passes them
     for i, node in enumerate(order):
         if node.op == "placeholder":
-            copies = parameter_copies(by_node[node].outputs[0], mesh_shape, optimizer_stage,
-                                      node.meta["val"].dim()) if node in trainable else 1
-            live += local_bytes(node) * copies
+            copies = parameter_copies(sizes.by_node[node].outputs[0], sizes.mesh_shape, optimizer_stage,
+                                      node.meta["val"].dim()) if node in problem.trainable else 1
+            live += sizes.local(node) * copies
             resident = live
         elif node.op == "call_function":
-            nbytes = own_bytes(node)
+            nbytes = sizes.own(node)
             live += nbytes
             (saved if node in kept else transient)[node] = nbytes
         elif node.op == "output":
-            outputs = returned_bytes()
+            outputs = sizes.returned(problem.captured.output_nodes, returned)
             live += outputs
         at[node] = int(live)
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a in transient:
                 live -= transient.pop(a)
-    needs_grad = problem.needs_grad
-    if not needs_grad:
-        return at, {}, resident, outputs
+    return at, resident, outputs, live, saved
+
+
+def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict) -> dict:
+    """The backward in reverse program order from where the forward ended: bytes alive as each node's backward
+    runs."""
+    needs_grad, trainable = problem.needs_grad, problem.trainable
+
     def region(n):  # a checkpointed region's number, or the layer the search recomputes
         return problem.regions.get(n, checkpoint_region(n))
 
@@ -384,20 +406,20 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     grads: dict[torch.fx.Node, int] = {}  # gradients alive, by the value they are the gradient of
 
     def gradient(a) -> None:
+        nonlocal live
         if a in needs_grad and a not in grads:
-            grads[a] = 0 if a in trainable else own_bytes(a)
-            nonlocal live
+            grads[a] = 0 if a in trainable else sizes.own(a)
             live += grads[a]
 
     for out in problem.captured.output_nodes:  # from the caller
         if isinstance(out, torch.fx.Node):
             gradient(out)
     back = {}
-    for node in reversed(order):
+    for node in reversed(list(problem.captured.gm.graph.nodes)):
         if node.op != "call_function":
             continue
         for n in regions.pop(region(node), ()):  # a checkpointed (or recomputed) region computed again
-            saved[n] = own_bytes(n)
+            saved[n] = sizes.own(n)
             live += saved[n]
         if node in needs_grad:
             for a in node.all_input_nodes:
@@ -405,7 +427,7 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
             back[node] = int(live)
             live -= grads.pop(node, 0)
         live -= saved.pop(node, 0)
-    return at, back, resident, outputs
+    return back
 
 
 def _chosen_output(node: torch.fx.Node, by_node: dict):
