@@ -65,6 +65,13 @@ def test_experts_over_one_mesh_dim_of_two():
         plan = sf.explain(model, ids, kwargs=kwargs)
     calls = [n for n in plan.nodes.values() if n.op == "MoEExperts.apply"]
     assert calls and all(n.inputs[4][1] == Shard(0) for n in calls)
+    # explain() and the plan page say which mesh dim holds the experts, and how the tokens meet them
+    said = [line for line in str(plan).splitlines() if line.startswith("experts ")]
+    assert said == [f"experts model.layers.0-{LAYERS - 1} (x{LAYERS}): split over ep (1/2 of the experts a rank; every token's share from each rank's experts summed "
+                    "over ep)"], str(plan)
+    from shardfn.show.plan_page import render_page
+
+    assert "data-fact='experts'" in render_page(plan)
 
 
 def test_experts_split_unevenly_train_like_unsharded():

@@ -22,8 +22,8 @@ import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..reshard import region
-from ..strategy_search._summary import (collective_module, folded_layers, layer_of, mesh_text, placements_text,
-                                        recompute_lines)
+from ..strategy_search._summary import (collective_module, experts_lines, folded_layers, layer_of, mesh_text,
+                                        placements_text, recompute_lines)
 
 __all__ = ["render_page", "write_page"]
 
@@ -231,6 +231,7 @@ class _Page:
                              + (", parameters gathered again in backward" if plan.reshard_after_forward else ""))]
         # the regions backward computes again, folded as str(plan) folds them
         facts += [("recompute", line.removeprefix("recompute ")) for line in recompute_lines(plan)]
+        facts += [("experts", line.removeprefix("experts ")) for line in experts_lines(plan)]
         rows = "".join(f"<tr data-fact='{_esc(k)}'><th>{_esc(k)}</th><td>{_esc(v)}</td></tr>" for k, v in facts)
         notes = "".join(f"<li>{_esc(n)}</li>" for n in plan.notes)
         return (f"<h1>{_esc(self.title)}</h1><table class='facts' id='facts'>{rows}</table>"

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..layout import MeshSpec
 
-__all__ = ["collective_module", "folded_layers", "layer_of", "mesh_text", "placements_text", "recompute_lines",
-           "summary_lines"]
+__all__ = ["collective_module", "experts_lines", "folded_layers", "layer_of", "mesh_text", "placements_text",
+           "recompute_lines", "summary_lines"]
 
 _TOP = "(top level)"
 
@@ -94,9 +94,7 @@ def _folded(layers: list[_Layer]) -> list[tuple[str, list[_Layer]]]:
         runs.append([lay])
     labels = []
     for run in runs:
-        label = run[0].name if len(run) == 1 else \
-            f"{run[0].name}-{run[-1].name.rpartition('.')[2]} (x{len(run)})"
-        labels.append((label, run))
+        labels.append((_run_label(run[0].name, run[-1].name, len(run)), run))
     return labels
 
 
@@ -162,9 +160,56 @@ def recompute_lines(plan) -> list[str]:
     lines = []
     for run in runs:
         first, last = run[0].region, run[-1].region
-        label = first if len(run) == 1 else f"{first}-{last.rpartition('.')[2]} (x{len(run)})"
+        label = _run_label(first, last, len(run))
         why = {"search": "chosen by the search", "recompute=True": "recompute=True",
                "checkpoint": "checkpointed by hand"}.get(run[0].origin, run[0].origin)
         lines.append(f"recompute {label}  ({why}): {_mib(run[0].saved_bytes)} a rank not kept, "
                      f"{run[0].extra_s * 1e3:.3f} ms of forward again" + (" each" if len(run) > 1 else ""))
     return lines
+
+
+# the mixture-of-experts ops capture makes (shardfn.capture.experts): the positions of their tokens and of their
+# (first) expert weights among the op's inputs
+_EXPERT_OPS = {"MoEExperts.apply": (0, 4), "ExpertMM.apply": (0, 1)}
+
+
+def _experts_text(node, mesh) -> str:
+    """How one experts op runs, per mesh dim of more than one rank: what holds the experts, how the tokens go."""
+    tokens_at, weight_at = _EXPERT_OPS[node.op]
+    tokens, weight = node.inputs[tokens_at], node.inputs[weight_at]
+    parts = []
+    for m, (name, size) in enumerate(zip(mesh.names, mesh.shape)):
+        if size == 1 or weight is None:
+            continue
+        w = getattr(weight[m], "dim", None) if weight[m].is_shard() else None
+        tokens_split = tokens is not None and tokens[m].is_shard()
+        if w == 0:
+            parts.append(f"split over {name} (1/{size} of the experts a rank; every token's share from each "
+                         f"rank's experts summed over {name})")
+        elif w is not None:
+            parts.append(f"each expert's weights split over {name} (tensor parallel within the experts)")
+        elif tokens_split:
+            parts.append(f"whole over {name}, the tokens split over it")
+    return "; ".join(parts) or "whole on every rank"
+
+
+def experts_lines(plan) -> list[str]:
+    """Each layer's mixture of experts (repeated layers planned alike folded): which mesh dims hold the experts and
+    how the tokens meet them."""
+    runs: list[tuple[list[str], str]] = []  # (the layers, the text)
+    for n in plan.nodes.values():
+        if n.op not in _EXPERT_OPS:
+            continue
+        layer, text = layer_of(n.module), _experts_text(n, plan.mesh)
+        if runs and runs[-1][1] == text and (runs[-1][0][-1] == layer or
+                                             _index_free(runs[-1][0][0]) == _index_free(layer) != layer):
+            if runs[-1][0][-1] != layer:
+                runs[-1][0].append(layer)
+        else:
+            runs.append(([layer], text))
+    return [f"experts {_run_label(layers[0], layers[-1], len(layers))}: {text}" for layers, text in runs]
+
+
+def _run_label(first: str, last: str, count: int) -> str:
+    """``model.layers.0-31 (x32)`` for a run of layers, the name alone for one."""
+    return first if count == 1 else f"{first}-{last.rpartition('.')[2]} (x{count})"

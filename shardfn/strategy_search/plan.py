@@ -15,7 +15,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..config import Precision
 from ..layout import Axis, MeshSpec
-from ._summary import mesh_text, placements_text, recompute_lines, summary_lines
+from ._summary import experts_lines, mesh_text, placements_text, recompute_lines, summary_lines
 
 __all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "Recompute", "mesh_text",
            "parse_placement", "placements_text"]
@@ -182,7 +182,8 @@ class Plan:
     def __str__(self) -> str:
         """The plan per layer (repeated layers folded): each layer's parameters by layout and its collectives by
         kind; then what is returned and the notes. ``table()`` lists every op and every collective."""
-        lines = [self._header(), *summary_lines(self, placements_text), *recompute_lines(self)]
+        lines = [self._header(), *summary_lines(self, placements_text), *experts_lines(self),
+                 *recompute_lines(self)]
         if not self.collectives:
             lines.append("no collectives")
         lines.append(f"returns {', '.join(placements_text(p) for p in self.outputs)}  "
