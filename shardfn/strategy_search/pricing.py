@@ -20,6 +20,7 @@ from . import cost_arrays
 from . import cost_model as cm
 from .buckets import bucket_bytes
 from .candidates import Candidate
+from .expert_rules import dispatches_tokens
 from .problem import Decision, StrategyProblem
 
 __all__ = ["Pricing", "Terms", "gathered_at", "gradient_handed_back", "node_collectives", "parameter_copies",
@@ -235,6 +236,7 @@ class Pricing:
                     src_keys = [sc.outputs[out_idx] for sc in src_cands]
                     dst_keys = [c.inputs[slot] for c in d.candidates]
                     bad = self._gathers(val, src_keys, dst_keys, keep_split)
+                    bad[:, [dispatches_tokens(d.node, c, keep_split) for c in d.candidates]] = 0.0
                     return bad if bad.any() else None
 
                 bad = _per_candidate_lists(self._violations, key, src_cands, d.candidates, build)
