@@ -92,12 +92,12 @@ def packed_heads(x):
     return a.transpose(1, 2).reshape(B, T, H * D)
 
 
-PACKED = dict(in_strategy=((1, 4, 1, 1, 1),), out_strategy=((1, 1, 4),))  # heads split up to the output
+PACKED = dict(in_strategy=((1, 4, 1, 1, 1),), out_strategy=((1, 1, 4),))  # the output split as the heads
 
 
 def _packed_heads_parity(ranks: int = 1) -> None:
-    """On each of ``ranks`` ranks (this one, or a simulated world's): the plan keeps one head per rank up to the view, and outputs and the
-    input's gradient equal eager's."""
+    """On each of ``ranks`` ranks (this one, or a simulated world's): the plan keeps one head per rank up to the
+    view, and the output and the input's gradient equal eager's."""
     torch.manual_seed(0)
     x = torch.randn(B, T, 3, H, D, requires_grad=True)
     ref_x = x.detach().clone().requires_grad_()
