@@ -207,7 +207,7 @@ class ParallelProgram:
             else:
                 shape = torch.Size(self.entries[i].shape)
                 out.append(DTensor.from_local(g, self.mesh, pending, run_check=False, shape=shape,
-                                              stride=global_stride(g, shape)))
+                                              stride=global_stride(g, shape, pending, self.mesh)))
         return out
 
 
@@ -282,7 +282,7 @@ class _Enter(torch.autograd.Function):
         ctx.mesh, ctx.placements, ctx.dtype = mesh, gradient_placements(placements), local.dtype
         ctx.record, ctx.i = record, i
         return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape,
-                                  stride=global_stride(local, shape))
+                                  stride=global_stride(local, shape, placements, mesh))
 
     @staticmethod
     def backward(ctx, grad):
@@ -311,7 +311,7 @@ class _Exit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape,
-                                  stride=global_stride(grad, ctx.shape))
+                                  stride=global_stride(grad, ctx.shape, ctx.placements, ctx.mesh))
 
 
 

@@ -137,7 +137,7 @@ def from_local(t: torch.Tensor, mesh: DeviceMesh, placements, like: torch.Tensor
     """``t`` (this rank's piece) as a DTensor of ``like``'s global shape, with strides in ``t``'s own order: a
     kernel may lay its result out otherwise than the captured one did, and DTensor reads the strides it is told.
     With ``layouts`` (an interpreted call's), each layout is made once and shared (_FromPiece)."""
-    stride = global_stride(t, like.shape)
+    stride = global_stride(t, like.shape, placements, mesh)
     if layouts is None:
         return DTensor.from_local(t, mesh, placements, run_check=False, shape=like.shape, stride=stride)
     key = (tuple(placements), tuple(like.shape), stride, t.dtype)
@@ -191,7 +191,7 @@ class _Contiguous(torch.autograd.Function):
     def forward(ctx, x):
         piece = local_of(x).detach().contiguous()
         return DTensor.from_local(piece, x.device_mesh, x.placements, run_check=False, shape=x.shape,
-                                  stride=global_stride(piece, x.shape))
+                                  stride=global_stride(piece, x.shape, x.placements, x.device_mesh))
 
     @staticmethod
     def backward(ctx, grad):
@@ -344,7 +344,7 @@ class _ViewOfPiece(torch.autograd.Function):
         (grad,) = torch.autograd.grad([o for o, _, _ in got], [held.piece], pieces)
         placements = tuple(first[m] if m in pending else p for m, p in enumerate(held.x_grad))
         return DTensor.from_local(grad, mesh, placements, run_check=False, shape=held.x_shape,
-                                  stride=global_stride(grad, held.x_shape)), None
+                                  stride=global_stride(grad, held.x_shape, placements, mesh)), None
 
 
 def view_of_piece(node: torch.fx.Node, args, kwargs, np_, val, mesh: DeviceMesh) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ._dtensor_internals import layout_of, local_as, local_of
 
@@ -32,10 +32,21 @@ class LocalsOf(torch.autograd.Function):
         return tuple(None if g is None else local_as(layout, g) for g, layout in zip(grads, ctx.layouts))
 
 
-def global_stride(local: torch.Tensor, shape: Sequence[int]) -> tuple[int, ...]:
+def global_stride(local: torch.Tensor, shape: Sequence[int], placements, mesh) -> tuple[int, ...]:
     """Strides of a dense tensor of global ``shape`` whose dims are ordered in memory as ``local``'s are (a
-    transposed piece gives a transposed whole). Dims of equal stride keep their order."""
-    order = sorted(range(local.dim()), key=lambda d: (-local.stride(d), d))
+    transposed piece gives a transposed whole). Dims of equal stride keep their order. A dim of at most one
+    element on every rank (``placements`` over ``mesh`` say so alike on every rank) has no place in memory: any
+    stride serves it, and a kernel and its fake give it different ones. It goes right after the dim before it, so
+    a contiguous piece gives a contiguous whole."""
+    pieces = [1] * len(shape)
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            pieces[p.dim % len(shape)] *= mesh.size(m)
+    single = [shape[d] <= pieces[d] for d in range(len(shape))]
+    order = sorted((d for d in range(local.dim()) if not single[d]), key=lambda d: (-local.stride(d), d))
+    for d in range(local.dim()):
+        if single[d]:
+            order.insert(order.index(d - 1) + 1 if d else 0, d)
     stride, acc = [0] * len(shape), 1
     for d in reversed(order):
         stride[d] = acc

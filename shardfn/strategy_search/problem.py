@@ -68,9 +68,9 @@ class CandidateLists:
     candidate lists, and with them everything priced for them (edge matrices are built once per pair of lists)."""
 
     def __init__(self):
-        self._derived: dict[tuple[str, int], tuple[list, list]] = {}
+        self._derived: dict[tuple, tuple[list, list]] = {}
 
-    def derive(self, kind: str, cands: list[Candidate], make) -> list[Candidate]:
+    def derive(self, kind, cands: list[Candidate], make) -> list[Candidate]:
         hit = self._derived.get((kind, id(cands)))
         if hit is None or hit[0] is not cands:  # the entry keeps the list: its id is not reused meanwhile
             hit = self._derived[(kind, id(cands))] = (cands, make(cands))
@@ -132,7 +132,7 @@ def build_problem(captured: CapturedGraph, mesh: DeviceMesh, request: PlanReques
             cands = replicated_candidates(node, mesh)
         else:
             cands = _fits(_without_unit_dims(node_candidates(node, mesh, fallbacks), mesh_shape), node,
-                          tensor_inputs(node))
+                          tensor_inputs(node), lists)
         if node in write_into:  # an update of an input: written where the caller holds it
             into = write_into[node]
             cands = [c for c in cands if c.inputs[0] == into and c.outputs[0] == into]
@@ -181,21 +181,29 @@ def _without_unit_dims(cands: list[Candidate], mesh_shape: Sequence[int]) -> lis
     return kept or cands
 
 
-def _fits(cands: list[Candidate], node: torch.fx.Node, inputs: list[torch.fx.Node]) -> list[Candidate]:
+def _fits(cands: list[Candidate], node: torch.fx.Node, inputs: list[torch.fx.Node],
+          lists: CandidateLists) -> list[Candidate]:
     """Candidates whose every Shard(d) names a dim its tensor has, and that split no empty tensor (a rule may offer
-    the other operands' placement for cat's empty 1-D tensor, which a cache starts from)."""
+    the other operands' placement for cat's empty 1-D tensor, which a cache starts from). Once per list and
+    tensors' ranks (identical layers check their lists once)."""
+
+    def shape(val):
+        return (val.dim(), val.numel() > 0) if isinstance(val, torch.Tensor) else None
 
     def ok(pl, val) -> bool:
-        return pl is None or not isinstance(val, torch.Tensor) or all(
-            not isinstance(p, Shard) or (p.dim < val.dim() and val.numel() > 0) for p in pl)
+        return pl is None or val is None or all(not isinstance(p, Shard) or (p.dim < val[0] and val[1]) for p in pl)
 
-    out_vals = _outputs(node)
-    in_vals = [a.meta.get("val") for a in inputs]
-    kept = [c for c in cands if all(ok(pl, v) for pl, v in zip(c.inputs, in_vals))
-            and all(ok(pl, v) for pl, v in zip(c.outputs, out_vals))]
-    # the list itself where nothing is dropped: identical layers share candidate lists, and with them the edge
-    # matrices built for them (pricing)
-    return cands if len(kept) == len(cands) else (kept or cands)
+    out_vals = tuple(shape(v) for v in _outputs(node))
+    in_vals = tuple(shape(a.meta.get("val")) for a in inputs)
+
+    def fitting(cands):
+        kept = [c for c in cands if all(ok(pl, v) for pl, v in zip(c.inputs, in_vals))
+                and all(ok(pl, v) for pl, v in zip(c.outputs, out_vals))]
+        # the list itself where nothing is dropped: identical layers share candidate lists, and with them the edge
+        # matrices built for them (pricing)
+        return cands if len(kept) == len(cands) else (kept or cands)
+
+    return lists.derive(("fits", in_vals, out_vals), cands, fitting)
 
 
 def _outputs(node: torch.fx.Node) -> list:

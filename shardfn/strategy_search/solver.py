@@ -97,13 +97,14 @@ def _link(c_uv: np.ndarray, c_v: np.ndarray, c_vw: np.ndarray) -> tuple[np.ndarr
     """``min_j C_uv[i, j] + c_v[j] + C_vw[j, k]`` and its argmin, a few rows of ``u`` at a time (bounded memory)."""
     ku, kv, kw = c_uv.shape[0], c_v.shape[0], c_vw.shape[1]
     left = c_uv + c_v[None, :]
+    right = np.ascontiguousarray(c_vw.T)  # (k, j): the minimum runs along contiguous memory, several times faster
     rows = max(1, 2_000_000 // max(kv * kw, 1))
     best = np.empty((ku, kw))
     table = np.empty((ku, kw), dtype=np.int64)
     for start in range(0, ku, rows):
-        total = left[start:start + rows, :, None] + c_vw[None, :, :]
-        table[start:start + rows] = total.argmin(axis=1)
-        best[start:start + rows] = np.take_along_axis(total, table[start:start + rows][:, None, :], 1)[:, 0, :]
+        total = left[start:start + rows, None, :] + right[None, :, :]
+        table[start:start + rows] = total.argmin(axis=2)
+        best[start:start + rows] = np.take_along_axis(total, table[start:start + rows][:, :, None], 2)[:, :, 0]
     return best, table
 
 
@@ -117,14 +118,21 @@ class _Shared:
     (:meth:`intern`), so identical layers, whose costs and edges are equal, go through their elimination on the
     same objects: each step is computed for the first of them and its result shared by the rest."""
 
-    def __init__(self):
-        self._interned: dict = {}
+    def __init__(self, interned: dict | None = None):
+        # content -> array, and id -> (array, its interned one); given, they are shared with other reducers of one
+        # solve (the Lagrangian rounds: their edges are the same objects, hashed once)
+        self._interned: dict = {} if interned is None else interned
         self._memo: dict = {}
 
     def intern(self, a: np.ndarray) -> np.ndarray:
-        a = np.asarray(a, dtype=float)
-        key = (a.shape, hashlib.blake2b(np.ascontiguousarray(a).tobytes(), digest_size=16).digest())
-        return self._interned.setdefault(key, a)
+        seen = self._interned.get(id(a))
+        if seen is not None and seen[0] is a:
+            return seen[1]
+        b = np.asarray(a, dtype=float)
+        key = (b.shape, hashlib.blake2b(np.ascontiguousarray(b).tobytes(), digest_size=16).digest())
+        b = self._interned.setdefault(key, b)
+        self._interned[id(a)] = (a, b)  # (keeping ``a``: its id stays its own)
+        return b
 
     def __call__(self, fn, *operands):
         key = (fn, *(id(o) if isinstance(o, np.ndarray) else o for o in operands))
@@ -158,8 +166,9 @@ class _Reducer:
     """The problem as an adjacency structure, shrunk by exact eliminations. ``keep`` decisions are never
     eliminated (those a budget weighs: eliminating them would lose their weights)."""
 
-    def __init__(self, costs: list[np.ndarray], edges, keep: frozenset[int] = frozenset()):
-        self.op = _Shared()
+    def __init__(self, costs: list[np.ndarray], edges, keep: frozenset[int] = frozenset(),
+                 interned: dict | None = None):
+        self.op = _Shared(interned)
         self.costs = [self.op.intern(c) for c in costs]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in self.costs]  # adj[u][v]: matrix oriented u x v
         for u, v, m in edges:
@@ -191,11 +200,17 @@ class _Reducer:
 
     def _eliminate(self, start) -> None:
         op = self.op
-        queue = sorted(start, key=lambda v: len(self.adj[v]))
+        queue = sorted(start, key=lambda v: (len(self.adj[v]), v))
         while queue:
-            nxt = []
+            nxt, touched = [], set()
             for v in queue:
                 if v not in self.alive or v in self.keep:
+                    continue
+                if v in touched:
+                    # changed in this pass: left to the next, so each pass eliminates decisions whose neighbours
+                    # are as they were; a chain of identical layers then contracts by halves, each pass's links
+                    # alike (one memo hit after the first) instead of one new product per layer
+                    nxt.append(v)
                     continue
                 nbrs = list(self.adj[v])
                 cv = self.costs[v]
@@ -209,14 +224,16 @@ class _Reducer:
                     self.trail.append(("leaf", v, u, table))
                     self._drop(v)
                     nxt.append(u)
+                    touched.add(u)
                 elif len(nbrs) == 2:
-                    u, w = nbrs
+                    u, w = sorted(nbrs)  # (the same orientation in every layer: the operands are the same objects)
                     best, table = op(_link, self.adj[u][v], cv, self.adj[v][w])
                     self.trail.append(("link", v, u, w, table))
                     self._drop(v)
                     self._add(u, w, best)
                     nxt += [u, w]
-            queue = sorted(set(nxt) & self.alive, key=lambda v: len(self.adj[v]))
+                    touched.update((u, w))
+            queue = sorted(set(nxt) & self.alive, key=lambda v: (len(self.adj[v]), v))
 
     def fix(self, v: int, k: int) -> None:
         """Decide ``v`` (its candidate ``k``): its edges become costs of its neighbours, which may then go."""
@@ -428,9 +445,9 @@ def _residue_terms(red: _Reducer, alive: list[int], choice: dict[int, int]) -> t
     return value, bound
 
 
-def _unconstrained(costs, edges, time_limit_s: float) -> Solution:
+def _unconstrained(costs, edges, time_limit_s: float, interned: dict | None = None) -> Solution:
     start = time.perf_counter()
-    red = _Reducer(costs, edges)
+    red = _Reducer(costs, edges, interned=interned)
     alive = sorted(red.alive)
     choice: dict[int, int] = {}
     optimal, gap, message = True, 0.0, "optimal"
@@ -461,10 +478,11 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     if sum(float(w.min()) for w in weights) > limit * (1 + 1e-12):
         raise Infeasible("no assignment satisfies the budget")
     deadline = time.perf_counter() + time_limit_s
+    interned: dict = {}  # the rounds' arrays, hashed once
 
     def at(mu: float) -> Solution:
         return _unconstrained([c + mu * w for c, w in zip(problem.costs, weights)], problem.edges,
-                              max(deadline - time.perf_counter(), 0.0))
+                              max(deadline - time.perf_counter(), 0.0), interned)
 
     def weight(sol: Solution) -> float:
         return float(sum(w[k] for w, k in zip(weights, sol.choice)))
@@ -511,7 +529,7 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     # the integer program on the whole problem: decisions the budget does not weigh are still eliminated
     keep = frozenset(v for v, w in enumerate(weights) if np.ptp(w) > 0)
     offset = sum(float(w.min()) for v, w in enumerate(weights) if v not in keep)
-    red = _Reducer(problem.costs, problem.edges, keep=keep)
+    red = _Reducer(problem.costs, problem.edges, keep=keep, interned=interned)
     alive = sorted(red.alive)
     start = dict(enumerate(best.choice))
     choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.0),
