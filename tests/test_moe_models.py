@@ -28,9 +28,12 @@ def test_experts_split_train_like_unsharded_on_simulated_ranks(name, impl):
 
 
 def test_data_parallel_with_split_expert_storage_trains_like_unsharded():
-    # the batch split over the ranks and the experts stored split: the search decides how they meet
+    # the batch split over the ranks and the experts stored split over the same ranks: the search decides how they
+    # meet, and with experts' weights far larger than the tokens it dispatches the tokens to the experts (expert
+    # parallelism; data parallelism is kept: the tokens come back split) rather than gathering the weights
     with simulated_world(WORLD):
-        train_and_compare("mixtral", "grouped_mm", WORLD, _simulated_slice, ranks=WORLD, steps=2)
+        _, split = train_and_compare("mixtral", "grouped_mm", WORLD, _simulated_slice, ranks=WORLD, steps=2)
+    assert split, "the plan gathered the experts' weights"
 
 
 def test_experts_over_one_mesh_dim_of_two():
