@@ -6,7 +6,8 @@ transformers' GPT-2 (random weights, dropout off), data parallel on ``--world`` 
 them), each rank ``--batch`` rows of one fixed length, so every shardfn step after the first runs its cached
 program. shardfn and DDP (AdamW each) take turns step by step (a slow spell of this shared machine falls on both
 alike); losses are asserted equal. Printed: each way's median step and their ratio, and the collectives one step
-makes on each rank (counted by torch's profiler: every gloo collective, whoever issues it), by kind and size.
+makes on each rank (counted by torch's profiler: every gloo collective, whoever issues it), by kind and size;
+with --profile, where shardfn's steps spend their time in Python (cProfile, rank 0).
 """
 
 from __future__ import annotations
@@ -100,6 +101,17 @@ def worker(rank, args, port):
             print(f"{name:8s} step {ms[name]:6.1f} ms, {len(counted[name])} collectives: "
                   + ", ".join(f"{n} x {k}" if n > 1 else k for k, n in kinds.items()))
         print(f"ratio shardfn / DDP {ms['shardfn'] / ms['DDP']:.2f}", flush=True)
+    if args.profile and rank == 0:  # where a shardfn step's Python time goes (rank 0; the others step along)
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            for _ in range(args.steps):
+                ways["shardfn"].step(ids)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    elif args.profile:
+        for _ in range(args.steps):
+            ways["shardfn"].step(ids)
     dist.barrier()
 
 
@@ -111,6 +123,8 @@ def main():
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--length", type=int, default=32)
+    p.add_argument("--profile", action="store_true", help="also print cProfile's top functions of shardfn's "
+                   "steps on rank 0")
     args = p.parse_args()
     mp.start_processes(worker, args=(args, free_port()), nprocs=args.world, join=True, start_method="spawn")
 
