@@ -8,6 +8,8 @@ the program runs; a first call also compares the traced graph and the plan. When
 gathers every rank's readable description, and every rank raises the same error naming what differs and where.
 So ranks that disagree (a different strategy, a skipped call, another order of calls, a failure on one rank) get
 an error on every rank, never a hang or a wrong number.
+A repeat call whose program runs traced graphs waits for its all-reduce only before its forward graph's first
+collective or write into an input (shardfn.exec.gate): the local ops before it run while it is in flight.
 
 With dataset_strategy="data_parallel" the batch slices' row counts are compared apart from the rest: ranks that
 agree on everything else but pass slices of other lengths (an epoch's last batch) make an uneven call, which they
@@ -128,11 +130,18 @@ class Agreement:
         """Compare with every other rank (no-op in a world of one); raise on every rank if anything differs.
         ``values``: gives the digests of the values that must be equal on every rank, by name (see the module's
         doc); called only where there are other ranks."""
+        self.started(first, error, values)()
+
+    def started(self, first: bool, error: BaseException | None = None,
+                values: Callable[[], dict[str, int]] | None = None) -> Callable[[], None]:
+        """:meth:`check`'s all-reduce started, not waited for: what settles it (waits, and raises on every rank if
+        anything differs). A cached call's program runs its local ops meanwhile, and settles it before its
+        first collective (shardfn.exec.gate)."""
         group = _group(self.ranks)
         if group is None:
             if error is not None:
                 raise error
-            return
+            return _settled
         _SEQUENCE[self.ranks] = sequence = _SEQUENCE.get(self.ranks, 0) + 1
         digests: dict[str, int] = {}
         if values is not None and error is None:
@@ -142,16 +151,21 @@ class Agreement:
                 error = e
         mine = [self.signature, sequence, 0 if error is None else 1, int(first),
                 digest(repr(sorted(digests.items()))), digest(repr(self.rows))]
-        top, low = _highest_and_lowest(mine, group)
-        if top == low and error is None:
-            return
-        if top[:3] == low[:3] == mine[:3] and top[5] != low[5]:
-            # the same call but for its slices' lengths (whether a rank met those lengths before, and so compared
-            # values, may differ too): every rank learns every rank's row counts
-            rows: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(rows, self.rows, group=group)
-            raise UnevenBatch(dict(zip(dist.get_process_group_ranks(group), rows)))
-        self._disagree(group, error, digests)
+        reduced = _highest_and_lowest(mine, group)
+
+        def settle() -> None:
+            top, low = reduced()
+            if top == low and error is None:
+                return
+            if top[:3] == low[:3] == mine[:3] and top[5] != low[5]:
+                # the same call but for its slices' lengths (whether a rank met those lengths before, and so
+                # compared values, may differ too): every rank learns every rank's row counts
+                rows: list[Any] = [None] * dist.get_world_size(group)
+                dist.all_gather_object(rows, self.rows, group=group)
+                raise UnevenBatch(dict(zip(dist.get_process_group_ranks(group), rows)))
+            self._disagree(group, error, digests)
+
+        return settle
 
     def check_program(self, graph: str | None, plan: str | None, error: BaseException | None = None) -> None:
         """A first call, once all agree on the signature and each rank has captured and planned it (or failed
@@ -162,7 +176,7 @@ class Agreement:
                 raise error
             return
         mine = [digest(graph or ""), digest(plan or ""), 0 if error is None else 1]
-        top, low = _highest_and_lowest(mine, group)
+        top, low = _highest_and_lowest(mine, group)()
         if top != mine or low != mine or error is not None:
             if error is None:
                 self.describe = {**self.describe, "traced graph": graph, "plan": plan}
@@ -198,11 +212,21 @@ class Agreement:
         raise ValueError(message) from error
 
 
-def _highest_and_lowest(mine: list[int], group) -> tuple[list[int], list[int]]:
-    """Every rank's highest and lowest value of each of ``mine`` (one all-reduce): all agree where they meet."""
+def _settled() -> None:
+    """What settles a check with nobody to agree with."""
+
+
+def _highest_and_lowest(mine: list[int], group) -> Callable[[], tuple[list[int], list[int]]]:
+    """Every rank's highest and lowest value of each of ``mine`` (one all-reduce, started now; the callable
+    returned waits for it): all agree where they meet."""
     both = torch.tensor(mine + [-v for v in mine], dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    return both[: len(mine)].tolist(), [-v for v in both[len(mine):].tolist()]
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def result() -> tuple[list[int], list[int]]:
+        work.wait()
+        return both[: len(mine)].tolist(), [-v for v in both[len(mine):].tolist()]
+
+    return result
 
 
 _VALUES_OF = "values of "  # the description's key of a digest, before the tensor's name

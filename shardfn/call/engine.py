@@ -5,7 +5,8 @@ A call, in order: (1) check that it is not nested or transformed; (2) look its s
 plans it, all local, on every rank (shardfn.call.planning); (4) agrees with every other rank that they make the
 same call (or all raise: shardfn.call.agreement); (5) lays the module's parameters out as planned and lowers the
 plan to this rank's program. Every call then (6) runs the program and rebuilds fn's output. A repeat call agrees
-on its signature and runs. Calls whose sizes change (call.sizes), whose ranks pass batch slices of other lengths
+on its signature and runs (its traced forward graph waits for that agreement before its first collective:
+exec.gate). Calls whose sizes change (call.sizes), whose ranks pass batch slices of other lengths
 (call.uneven_batch), made outside a sub-mesh call's ranks (call.submesh) or accumulating without sync
 (call.accumulation) take their own modules' paths.
 """
@@ -22,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from .. import runtime
 from ..capture import capturing, check_not_transformed
 from ..config import ShardConfig
+from ..exec.gate import hold, open_gate
 from ..exec.lower import lower
 from . import accumulation, parameters, planning, sizes, step_times, submesh, uneven_batch
 from .agreement import Agreement, UnevenBatch, call_agreement, check_mode, digests_of_alike, inputs_alike
@@ -88,9 +90,15 @@ class Engine:
             if compiled is None:
                 compiled, made = self.first_call(key, args, kwargs, arrived, batch=batch), True
         if not made and (mode := check_mode()) != "first":  # (a program made now agreed as it was made)
-            compiled.agreement.check(first=False, values=(lambda: inputs_alike(self.config, args, kwargs))
-                                     if mode == "values" else None)
-        outs = compiled.program(*self.state_tensors(compiled), *tensors)
+            values = (lambda: inputs_alike(self.config, args, kwargs)) if mode == "values" else None
+            if compiled.program.gated:  # settled in its forward graph, before its first collective: exec.gate
+                hold(compiled.agreement.started(first=False, values=values))
+            else:
+                compiled.agreement.check(first=False, values=values)
+        try:
+            outs = compiled.program(*self.state_tensors(compiled), *tensors)
+        finally:
+            open_gate()  # (a check no graph settled: this call's graphs were not the gated ones)
         compiled.times.ran(start, outs)  # the call's time, a hook for its backward's (shardfn.call.step_times)
         if compiled.plan.accumulate and torch.is_grad_enabled():
             outs = accumulation.accumulated(self, outs)

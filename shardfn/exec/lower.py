@@ -62,6 +62,7 @@ class ParallelProgram:
         self._any_pending = plan.accumulate or bool(plan.pending_grads)
         self.notes: list[str] = []  # what running it found (Inductor's compile times): explain() shows them
         self.graphs: dict[str, torch.fx.GraphModule] = {}  # the traced per-rank graphs, after the passes
+        self.gated = False  # whether its forward graphs wait for a call's agreement themselves (exec.gate)
         self.runners: dict[str, Callable] = {}  # what runs each: the graph itself, or Inductor's code of it
         self.compile_s: dict[str, float] = {}  # seconds Inductor took for each (and a note of it: self.notes)
         self.out_vals = [n.meta["val"] for n in captured.output_nodes]

@@ -217,26 +217,58 @@ def _prefetch_one_ahead(graph: torch.fx.Graph) -> None:
             previous_wait.prepend(node)
 
 
-def _reduced_for_output(node: torch.fx.Node, out: torch.fx.Node) -> torch.fx.Node | None:
-    """``node`` if it is a sum all-reduce whose result only leaves the graph (a gradient handed back), else None."""
+_TAIL_LIMIT = 8  # ops after a reduction that may wait for its bucket (a few: a loss's division, an embedding's
+# backward), so that no long computation loses its overlap with the bucket in flight
+
+
+def _tail_to_output(wait: torch.fx.Node, out: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The ops (pure, no collectives, at most _TAIL_LIMIT) through which ``wait``'s result only reaches the graph
+    outputs, in no order: [] when it is handed back itself; None when something else reads it. A reduced
+    activation the output is computed from (the position embedding's gradient from its rows' sum, a loss's
+    division by a reduced count) may join a bucket as well as a gradient handed back as it is reduced."""
+    tail: set = set()
+    todo = [u for u in wait.users if u is not out]
+    while todo:
+        node = todo.pop()
+        if node in tail:
+            continue
+        if node.op != "call_function" or _is_collective(node) or node.target is _c10d.wait_tensor.default \
+                or not _pure(node) or len(tail) == _TAIL_LIMIT:
+            return None
+        tail.add(node)
+        todo += [u for u in node.users if u is not out]
+    return list(tail)
+
+
+def _reduced_for_output(node: torch.fx.Node, out: torch.fx.Node) -> list[torch.fx.Node] | None:
+    """The tail (:func:`_tail_to_output`) if ``node`` is a sum all-reduce whose result only leads out of the
+    graph (a gradient handed back, or computed from it by a few ops), else None."""
     if node.target is not _c10d.all_reduce.default or node.args[1] != "sum" or len(node.users) != 1:
         return None
     (wait,) = node.users
-    if wait.target is not _c10d.wait_tensor.default or set(wait.users) != {out}:
+    if wait.target is not _c10d.wait_tensor.default or not wait.users:
         return None
     val = _node_value(node.args[0])
-    return node if isinstance(val, torch.Tensor) else None
+    return _tail_to_output(wait, out) if isinstance(val, torch.Tensor) else None
 
 
 def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -> None:
     """Gradients' all-reduces into buckets of up to ``limit`` bytes (strategy_search.buckets' rule, taking the
     gradients last input first, as the plan lists them): one collective each, launched where the bucket's last
-    gradient is ready (the overlap pass then starts it as early as that allows). A gradient read inside the
-    graph is never in one. ``in_place``: each bucket is a buffer kept between calls (see :func:`_fuse`)."""
+    gradient is ready (the overlap pass then starts it as early as that allows). A reduction whose result is
+    read inside the graph joins only where a few ops lead it to the outputs (its tail, then run after the
+    bucket): a forward's reduced loss and its reduced count so make one all-reduce. ``in_place``: each bucket
+    is a buffer kept between calls (see :func:`_fuse`)."""
     out = next(n for n in graph.nodes if n.op == "output")
     returned = list(out.args[0])
-    found = [n for n in graph.nodes if _reduced_for_output(n, out) is not None]
-    found.sort(key=lambda n: -returned.index(next(iter(n.users))))  # the input whose gradient it is, last first
+    tails = {n: t for n in graph.nodes if (t := _reduced_for_output(n, out)) is not None}
+    found = list(tails)
+
+    def handed_back(n):  # the first output this reduction leads to
+        (wait,) = n.users
+        return min(returned.index(x) for x in [wait, *tails[n]] if x in out.args[0])
+
+    found.sort(key=lambda n: -handed_back(n))  # the input whose gradient it is, last first
     vals = [_node_value(n.args[0]) for n in found]
     numbers = assign_buckets([((n.args[2], v.dtype), v.numel() * v.element_size()) for n, v in zip(found, vals)],
                              limit)
@@ -244,7 +276,7 @@ def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -
     for number in set(numbers):
         bucket = sorted((n for n, k in zip(found, numbers) if k == number), key=order.__getitem__)
         if len(bucket) > 1:
-            _fuse(graph, bucket, in_place)
+            _fuse(graph, bucket, in_place, [t for n in bucket for t in tails[n]])
 
 
 def _gathered_input(node: torch.fx.Node) -> bool:
@@ -385,10 +417,12 @@ class _KeptBuffer:
         return self.buffer
 
 
-def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool) -> None:
+def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool,
+          tail: list[torch.fx.Node] = ()) -> None:
     """One all-reduce for the gradients of ``bucket``: concatenated, reduced, each gradient a view of its piece.
     ``in_place``: concatenated into a :class:`_KeptBuffer` and reduced there (functional, for Inductor: into a
-    new buffer)."""
+    new buffer). ``tail``: ops that read the reduced values (only leading to the outputs), moved after the
+    pieces where they stood before them."""
     vals = [_node_value(n.args[0]) for n in bucket]
     dtype, group = vals[0].dtype, bucket[0].args[2]
     sizes = [v.numel() for v in vals]
@@ -412,6 +446,13 @@ def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool) ->
             (old_wait,) = n.users
             old_wait.replace_all_uses_with(add(aten.view.default, (piece, list(v.shape)), _meta(tuple(v.shape),
                                                                                                dtype)))
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    anchor = bucket[-1].prev  # the last piece's view
+    end = order[anchor]
+    for node in sorted(tail, key=order.__getitem__):  # (each read only by the tail and the output: free to move)
+        if order[node] < end:
+            anchor.append(node)
+            anchor = node
     for n in bucket:
         (old_wait,) = n.users
         graph.erase_node(old_wait)

@@ -16,6 +16,7 @@ from ._graph_internals import boxed_graph, keeping_annotations
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
 from .direct_calls import direct_calls
+from .gate import gate
 from .passes import recompute_checkpointed, regather_in_backward, simplify
 
 __all__ = ["direct_graphs", "traced_program", "use_inductor"]
@@ -85,6 +86,8 @@ def traced_program(program, step: Callable) -> Callable:
             program.graphs[name] = simplify(gm, in_place=not inductor,
                                          one_in_flight=program.mesh.device_type == "cpu")
             if not inductor:
+                if name == "forward":  # a cached call's agreement may still be in flight up to here (exec.gate)
+                    program.graphs[name], program.gated = gate(program.graphs[name]), True
                 program.runners[name] = _saying_where(boxed_graph(direct_calls(program.graphs[name])), program.name,
                                                    name)
                 return program.runners[name]

@@ -184,10 +184,11 @@ def test_gradient_reductions_fuse_into_buckets(monkeypatch):
     (fused,) = _collectives(g)
     assert tuple(fused.args[0].meta["val"].shape) == (56,)  # (4 + 8 + 2) rows of 4
     g.lint()
-    # a size limit splits them; another dtype, or a gradient read inside the graph, stays out
+    # a size limit splits them; another dtype stays out; a gradient read inside the graph only by ops that lead
+    # to the outputs (a tail) joins
     g, _ = _gradient_graph([4, 8, 2], dtypes=[torch.float32, torch.float32, torch.float16], read_inside=(1,))
     passes._fuse_reductions(g, limit=1 << 20)
-    assert len(_collectives(g)) == 3
+    assert [tuple(n.args[0].meta["val"].shape) for n in _collectives(g)] == [(48,), (2, 4)]
     g, _ = _gradient_graph([4, 4, 4, 4])
     passes._fuse_reductions(g, limit=2 * 16 * 4)  # two gradients' bytes
     assert [tuple(n.args[0].meta["val"].shape) for n in _collectives(g)] == [(32,), (32,)]
@@ -219,6 +220,44 @@ def test_fused_reductions_keep_the_values(in_place):
     kept = again[0].untyped_storage().data_ptr()
     del got, again
     assert gm(x)[0].untyped_storage().data_ptr() == kept  # released: the kept one is used again
+
+
+def _loss_graph(count_read_again: bool = False):
+    """A forward-like graph: a loss's sum and its count, each all-reduced, the output their quotient (and, where
+    ``count_read_again``, the reduced count also all-reduced again: read by another collective)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4)
+    count = _node(g, aten.sum.default, (x,), torch.empty(()))
+    _, count_w = _all_reduce(g, count)
+    total = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    total = _node(g, aten.sum.default, (total,), torch.empty(()))
+    _, total_w = _all_reduce(g, total)
+    outs = [_node(g, aten.div.Tensor, (total_w, count_w), torch.empty(()))]
+    if count_read_again:
+        outs.append(_all_reduce(g, _node(g, aten.mul.Tensor, (count_w, 2), torch.empty(())))[1])
+    g.output(tuple(outs))
+    return g
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_reductions_with_a_tail_fuse_and_keep_the_values(in_place):
+    from shardfn.exec import passes
+
+    x = torch.randn(4, 4)
+    want = torch.fx.GraphModule(torch.nn.Module(), _identity_collectives(_loss_graph()))(x)
+    g = _loss_graph()
+    passes._fuse_reductions(g, limit=1 << 20, in_place=in_place)
+    (fused,) = _collectives(g)
+    assert tuple(fused.args[0].meta["val"].shape) == (2,)
+    g.lint()  # (the division moved after the pieces it reads)
+    got = torch.fx.GraphModule(torch.nn.Module(), _identity_collectives(g))(x)
+    torch.testing.assert_close(got, want)
+    # a reduced value another collective reads stays out of the bucket (the other two share one)
+    g = _loss_graph(count_read_again=True)
+    passes._fuse_reductions(g, limit=1 << 20, in_place=in_place)
+    assert sorted(tuple(n.args[0].meta["val"].shape) for n in _collectives(g)) == [(), (2,)]
+    g.lint()
 
 
 def _identity_collectives(g):
