@@ -22,6 +22,7 @@ from .pricing import (
     Pricing,
     Terms,
     gathered_at,
+    gradient_copies,
     gradient_handed_back,
     node_collectives,
     parameter_copies,
@@ -30,6 +31,7 @@ from .pricing import (
 )
 from .problem import StrategyProblem, computed_from, splits
 from .request import PlanRequest
+from .saved import saved_until
 from .solver import Solution
 
 __all__ = ["OverBudget", "read_plan"]
@@ -43,8 +45,9 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     held, level = request.held(), request.level
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
     returned = [r.placements for r in request.outputs]
-    live, live_backward, resident, outputs = _live_bytes(problem, chosen, problem.needs_grad - problem.recomputed,
-                                                         request.optimizer_stage, returned)
+    live, live_backward, resident, outputs = _live_bytes(problem, chosen, set(problem.captured.gm.graph.nodes) -
+                                                         problem.recomputed, request.optimizer_stage, returned,
+                                                         request.accumulate)
     nodes = {}
     for v, (d, c) in enumerate(zip(decisions, chosen)):
         if d.node is not None:
@@ -303,38 +306,42 @@ def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: 
     return out, first + len(renumber)
 
 
-def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0,
-                returned: Sequence | None = None) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int], int, int]:
+def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0, returned: Sequence | None = None,
+                grads_held: bool = False) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int], int, int]:
     """Per-rank bytes alive as each node of the chosen plan runs, forward and backward, with liveness; the step's
     peak is the largest of either. Returns (forward: each node's bytes once it has run, backward: each node's
-    bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold throughout;
-    the bytes the exit adds for the outputs).
+    bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold with every
+    gradient made; the bytes the exit adds for the outputs).
 
-    Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
-    optimizer states) are alive throughout; a value ``kept`` for backward stays alive once made; any other value
-    lives until its last reader. The outputs leave in the layouts the call returns them in (``returned``: a
-    whole value gathered onto every rank holds all of its bytes there), alive from the end of the forward
-    through the backward (what the caller computes from them keeps them). Then the backward in reverse program
-    order, from where the forward ended: the
-    outputs' gradients arrive; each op's backward makes its inputs' gradients (where one is not there yet: readers'
-    gradients are summed into one), then its own gradient is consumed and its kept value released (its readers'
-    backwards, which read it, have run). A checkpointed region's values come back, all of them, when the walk
-    enters the region, and go as kept ones do. A trainable parameter's gradient is counted throughout already; an
-    input's stays until it is handed back; a view's is a view (no bytes), as its value is.
+    Walking the forward in program order: placeholders (and, for trainable parameters, their optimizer states)
+    are alive throughout; a value some backward reads (saved.saved_until) stays alive once made, unless the plan
+    recomputes it (``kept``: the values it does not); any other value lives until its last reader. The outputs
+    leave in the layouts the call returns them in (``returned``: a whole value gathered onto every rank holds
+    all of its bytes there), alive from the end of the forward through the backward (what the caller computes
+    from them keeps them). Then the backward in reverse program order, from where the forward ended: the
+    outputs' gradients arrive and stay (the caller's autograd holds them until the backward ends); each op's
+    backward makes its inputs' gradients (where one is not there yet: readers' gradients are summed into one),
+    then its own gradient is consumed and the values only it still reads are released. A checkpointed region's
+    values come back, all of them, when the walk enters the region, and go as each one's own backward passes.
+    A trainable parameter's gradient is made from none by its first reader's backward (``grads_held``: held
+    from before the step, as gradients accumulated without sync are); an input's stays until it is handed back;
+    a view's is a view (no bytes), as its value is.
     """
-    sizes = _NodeBytes(problem, chosen)
-    at, resident, outputs, live, saved = _forward_walk(problem, sizes, kept, optimizer_stage, returned)
+    sizes = _NodeBytes(problem, chosen, optimizer_stage)
+    until = saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad) if problem.needs_grad else {}
+    saving = {v: r for v, r in until.items() if v in kept}
+    at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held)
     if not problem.needs_grad:
         return at, {}, resident, outputs
-    return at, _backward_walk(problem, sizes, live, saved), resident, outputs
+    return at, _backward_walk(problem, sizes, live, saved, saving, grads_held), resident, outputs
 
 
 class _NodeBytes:
     """A node's per-rank bytes in the chosen plan."""
 
-    def __init__(self, problem: StrategyProblem, chosen):
+    def __init__(self, problem: StrategyProblem, chosen, optimizer_stage: int = 0):
         self.by_node = {d.node: c for d, c in zip(problem.decisions, chosen) if d.node is not None}
-        self.mesh_shape = problem.mesh_shape
+        self.mesh_shape, self.stage = problem.mesh_shape, optimizer_stage
 
     def local(self, node) -> int:
         c = self.by_node.get(node)
@@ -347,6 +354,18 @@ class _NodeBytes:
     def own(self, node) -> int:
         """What computing it allocates: a view none."""
         return 0 if node.op == "call_function" and cm.is_view_op(node) else self.local(node)
+
+    def gradient(self, param) -> int:
+        """A trainable parameter's gradient: its local bytes, or a stage-2 sharded optimizer's share of them."""
+        pl = self.by_node[param].outputs[0]
+        return int(self.local(param) * gradient_copies(pl, self.mesh_shape, self.stage, param.meta["val"].dim()))
+
+    def held(self, node, trainable: set) -> int:
+        """A graph input's bytes through the step: a trainable parameter's with its gradient and optimizer states."""
+        if node not in trainable:
+            return self.local(node)
+        pl = self.by_node[node].outputs[0]
+        return int(self.local(node) * parameter_copies(pl, self.mesh_shape, self.stage, node.meta["val"].dim()))
 
     def returned(self, output_nodes, returned) -> int:
         """What the exit makes: an output returned in another layout than its own."""
@@ -361,9 +380,9 @@ class _NodeBytes:
         return extra
 
 
-def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, kept, optimizer_stage, returned):
-    """The forward in program order: (bytes after each node, the inputs' bytes, the exit's bytes, the bytes alive
-    at the end, the values saved for backward with their bytes)."""
+def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, returned, grads_held: bool):
+    """The forward in program order: (bytes after each node, the inputs' bytes with every gradient, the exit's
+    bytes, the bytes alive at the end, the values saved for backward with their bytes)."""
     order = list(problem.captured.gm.graph.nodes)
     last_use: dict[torch.fx.Node, int] = {}
     for i, node in enumerate(order):
@@ -374,14 +393,14 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, kept, optimizer_s
     saved: dict[torch.fx.Node, int] = {}  # values held for backward: released as the backward walk passes them
     for i, node in enumerate(order):
         if node.op == "placeholder":
-            copies = parameter_copies(sizes.by_node[node].outputs[0], sizes.mesh_shape, optimizer_stage,
-                                      node.meta["val"].dim()) if node in problem.trainable else 1
-            live += sizes.local(node) * copies
-            resident = live
+            resident += sizes.held(node, problem.trainable)
+            live += sizes.held(node, problem.trainable)
+            if node in problem.trainable and not grads_held:  # made by the backward
+                live -= sizes.gradient(node)
         elif node.op == "call_function":
             nbytes = sizes.own(node)
             live += nbytes
-            (saved if node in kept else transient)[node] = nbytes
+            (saved if node in saving else transient)[node] = nbytes
         elif node.op == "output":
             outputs = sizes.returned(problem.captured.output_nodes, returned)
             live += outputs
@@ -392,7 +411,8 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, kept, optimizer_s
     return at, resident, outputs, live, saved
 
 
-def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict) -> dict:
+def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict, saving: dict,
+                   grads_held: bool) -> dict:
     """The backward in reverse program order from where the forward ended: bytes alive as each node's backward
     runs."""
     needs_grad, trainable = problem.needs_grad, problem.trainable
@@ -403,30 +423,42 @@ def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved
     regions: dict[int | str, list[torch.fx.Node]] = {}
     for n in problem.recomputed:
         regions.setdefault(region(n), []).append(n)
+    released: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # the node after whose backward a value goes
+    for v, last in saving.items():
+        released.setdefault(last, []).append(v)
     grads: dict[torch.fx.Node, int] = {}  # gradients alive, by the value they are the gradient of
 
     def gradient(a) -> None:
         nonlocal live
+        base = a
+        while base.op == "call_function" and cm.is_view_op(base):  # a parameter's view: the parameter's gradient
+            base = base.args[0]
+        if base in trainable and base not in grads:
+            grads[base] = 0 if grads_held else sizes.gradient(base)
+            live += grads[base]
         if a in needs_grad and a not in grads:
             grads[a] = 0 if a in trainable else sizes.own(a)
             live += grads[a]
 
-    for out in problem.captured.output_nodes:  # from the caller
-        if isinstance(out, torch.fx.Node):
-            gradient(out)
+    outputs = {out for out in problem.captured.output_nodes if isinstance(out, torch.fx.Node)}
+    for out in outputs:  # from the caller
+        gradient(out)
     back = {}
     for node in reversed(list(problem.captured.gm.graph.nodes)):
         if node.op != "call_function":
             continue
         for n in regions.pop(region(node), ()):  # a checkpointed (or recomputed) region computed again
             saved[n] = sizes.own(n)
+            released.setdefault(n, []).append(n)
             live += saved[n]
         if node in needs_grad:
             for a in node.all_input_nodes:
                 gradient(a)
             back[node] = int(live)
-            live -= grads.pop(node, 0)
-        live -= saved.pop(node, 0)
+            if node not in outputs:
+                live -= grads.pop(node, 0)
+        for v in released.pop(node, ()):
+            live -= saved.pop(v, 0)
     return back
 
 

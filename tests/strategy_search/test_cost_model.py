@@ -195,21 +195,23 @@ def _two_matmuls_plan():
 
 def test_memory_over_the_forward_and_the_backward_by_hand():
     # per rank, fp32: x (3, 8) 96 B; w1 (8, 1) 32 B; w2 (1, 4) 16 B; mm and relu (3, 2) 24 B each (detach a view);
-    # mm_1 a pending sum (3, 4) 48 B. Everything needing a gradient is kept for backward.
+    # mm_1 a pending sum (3, 4) 48 B. Kept for backward: what some backward reads, relu's output (relu's own backward
+    # and w2's gradient read it); mm goes once relu has run (relu's backward reads its output, not its input)
     plan = _two_matmuls_plan()
     forward = {n.name: n.live_bytes for n in plan.nodes.values()}
-    assert forward == {"input 0": 96, "input 1": 128, "input 2": 144, "mm": 168, "relu": 192, "detach": 192,
-                       "mm_1": 240}
+    assert forward == {"input 0": 96, "input 1": 128, "input 2": 144, "mm": 168, "relu": 192, "detach": 168,
+                       "mm_1": 216}
     backward = [(n.name, n.backward_live_bytes) for n in reversed(plan.nodes.values())
                 if n.backward_live_bytes is not None]
     # the output is returned whole (6, 4): 96 B on every rank from the exit on, through the backward (the caller's
-    # loss keeps it). mm_1's backward: the output's gradient arrives (48), relu's (24) and w2's (16) are made; then
-    # mm_1's gradient and kept value go (-96); relu's backward makes mm's gradient (24), then its own two go; mm's
-    # makes w1's (32)
-    out = 96
-    assert backward == [("mm_1", 240 + out + 48 + 24 + 16), ("detach", 232 + out), ("relu", 232 + out + 24),
-                        ("mm", 256 + out - 48 + 32)]
-    assert plan.cost.peak_bytes == 328 + out  # the step's peak: in the backward, above the forward's 240 + 96
+    # loss keeps it), and mm_1's pending sum goes at the exit: 144 + relu 24 + 96 = 264. mm_1's backward: the
+    # output's gradient arrives (48, held by the caller's autograd to the end), relu's (24) and w2's (16) are made;
+    # relu's backward makes mm's gradient (24), then relu's gradient and relu go; mm's makes w1's (32)
+    out, end = 96, 264
+    assert backward == [("mm_1", end + 48 + 24 + 16), ("detach", end + 88), ("relu", end + 88 + 24),
+                        ("mm", end + 88 - 24 + 32)]
+    assert plan.cost.peak_bytes == end + 112  # the step's peak: in the backward, above the forward's 216 + 96
+    assert out + 216 < end + 112
 
 
 def test_the_memory_line_runs_through_the_backward_and_its_peak_is_the_plans():
