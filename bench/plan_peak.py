@@ -127,7 +127,10 @@ def worker(rank: int, world: int, port: int, mesh: str, args, results) -> None:
     sf.init()
     for name in args.models.split(","):
         for level in map(int, args.levels.split(",")):
-            results[(mesh, name, level, rank)] = _measure(name, level, mesh)
+            try:
+                results[(mesh, name, level, rank)] = _measure(name, level, mesh)
+            except Exception as e:  # noqa: BLE001 (the row says what failed; every rank fails alike)
+                results[(mesh, name, level, rank)] = f"{type(e).__name__}: {e}".splitlines()[0][:90]
             gc.collect()
 
 
@@ -148,10 +151,15 @@ def main() -> None:
         for name in args.models.split(","):
             for level in map(int, args.levels.split(",")):
                 rows = [results[(mesh, name, level, r)] for r in range(world)]
+                if any(isinstance(r, str) for r in rows):
+                    print(f"{mesh:<5} {name:<6} {level:>5} failed: {next(r for r in rows if isinstance(r, str))}")
+                    continue
                 plan, backward, step = max(r[0] for r in rows), max(r[1] for r in rows), max(r[2] for r in rows)
                 ratios.append(plan / step)
                 print(f"{mesh:<5} {name:<6} {level:>5} {plan / MiB:>9.2f} {backward / MiB:>12.2f} "
                       f"{step / MiB:>9.2f} {plan / step:>9.3f}", flush=True)
+    if not ratios:
+        return
     within = sum(abs(r - 1) <= 0.10 for r in ratios)
     print(f"plan / measured: {min(ratios):.3f} to {max(ratios):.3f}; {within} of {len(ratios)} rows within 10%")
 

@@ -17,6 +17,7 @@ from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
 from .candidates import tensor_inputs
+from .gathered import gather_events, gathered_copies
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
 from .pricing import (
     Pricing,
@@ -47,7 +48,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     returned = [r.placements for r in request.outputs]
     live, live_backward, resident, outputs = _live_bytes(problem, chosen, set(problem.captured.gm.graph.nodes) -
                                                          problem.recomputed, request.optimizer_stage, returned,
-                                                         request.accumulate)
+                                                         request.accumulate, request.level == 1 and request.grad)
     nodes = {}
     for v, (d, c) in enumerate(zip(decisions, chosen)):
         if d.node is not None:
@@ -307,7 +308,7 @@ def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: 
 
 
 def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0, returned: Sequence | None = None,
-                grads_held: bool = False) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int], int, int]:
+                grads_held: bool = False, reshard: bool = False) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int], int, int]:
     """Per-rank bytes alive as each node of the chosen plan runs, forward and backward, with liveness; the step's
     peak is the largest of either. Returns (forward: each node's bytes once it has run, backward: each node's
     bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold with every
@@ -325,15 +326,19 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     values come back, all of them, when the walk enters the region, and go as each one's own backward passes.
     A trainable parameter's gradient is made from none by its first reader's backward (``grads_held``: held
     from before the step, as gradients accumulated without sync are); an input's stays until it is handed back;
-    a view's is a view (no bytes), as its value is.
+    a view's is a view (no bytes), as its value is. Split parameters gathered whole take their bytes as
+    gathered.gather_events says (``reshard``: gathered again in backward, as level 1 does).
     """
     sizes = _NodeBytes(problem, chosen, optimizer_stage)
     until = saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad) if problem.needs_grad else {}
     saving = {v: r for v, r in until.items() if v in kept}
-    at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held)
+    nodes = list(problem.captured.gm.graph.nodes)
+    events = gather_events(*gathered_copies(problem, chosen), {n: i for i, n in enumerate(nodes)}, reshard,
+                           bool(problem.needs_grad))
+    at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held, events[:2])
     if not problem.needs_grad:
         return at, {}, resident, outputs
-    return at, _backward_walk(problem, sizes, live, saved, saving, grads_held), resident, outputs
+    return at, _backward_walk(problem, sizes, live, saved, saving, grads_held, events[2:]), resident, outputs
 
 
 class _NodeBytes:
@@ -380,7 +385,8 @@ class _NodeBytes:
         return extra
 
 
-def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, returned, grads_held: bool):
+def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, returned, grads_held: bool,
+                  gathers: tuple[dict, dict]):
     """The forward in program order: (bytes after each node, the inputs' bytes with every gradient, the exit's
     bytes, the bytes alive at the end, the values saved for backward with their bytes)."""
     order = list(problem.captured.gm.graph.nodes)
@@ -399,12 +405,13 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, ret
                 live -= sizes.gradient(node)
         elif node.op == "call_function":
             nbytes = sizes.own(node)
-            live += nbytes
+            live += nbytes + gathers[0].get(node, 0)
             (saved if node in saving else transient)[node] = nbytes
         elif node.op == "output":
             outputs = sizes.returned(problem.captured.output_nodes, returned)
             live += outputs
         at[node] = int(live)
+        live -= gathers[1].get(node, 0)
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a in transient:
                 live -= transient.pop(a)
@@ -412,7 +419,7 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, ret
 
 
 def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict, saving: dict,
-                   grads_held: bool) -> dict:
+                   grads_held: bool, gathers: tuple[dict, dict]) -> dict:
     """The backward in reverse program order from where the forward ended: bytes alive as each node's backward
     runs."""
     needs_grad, trainable = problem.needs_grad, problem.trainable
@@ -454,7 +461,9 @@ def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved
         if node in needs_grad:
             for a in node.all_input_nodes:
                 gradient(a)
+            live += gathers[0].get(node, 0)
             back[node] = int(live)
+            live -= gathers[1].get(node, 0)
             if node not in outputs:
                 live -= grads.pop(node, 0)
         for v in released.pop(node, ()):

@@ -17,7 +17,7 @@ from ..capture.graph import is_getitem
 from .candidates import tensor_inputs
 from .cost_model import is_view_op
 
-__all__ = ["saved_until"]
+__all__ = ["backward_readers", "reads_input", "saved_until"]
 
 aten = torch.ops.aten
 
@@ -48,7 +48,7 @@ def saved_until(nodes: list[torch.fx.Node], needs_grad: set) -> dict[torch.fx.No
     for v in nodes:
         if v.op != "call_function" or is_view_op(v) or is_getitem(v):
             continue
-        readers = _readers(v, needs_grad)
+        readers = backward_readers(v, needs_grad)
         if v.target in _READS_OUTPUT and v in needs_grad:
             readers.append(v)
         if readers:
@@ -56,21 +56,21 @@ def saved_until(nodes: list[torch.fx.Node], needs_grad: set) -> dict[torch.fx.No
     return until
 
 
-def _readers(v: torch.fx.Node, needs_grad: set) -> list[torch.fx.Node]:
+def backward_readers(v: torch.fx.Node, needs_grad: set) -> list[torch.fx.Node]:
     """The ops whose backward reads ``v``, directly or through views of it and getitems of its outputs."""
     found = []
     for user in v.users:
         if user.op != "call_function":
             continue
         if is_view_op(user) or is_getitem(user):
-            found += _readers(user, needs_grad)
+            found += backward_readers(user, needs_grad)
         elif user in needs_grad:  # its backward runs
-            found += [user] if any(a is v and _reads(user, k, needs_grad)
+            found += [user] if any(a is v and reads_input(user, k, needs_grad)
                                    for k, a in enumerate(tensor_inputs(user))) else []
     return found
 
 
-def _reads(node: torch.fx.Node, slot: int, needs_grad: set) -> bool:
+def reads_input(node: torch.fx.Node, slot: int, needs_grad: set) -> bool:
     """Does the backward of ``node``'s op read its tensor input ``slot``?"""
     if node.target in _MOVES or slot in _ADDED.get(node.target, ()):
         return False
