@@ -46,9 +46,14 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     held, level = request.held(), request.level
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
     returned = [r.placements for r in request.outputs]
-    live, live_backward, resident, outputs = _live_bytes(problem, chosen, set(problem.captured.gm.graph.nodes) -
-                                                         problem.recomputed, request.optimizer_stage, returned,
-                                                         request.accumulate, request.level == 1 and request.grad)
+    live, live_backward, resident, outputs, end = _live_bytes(problem, chosen, set(captured.gm.graph.nodes) -
+                                                              problem.recomputed, request.optimizer_stage, returned,
+                                                              request.accumulate, request.level == 1 and request.grad)
+    read = _Collectives(problem, request, pricing, terms, chosen)
+    fwd_colls, bwd_colls, regathers = read.all()
+    last = next(reversed(live_backward), None)  # the backward's last point: its end, every gradient made, the
+    if last is not None:  # largest bucket of their reductions copied as it is reduced
+        live_backward[last] = max(live_backward[last], end + _largest_reduction(bwd_colls, read.gradients))
     nodes = {}
     for v, (d, c) in enumerate(zip(decisions, chosen)):
         if d.node is not None:
@@ -56,8 +61,6 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node),
                                           _shapes(d.node), float(terms.compute[v][solution.choice[v]]),
                                           live.get(d.node), live_backward.get(d.node))
-    read = _Collectives(problem, request, pricing, terms, chosen)
-    fwd_colls, bwd_colls, regathers = read.all()
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + read.regather_s
     peak = max(max(live.values(), default=0), max(live_backward.values(), default=0))  # forward and backward
@@ -308,11 +311,11 @@ def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: 
 
 
 def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0, returned: Sequence | None = None,
-                grads_held: bool = False, reshard: bool = False) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int], int, int]:
+                grads_held: bool = False, reshard: bool = False) -> tuple[dict, dict, int, int, int]:
     """Per-rank bytes alive as each node of the chosen plan runs, forward and backward, with liveness; the step's
     peak is the largest of either. Returns (forward: each node's bytes once it has run, backward: each node's
     bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold with every
-    gradient made; the bytes the exit adds for the outputs).
+    gradient made; the bytes the exit adds for the outputs; the bytes alive at the end of the step).
 
     Walking the forward in program order: placeholders (and, for trainable parameters, their optimizer states)
     are alive throughout; a value some backward reads (saved.saved_until) stays alive once made, unless the plan
@@ -337,8 +340,9 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
                            bool(problem.needs_grad))
     at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held, events[:2])
     if not problem.needs_grad:
-        return at, {}, resident, outputs
-    return at, _backward_walk(problem, sizes, live, saved, saving, grads_held, events[2:]), resident, outputs
+        return at, {}, resident, outputs, live
+    back, end = _backward_walk(problem, sizes, live, saved, saving, grads_held, events[2:])
+    return at, back, resident, outputs, end
 
 
 class _NodeBytes:
@@ -419,9 +423,9 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, ret
 
 
 def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict, saving: dict,
-                   grads_held: bool, gathers: tuple[dict, dict]) -> dict:
+                   grads_held: bool, gathers: tuple[dict, dict]) -> tuple[dict, int]:
     """The backward in reverse program order from where the forward ended: bytes alive as each node's backward
-    runs."""
+    runs, and at its end."""
     needs_grad, trainable = problem.needs_grad, problem.trainable
 
     def region(n):  # a checkpointed region's number, or the layer the search recomputes
@@ -468,7 +472,18 @@ def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved
                 live -= grads.pop(node, 0)
         for v in released.pop(node, ()):
             live -= saved.pop(v, 0)
-    return back
+    return back, int(live)
+
+
+def _largest_reduction(bwd_colls: list[Collective], gradients: list[tuple[int, tuple, int]]) -> int:
+    """The bytes of the largest reduction of gradients handed back, a bucket's all together: exec concatenates a
+    bucket's gradients into one flat buffer (a lone gradient's reduction makes its result), and both are alive
+    as it does."""
+    by_bucket: dict = collections.Counter()
+    for i, _, _ in gradients:
+        c = bwd_colls[i]
+        by_bucket[("bucket", c.bucket) if c.bucket is not None else i] += c.nbytes
+    return max(by_bucket.values(), default=0)
 
 
 def _chosen_output(node: torch.fx.Node, by_node: dict):

@@ -212,11 +212,14 @@ def test_memory_over_the_forward_and_the_backward_by_hand():
     # loss keeps it), and mm_1's pending sum goes at the exit: 144 + relu 24 + w2's copy 32 + 96 = 296. mm_1's
     # backward: the output's gradient arrives (48, held by the caller's autograd to the end), relu's (24) and
     # w2's (16) are made; then w2's copy goes (32); relu's backward makes mm's gradient (24), then relu's gradient
-    # and relu go; mm's makes w1's (32)
+    # and relu go; mm's makes w1's (32) (360), and the backward's end, its last point, is the larger: mm's
+    # gradient gone, w1's and w2's gradients reduce-scattered in one bucket, concatenated (64 + 32) while alive
     end = 296
+    scattered = [c.nbytes for c in plan.collectives if c.kind == "reduce_scatter"]
+    assert sorted(scattered) == [32, 64]
     assert backward == [("mm_1", end + 48 + 24 + 16), ("detach", end + 56), ("relu", end + 56 + 24),
-                        ("mm", end + 56 - 24 + 32)]
-    assert plan.cost.peak_bytes == end + 88  # the step's peak: in the backward
+                        ("mm", end + 56 - 24 + 32 - 24 + 96)]
+    assert plan.cost.peak_bytes == end + 56 - 24 + 32 - 24 + 96  # the step's peak
 
 
 def _gathered_linear_plan(level: int, x_grad: bool):
