@@ -326,7 +326,7 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     outputs' gradients arrive and stay (the caller's autograd holds them until the backward ends); each op's
     backward makes its inputs' gradients (where one is not there yet: readers' gradients are summed into one),
     then its own gradient is consumed and the values only it still reads are released. A checkpointed region's
-    values come back, all of them, when the walk enters the region, and go as each one's own backward passes.
+    values that backwards still to run read come back when the walk enters the region, and go as kept ones do.
     A trainable parameter's gradient is made from none by its first reader's backward (``grads_held``: held
     from before the step, as gradients accumulated without sync are); an input's stays until it is handed back;
     a view's is a view (no bytes), as its value is. Split parameters gathered whole take their bytes as
@@ -341,7 +341,7 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held, events[:2])
     if not problem.needs_grad:
         return at, {}, resident, outputs, live
-    back, end = _backward_walk(problem, sizes, live, saved, saving, grads_held, events[2:])
+    back, end = _backward_walk(problem, sizes, live, saved, until, grads_held, events[2:])
     return at, back, resident, outputs, end
 
 
@@ -422,7 +422,7 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, ret
     return at, resident, outputs, live, saved
 
 
-def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict, saving: dict,
+def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict, until: dict,
                    grads_held: bool, gathers: tuple[dict, dict]) -> tuple[dict, int]:
     """The backward in reverse program order from where the forward ended: bytes alive as each node's backward
     runs, and at its end."""
@@ -435,8 +435,9 @@ def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved
     for n in problem.recomputed:
         regions.setdefault(region(n), []).append(n)
     released: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # the node after whose backward a value goes
-    for v, last in saving.items():
-        released.setdefault(last, []).append(v)
+    for v in saved:
+        released.setdefault(until[v], []).append(v)
+    order = {n: i for i, n in enumerate(problem.captured.gm.graph.nodes)}
     grads: dict[torch.fx.Node, int] = {}  # gradients alive, by the value they are the gradient of
 
     def gradient(a) -> None:
@@ -458,10 +459,12 @@ def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved
     for node in reversed(list(problem.captured.gm.graph.nodes)):
         if node.op != "call_function":
             continue
-        for n in regions.pop(region(node), ()):  # a checkpointed (or recomputed) region computed again
-            saved[n] = sizes.own(n)
-            released.setdefault(n, []).append(n)
-            live += saved[n]
+        for n in regions.pop(region(node), ()):  # a checkpointed (or recomputed) region computed again: what
+            last = until.get(n)  # backwards still to run read of it stays, until the last of them
+            if last is not None and order[last] <= order[node]:
+                saved[n] = sizes.own(n)
+                released.setdefault(last, []).append(n)
+                live += saved[n]
         if node in needs_grad:
             for a in node.all_input_nodes:
                 gradient(a)
