@@ -323,7 +323,8 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     leave in the layouts the call returns them in (``returned``: a whole value gathered onto every rank holds
     all of its bytes there), alive from the end of the forward through the backward (what the caller computes
     from them keeps them). Then the backward in reverse program order, from where the forward ended: the
-    outputs' gradients arrive and stay (the caller's autograd holds them until the backward ends); each op's
+    outputs' gradients arrive, in the layouts the outputs were returned in, and stay (the caller's autograd holds
+    them until the backward ends: an output the loss does not read gets zeros); each op's
     backward makes its inputs' gradients (where one is not there yet: readers' gradients are summed into one),
     then its own gradient is consumed and the values only it still reads are released. A checkpointed region's
     values that backwards still to run read come back when the walk enters the region, and go as kept ones do.
@@ -341,7 +342,7 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held, events[:2])
     if not problem.needs_grad:
         return at, {}, resident, outputs, live
-    back, end = _backward_walk(problem, sizes, live, saved, until, grads_held, events[2:])
+    back, end = _backward_walk(problem, sizes, live, saved, until, grads_held, events[2:], returned)
     return at, back, resident, outputs, end
 
 
@@ -423,7 +424,7 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, ret
 
 
 def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict, until: dict,
-                   grads_held: bool, gathers: tuple[dict, dict]) -> tuple[dict, int]:
+                   grads_held: bool, gathers: tuple[dict, dict], returned) -> tuple[dict, int]:
     """The backward in reverse program order from where the forward ended: bytes alive as each node's backward
     runs, and at its end."""
     needs_grad, trainable = problem.needs_grad, problem.trainable
@@ -455,6 +456,12 @@ def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved
     outputs = {out for out in problem.captured.output_nodes if isinstance(out, torch.fx.Node)}
     for out in outputs:  # from the caller
         gradient(out)
+    for out, placements in zip(problem.captured.output_nodes, returned or ()):  # in the layout returned
+        if out in grads and out not in trainable and isinstance(out.meta.get("val"), torch.Tensor):
+            v = out.meta["val"]
+            whole = cm.local_numel(v.shape, placements, sizes.mesh_shape) * v.element_size()
+            live += max(0, whole - grads[out])
+            grads[out] = max(grads[out], whole)
     back = {}
     for node in reversed(list(problem.captured.gm.graph.nodes)):
         if node.op != "call_function":

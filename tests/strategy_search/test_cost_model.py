@@ -210,16 +210,17 @@ def test_memory_over_the_forward_and_the_backward_by_hand():
                 if n.backward_live_bytes is not None]
     # the output is returned whole (6, 4): 96 B on every rank from the exit on, through the backward (the caller's
     # loss keeps it), and mm_1's pending sum goes at the exit: 144 + relu 24 + w2's copy 32 + 96 = 296. mm_1's
-    # backward: the output's gradient arrives (48, held by the caller's autograd to the end), relu's (24) and
+    # backward: the output's gradient arrives as the output left, whole (96, held by the caller's autograd to the
+    # end), relu's (24) and
     # w2's (16) are made; then w2's copy goes (32); relu's backward makes mm's gradient (24), then relu's gradient
     # and relu go; mm's makes w1's (32) (360), and the backward's end, its last point, is the larger: mm's
     # gradient gone, w1's and w2's gradients reduce-scattered in one bucket, concatenated (64 + 32) while alive
     end = 296
     scattered = [c.nbytes for c in plan.collectives if c.kind == "reduce_scatter"]
     assert sorted(scattered) == [32, 64]
-    assert backward == [("mm_1", end + 48 + 24 + 16), ("detach", end + 56), ("relu", end + 56 + 24),
-                        ("mm", end + 56 - 24 + 32 - 24 + 96)]
-    assert plan.cost.peak_bytes == end + 56 - 24 + 32 - 24 + 96  # the step's peak
+    assert backward == [("mm_1", end + 96 + 24 + 16), ("detach", end + 104), ("relu", end + 104 + 24),
+                        ("mm", end + 104 - 24 + 32 - 24 + 96)]
+    assert plan.cost.peak_bytes == end + 104 - 24 + 32 - 24 + 96  # the step's peak
 
 
 def _gathered_linear_plan(level: int, x_grad: bool):
@@ -246,11 +247,11 @@ def test_gathered_inputs_are_held_while_read():
     assert line["t"] == (1792, 1792 + 4096 + 256)
     # level 1 (x needing a gradient now): the weight alone is gathered, again in backward (a flat buffer of its
     # 512 B and the copy) for x's gradient (x's own 1024 made there); mm (32, 16) 2048, the output returned
-    # whole 4096
+    # whole 4096, and its gradient arriving so
     again = _gathered_linear_plan(1, True)
     assert again.nodes["t"].inputs == ((Replicate(),),) and again.nodes["mm"].outputs == ((Shard(0),),)
     assert again.nodes["mm"].live_bytes == 1792 + 2 * 512 + 2048
-    assert again.nodes["mm"].backward_live_bytes == 1792 + 4096 + 2 * 2048 + 256 + 1024 + 2 * 512 == \
+    assert again.nodes["mm"].backward_live_bytes == 1792 + 2 * 4096 + 2048 + 256 + 1024 + 2 * 512 == \
         again.cost.peak_bytes
 
 
