@@ -74,9 +74,9 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
     the same around its backward). Forward, a bucket is gathered at its first reader, every copy made out of
     the flat buffer at once, which then goes; a copy lives until its last reader, or, kept whole from forward
     to backward (an argument's; a parameter's unless ``reshard``: FSDP's reshard after forward), until its last
-    backward read. With ``reshard`` the backward gathers each bucket's parameters again: its flat buffer lives from its first backward read to
-    its last, each copy around its own backward reads (exec copies it out where it is first read). ``order``:
-    each node's place in the program."""
+    backward read. With ``reshard`` the backward gathers each bucket's parameters again: its flat buffer lives
+    from its first backward read to its last, each copy around its own backward reads (exec copies it out where
+    it is first read). ``order``: each node's place in the program."""
     fwd_add, fwd_drop, bwd_add, bwd_drop = {}, {}, {}, {}
 
     def at(events, node, nbytes):
