@@ -38,11 +38,9 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-import torch.utils._pytree as pytree  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.multiprocessing.reductions import StorageWeakRef  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from bench._tensor_peak import TensorPeak  # noqa: E402
 from tests.harness import free_port  # noqa: E402
 from tests.models import GPTStack  # noqa: E402
 
@@ -55,38 +53,6 @@ def _status_mib(field: str) -> float:
 def _reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS (Linux 4.0+)
         f.write("5")
-
-
-class _TensorPeak(TorchDispatchMode):
-    """The peak of storage bytes alive: the ``held`` tensors, then every storage an op makes until it is freed."""
-
-    def __init__(self, held):
-        super().__init__()
-        self.alive = {}
-        for t in held:
-            self._add(t)
-        self.peak = self._total()
-
-    def _add(self, t):
-        if type(t) is not torch.Tensor or t.device.type == "meta":
-            return
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key and (key not in self.alive or self.alive[key].expired()):
-            self.alive[key] = StorageWeakRef(storage)
-
-    def _total(self):
-        # a storage's size now: FSDP2 frees a whole parameter by resizing its storage to nothing, and back
-        self.alive = {k: ref for k, ref in self.alive.items() if not ref.expired()}
-        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() for ref in self.alive.values())
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._add(t)
-        self.peak = max(self.peak, self._total())
-        return out
 
 
 def _local(t):
@@ -122,7 +88,7 @@ def worker(rank, args, port, which, measure, results):
         tracker = contextlib.nullcontext()
         if measure == "memory" and step == 3:
             state = [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            tracker = _TensorPeak([_local(p) for p in model.parameters()] + state)
+            tracker = TensorPeak([_local(p) for p in model.parameters()] + state)
         dist.barrier()
         if measure == "memory" and step == 2:
             _reset_peak_rss()
@@ -136,7 +102,7 @@ def worker(rank, args, port, which, measure, results):
             times.append(time.perf_counter() - start)
         if measure == "memory" and step == 2:
             rss_peak = _status_mib("VmHWM") - before
-        if isinstance(tracker, _TensorPeak):
+        if isinstance(tracker, TensorPeak):
             tensor_peak = tracker.peak / 2**20
         losses.append(float(loss.detach()))
     results[(which, measure, rank)] = (statistics.median(times), rss_peak, tensor_peak, losses)

@@ -300,6 +300,9 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int) -> None:
     for number in set(numbers):
         bucket = [n for n, k in zip(found, numbers) if k == number]
         first_read = next(iter(bucket[0].users))
+        # a gather's input may be a parameter cut out of a bucket fused before (gathered over two mesh dims, one
+        # after the other): a node new since the order was taken
+        order = {n: i for i, n in enumerate(graph.nodes)}
         bucket = [n for n in bucket if order[n.args[0]] < order[first_read]]  # (inputs computed by then)
         if len(bucket) > 1:
             _fuse_gather(graph, bucket, first_read)

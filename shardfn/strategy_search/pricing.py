@@ -23,8 +23,8 @@ from .candidates import Candidate
 from .expert_rules import dispatches_tokens
 from .problem import Decision, StrategyProblem
 
-__all__ = ["Pricing", "Terms", "gathered_at", "gradient_handed_back", "node_collectives", "parameter_copies",
-           "passes_on", "pending"]
+__all__ = ["Pricing", "Terms", "gathered_at", "gradient_copies", "gradient_handed_back", "node_collectives",
+           "parameter_copies", "passes_on", "pending"]
 
 Placements = tuple[Placement, ...]
 
@@ -264,12 +264,23 @@ def parameter_copies(placements: Placements, mesh_shape: Sequence[int], optimize
     states (AdamW's); a sharded optimizer splits the states (stage 1) and the gradient too (stage 2) over the first
     mesh dim the parameter is whole on, unless each of its ``ndim`` dims is split already (as
     shardfn.training.optimizer.piece_placements)."""
+    n = _states_split(placements, mesh_shape, optimizer_stage, ndim)
+    return 1.0 + gradient_copies(placements, mesh_shape, optimizer_stage, ndim) + 2.0 / n
+
+
+def gradient_copies(placements: Placements, mesh_shape: Sequence[int], optimizer_stage: int = 0,
+                    ndim: int | None = None) -> float:
+    """Of :func:`parameter_copies`, the gradient's: 1, or a share where a stage-2 sharded optimizer splits it."""
+    return 1.0 / _states_split(placements, mesh_shape, optimizer_stage, ndim) if optimizer_stage == 2 else 1.0
+
+
+def _states_split(placements, mesh_shape, optimizer_stage, ndim) -> int:
+    """In how many pieces a sharded optimizer splits a parameter's states (1: not split)."""
     whole = [d for d, q in enumerate(placements) if q.is_replicate()]
     split = {q.dim for q in placements if q.is_shard()}
     if not optimizer_stage or not whole or (ndim is not None and len(split) >= ndim):
-        return 4.0
-    n = mesh_shape[whole[0]]
-    return 1.0 + (1.0 if optimizer_stage == 1 else 1.0 / n) + 2.0 / n
+        return 1
+    return mesh_shape[whole[0]]
 
 
 def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: list, build: Callable[[], Any]):

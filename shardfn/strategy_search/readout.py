@@ -17,11 +17,13 @@ from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
 from .candidates import tensor_inputs
+from .gathered import gather_events, gathered_copies
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
 from .pricing import (
     Pricing,
     Terms,
     gathered_at,
+    gradient_copies,
     gradient_handed_back,
     node_collectives,
     parameter_copies,
@@ -30,6 +32,7 @@ from .pricing import (
 )
 from .problem import StrategyProblem, computed_from, splits
 from .request import PlanRequest
+from .saved import saved_until
 from .solver import Solution
 
 __all__ = ["OverBudget", "read_plan"]
@@ -43,8 +46,14 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     held, level = request.held(), request.level
     chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
     returned = [r.placements for r in request.outputs]
-    live, live_backward, resident, outputs = _live_bytes(problem, chosen, problem.needs_grad - problem.recomputed,
-                                                         request.optimizer_stage, returned)
+    live, live_backward, resident, outputs, end = _live_bytes(problem, chosen, set(captured.gm.graph.nodes) -
+                                                              problem.recomputed, request.optimizer_stage, returned,
+                                                              request.accumulate, request.level == 1 and request.grad)
+    read = _Collectives(problem, request, pricing, terms, chosen)
+    fwd_colls, bwd_colls, regathers = read.all()
+    last = next(reversed(live_backward), None)  # the backward's last point: its end, every gradient made, the
+    if last is not None:  # largest bucket of their reductions copied as it is reduced
+        live_backward[last] = max(live_backward[last], end + _largest_reduction(bwd_colls, read.gradients))
     nodes = {}
     for v, (d, c) in enumerate(zip(decisions, chosen)):
         if d.node is not None:
@@ -52,8 +61,6 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node),
                                           _shapes(d.node), float(terms.compute[v][solution.choice[v]]),
                                           live.get(d.node), live_backward.get(d.node))
-    read = _Collectives(problem, request, pricing, terms, chosen)
-    fwd_colls, bwd_colls, regathers = read.all()
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + read.regather_s
     peak = max(max(live.values(), default=0), max(live_backward.values(), default=0))  # forward and backward
@@ -303,38 +310,48 @@ def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: 
     return out, first + len(renumber)
 
 
-def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0,
-                returned: Sequence | None = None) -> tuple[dict[torch.fx.Node, int], dict[torch.fx.Node, int], int, int]:
+def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0, returned: Sequence | None = None,
+                grads_held: bool = False, reshard: bool = False) -> tuple[dict, dict, int, int, int]:
     """Per-rank bytes alive as each node of the chosen plan runs, forward and backward, with liveness; the step's
     peak is the largest of either. Returns (forward: each node's bytes once it has run, backward: each node's
-    bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold throughout;
-    the bytes the exit adds for the outputs).
+    bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold with every
+    gradient made; the bytes the exit adds for the outputs; the bytes alive at the end of the step).
 
-    Walking the forward in program order: placeholders (and, for trainable parameters, their gradient and two
-    optimizer states) are alive throughout; a value ``kept`` for backward stays alive once made; any other value
-    lives until its last reader. The outputs leave in the layouts the call returns them in (``returned``: a
-    whole value gathered onto every rank holds all of its bytes there), alive from the end of the forward
-    through the backward (what the caller computes from them keeps them). Then the backward in reverse program
-    order, from where the forward ended: the
-    outputs' gradients arrive; each op's backward makes its inputs' gradients (where one is not there yet: readers'
-    gradients are summed into one), then its own gradient is consumed and its kept value released (its readers'
-    backwards, which read it, have run). A checkpointed region's values come back, all of them, when the walk
-    enters the region, and go as kept ones do. A trainable parameter's gradient is counted throughout already; an
-    input's stays until it is handed back; a view's is a view (no bytes), as its value is.
+    Walking the forward in program order: placeholders (and, for trainable parameters, their optimizer states)
+    are alive throughout; a value some backward reads (saved.saved_until) stays alive once made, unless the plan
+    recomputes it (``kept``: the values it does not); any other value lives until its last reader. The outputs
+    leave in the layouts the call returns them in (``returned``: a whole value gathered onto every rank holds
+    all of its bytes there), alive from the end of the forward through the backward (what the caller computes
+    from them keeps them). Then the backward in reverse program order, from where the forward ended: the
+    outputs' gradients arrive, in the layouts the outputs were returned in, and stay (the caller's autograd holds
+    them until the backward ends: an output the loss does not read gets zeros); each op's
+    backward makes its inputs' gradients (where one is not there yet: readers' gradients are summed into one),
+    then its own gradient is consumed and the values only it still reads are released. A checkpointed region's
+    values that backwards still to run read come back when the walk enters the region, and go as kept ones do.
+    A trainable parameter's gradient is made from none by its first reader's backward (``grads_held``: held
+    from before the step, as gradients accumulated without sync are); an input's stays until it is handed back;
+    a view's is a view (no bytes), as its value is. Split parameters gathered whole take their bytes as
+    gathered.gather_events says (``reshard``: gathered again in backward, as level 1 does).
     """
-    sizes = _NodeBytes(problem, chosen)
-    at, resident, outputs, live, saved = _forward_walk(problem, sizes, kept, optimizer_stage, returned)
+    sizes = _NodeBytes(problem, chosen, optimizer_stage)
+    until = saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad) if problem.needs_grad else {}
+    saving = {v: r for v, r in until.items() if v in kept}
+    nodes = list(problem.captured.gm.graph.nodes)
+    events = gather_events(*gathered_copies(problem, chosen), {n: i for i, n in enumerate(nodes)}, reshard,
+                           bool(problem.needs_grad))
+    at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held, events[:2])
     if not problem.needs_grad:
-        return at, {}, resident, outputs
-    return at, _backward_walk(problem, sizes, live, saved), resident, outputs
+        return at, {}, resident, outputs, live
+    back, end = _backward_walk(problem, sizes, live, saved, until, grads_held, events[2:], returned)
+    return at, back, resident, outputs, end
 
 
 class _NodeBytes:
     """A node's per-rank bytes in the chosen plan."""
 
-    def __init__(self, problem: StrategyProblem, chosen):
+    def __init__(self, problem: StrategyProblem, chosen, optimizer_stage: int = 0):
         self.by_node = {d.node: c for d, c in zip(problem.decisions, chosen) if d.node is not None}
-        self.mesh_shape = problem.mesh_shape
+        self.mesh_shape, self.stage = problem.mesh_shape, optimizer_stage
 
     def local(self, node) -> int:
         c = self.by_node.get(node)
@@ -347,6 +364,18 @@ class _NodeBytes:
     def own(self, node) -> int:
         """What computing it allocates: a view none."""
         return 0 if node.op == "call_function" and cm.is_view_op(node) else self.local(node)
+
+    def gradient(self, param) -> int:
+        """A trainable parameter's gradient: its local bytes, or a stage-2 sharded optimizer's share of them."""
+        pl = self.by_node[param].outputs[0]
+        return int(self.local(param) * gradient_copies(pl, self.mesh_shape, self.stage, param.meta["val"].dim()))
+
+    def held(self, node, trainable: set) -> int:
+        """A graph input's bytes through the step: a trainable parameter's with its gradient and optimizer states."""
+        if node not in trainable:
+            return self.local(node)
+        pl = self.by_node[node].outputs[0]
+        return int(self.local(node) * parameter_copies(pl, self.mesh_shape, self.stage, node.meta["val"].dim()))
 
     def returned(self, output_nodes, returned) -> int:
         """What the exit makes: an output returned in another layout than its own."""
@@ -361,9 +390,10 @@ class _NodeBytes:
         return extra
 
 
-def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, kept, optimizer_stage, returned):
-    """The forward in program order: (bytes after each node, the inputs' bytes, the exit's bytes, the bytes alive
-    at the end, the values saved for backward with their bytes)."""
+def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, returned, grads_held: bool,
+                  gathers: tuple[dict, dict]):
+    """The forward in program order: (bytes after each node, the inputs' bytes with every gradient, the exit's
+    bytes, the bytes alive at the end, the values saved for backward with their bytes)."""
     order = list(problem.captured.gm.graph.nodes)
     last_use: dict[torch.fx.Node, int] = {}
     for i, node in enumerate(order):
@@ -374,27 +404,29 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, kept, optimizer_s
     saved: dict[torch.fx.Node, int] = {}  # values held for backward: released as the backward walk passes them
     for i, node in enumerate(order):
         if node.op == "placeholder":
-            copies = parameter_copies(sizes.by_node[node].outputs[0], sizes.mesh_shape, optimizer_stage,
-                                      node.meta["val"].dim()) if node in problem.trainable else 1
-            live += sizes.local(node) * copies
-            resident = live
+            resident += sizes.held(node, problem.trainable)
+            live += sizes.held(node, problem.trainable)
+            if node in problem.trainable and not grads_held:  # made by the backward
+                live -= sizes.gradient(node)
         elif node.op == "call_function":
             nbytes = sizes.own(node)
-            live += nbytes
-            (saved if node in kept else transient)[node] = nbytes
+            live += nbytes + gathers[0].get(node, 0)
+            (saved if node in saving else transient)[node] = nbytes
         elif node.op == "output":
             outputs = sizes.returned(problem.captured.output_nodes, returned)
             live += outputs
         at[node] = int(live)
+        live -= gathers[1].get(node, 0)
         for a in node.all_input_nodes:
             if last_use.get(a) == i and a in transient:
                 live -= transient.pop(a)
     return at, resident, outputs, live, saved
 
 
-def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict) -> dict:
+def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict, until: dict,
+                   grads_held: bool, gathers: tuple[dict, dict], returned) -> tuple[dict, int]:
     """The backward in reverse program order from where the forward ended: bytes alive as each node's backward
-    runs."""
+    runs, and at its end."""
     needs_grad, trainable = problem.needs_grad, problem.trainable
 
     def region(n):  # a checkpointed region's number, or the layer the search recomputes
@@ -403,31 +435,65 @@ def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved
     regions: dict[int | str, list[torch.fx.Node]] = {}
     for n in problem.recomputed:
         regions.setdefault(region(n), []).append(n)
+    released: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # the node after whose backward a value goes
+    for v in saved:
+        released.setdefault(until[v], []).append(v)
+    order = {n: i for i, n in enumerate(problem.captured.gm.graph.nodes)}
     grads: dict[torch.fx.Node, int] = {}  # gradients alive, by the value they are the gradient of
 
     def gradient(a) -> None:
         nonlocal live
+        base = a
+        while base.op == "call_function" and cm.is_view_op(base):  # a parameter's view: the parameter's gradient
+            base = base.args[0]
+        if base in trainable and base not in grads:
+            grads[base] = 0 if grads_held else sizes.gradient(base)
+            live += grads[base]
         if a in needs_grad and a not in grads:
             grads[a] = 0 if a in trainable else sizes.own(a)
             live += grads[a]
 
-    for out in problem.captured.output_nodes:  # from the caller
-        if isinstance(out, torch.fx.Node):
-            gradient(out)
+    outputs = {out for out in problem.captured.output_nodes if isinstance(out, torch.fx.Node)}
+    for out in outputs:  # from the caller
+        gradient(out)
+    for out, placements in zip(problem.captured.output_nodes, returned or ()):  # in the layout returned
+        if out in grads and out not in trainable and isinstance(out.meta.get("val"), torch.Tensor):
+            v = out.meta["val"]
+            whole = cm.local_numel(v.shape, placements, sizes.mesh_shape) * v.element_size()
+            live += max(0, whole - grads[out])
+            grads[out] = max(grads[out], whole)
     back = {}
     for node in reversed(list(problem.captured.gm.graph.nodes)):
         if node.op != "call_function":
             continue
-        for n in regions.pop(region(node), ()):  # a checkpointed (or recomputed) region computed again
-            saved[n] = sizes.own(n)
-            live += saved[n]
+        for n in regions.pop(region(node), ()):  # a checkpointed (or recomputed) region computed again: what
+            last = until.get(n)  # backwards still to run read of it stays, until the last of them
+            if last is not None and order[last] <= order[node]:
+                saved[n] = sizes.own(n)
+                released.setdefault(last, []).append(n)
+                live += saved[n]
         if node in needs_grad:
             for a in node.all_input_nodes:
                 gradient(a)
+            live += gathers[0].get(node, 0)
             back[node] = int(live)
-            live -= grads.pop(node, 0)
-        live -= saved.pop(node, 0)
-    return back
+            live -= gathers[1].get(node, 0)
+            if node not in outputs:
+                live -= grads.pop(node, 0)
+        for v in released.pop(node, ()):
+            live -= saved.pop(v, 0)
+    return back, int(live)
+
+
+def _largest_reduction(bwd_colls: list[Collective], gradients: list[tuple[int, tuple, int]]) -> int:
+    """The bytes of the largest reduction of gradients handed back, a bucket's all together: exec concatenates a
+    bucket's gradients into one flat buffer (a lone gradient's reduction makes its result), and both are alive
+    as it does."""
+    by_bucket: dict = collections.Counter()
+    for i, _, _ in gradients:
+        c = bwd_colls[i]
+        by_bucket[("bucket", c.bucket) if c.bucket is not None else i] += c.nbytes
+    return max(by_bucket.values(), default=0)
 
 
 def _chosen_output(node: torch.fx.Node, by_node: dict):

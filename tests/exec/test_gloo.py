@@ -391,6 +391,26 @@ def test_level_1_gathers_parameters_again_in_backward_and_trains_like_eager(gloo
         assert saved_whole == [], saved_whole
 
 
+def _two_dim_regather_body():
+    # level 1 on a 2 x 2 mesh: parameters split over both dims are gathered one dim after the other, the second
+    # gather reading a parameter the first bucket's fusion cut out (exec's bucket fusion once failed there)
+    torch.manual_seed(0)
+    reference = GPTBlock(dim=16, heads=4)
+    mesh = sf.Layout((2, 2), ("dp", "tp"))
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(mesh("dp", "None", "None"),), level=1)
+    x = torch.randn(4, 8, 16)
+    model(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    for (name, p), r in zip(model.named_parameters(), reference.parameters()):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        torch.testing.assert_close(g, r.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    return sf.explain(model, x).reshard_after_forward
+
+
+def test_level_1_on_a_2x2_mesh_gathers_over_both_dims_and_trains_like_eager(gloo4):
+    assert all(gloo4.run(_two_dim_regather_body))
+
+
 def _kept_buckets_body():
     # data-parallel gradients leave the backward graph as views of a bucket kept between calls: gradients
     # accumulated over two calls, kept through zero_grad(set_to_none=False), or held by the caller across a step

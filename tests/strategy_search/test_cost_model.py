@@ -195,21 +195,64 @@ def _two_matmuls_plan():
 
 def test_memory_over_the_forward_and_the_backward_by_hand():
     # per rank, fp32: x (3, 8) 96 B; w1 (8, 1) 32 B; w2 (1, 4) 16 B; mm and relu (3, 2) 24 B each (detach a view);
-    # mm_1 a pending sum (3, 4) 48 B. Everything needing a gradient is kept for backward.
+    # mm_1 a pending sum (3, 4) 48 B. w1 and w2 are read gathered over the mesh's second dim, (8, 2) 64 B and
+    # (1, 4) 32 B, gathered in one bucket where the first of them is read (mm): its flat buffer (96) and both
+    # copies out of it (96). Kept for backward: what some backward reads, relu's output (relu's own backward and
+    # w2's gradient read it) and w2's copy (relu's gradient reads it); mm goes once relu has run (relu's backward
+    # reads its output, not its input), w1's copy after mm (no backward reads it: x needs no gradient)
     plan = _two_matmuls_plan()
+    assert plan.nodes["mm"].inputs[1] == (Shard(1), Replicate())
+    assert plan.nodes["mm_1"].inputs[1] == (Shard(0), Replicate())
     forward = {n.name: n.live_bytes for n in plan.nodes.values()}
-    assert forward == {"input 0": 96, "input 1": 128, "input 2": 144, "mm": 168, "relu": 192, "detach": 192,
-                       "mm_1": 240}
+    assert forward == {"input 0": 96, "input 1": 128, "input 2": 144, "mm": 168 + 192, "relu": 224, "detach": 200,
+                       "mm_1": 248}
     backward = [(n.name, n.backward_live_bytes) for n in reversed(plan.nodes.values())
                 if n.backward_live_bytes is not None]
     # the output is returned whole (6, 4): 96 B on every rank from the exit on, through the backward (the caller's
-    # loss keeps it). mm_1's backward: the output's gradient arrives (48), relu's (24) and w2's (16) are made; then
-    # mm_1's gradient and kept value go (-96); relu's backward makes mm's gradient (24), then its own two go; mm's
-    # makes w1's (32)
-    out = 96
-    assert backward == [("mm_1", 240 + out + 48 + 24 + 16), ("detach", 232 + out), ("relu", 232 + out + 24),
-                        ("mm", 256 + out - 48 + 32)]
-    assert plan.cost.peak_bytes == 328 + out  # the step's peak: in the backward, above the forward's 240 + 96
+    # loss keeps it), and mm_1's pending sum goes at the exit: 144 + relu 24 + w2's copy 32 + 96 = 296. mm_1's
+    # backward: the output's gradient arrives as the output left, whole (96, held by the caller's autograd to the
+    # end), relu's (24) and
+    # w2's (16) are made; then w2's copy goes (32); relu's backward makes mm's gradient (24), then relu's gradient
+    # and relu go; mm's makes w1's (32) (360), and the backward's end, its last point, is the larger: mm's
+    # gradient gone, w1's and w2's gradients reduce-scattered in one bucket, concatenated (64 + 32) while alive
+    end = 296
+    scattered = [c.nbytes for c in plan.collectives if c.kind == "reduce_scatter"]
+    assert sorted(scattered) == [32, 64]
+    assert backward == [("mm_1", end + 96 + 24 + 16), ("detach", end + 104), ("relu", end + 104 + 24),
+                        ("mm", end + 104 - 24 + 32 - 24 + 96)]
+    assert plan.cost.peak_bytes == end + 104 - 24 + 32 - 24 + 96  # the step's peak
+
+
+def _gathered_linear_plan(level: int, x_grad: bool):
+    import shardfn as sf
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 8, requires_grad=x_grad)
+    return sf.explain(torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False), torch.nn.Tanh()), x, world_size=2,
+                      in_strategy=((2, 1),), parameter_plan={"0.weight": (2, 1)}, level=level)
+
+
+def test_gathered_inputs_are_held_while_read():
+    # per rank, fp32: the weight (16, 8) split in 2, 256 B, with AdamW's two states 768 (its gradient is made in
+    # backward); x (64, 8) split, 1024 B
+    both = _gathered_linear_plan(2, False)
+    assert both.nodes["mm"].inputs == ((Replicate(),), (Replicate(),))  # both gathered, in one bucket
+    line = {n.name: (n.live_bytes, n.backward_live_bytes) for n in both.nodes.values()}
+    # mm: the bucket's flat buffer (512 + 2048) and each copy out of it, and mm's (64, 16) 4096; then the buffer
+    # goes, and the weight's copy (no backward reads it: x needs no gradient); x's stays for the weight's gradient
+    assert line["mm"] == (1792 + 2 * 2560 + 4096, 1792 + 2048 + 4096 + 4096 + 256)
+    # tanh keeps its output; mm goes after it (tanh's backward reads its output). Its backward: tanh's gradient
+    # from the caller and mm's; after mm's backward (the weight's gradient made, 256) x's copy goes
+    assert line["tanh"] == (1792 + 2048 + 4096 + 4096, 1792 + 2048 + 4096 + 2 * 4096)
+    assert line["t"] == (1792, 1792 + 4096 + 256)
+    # level 1 (x needing a gradient now): the weight alone is gathered, again in backward (a flat buffer of its
+    # 512 B and the copy) for x's gradient (x's own 1024 made there); mm (32, 16) 2048, the output returned
+    # whole 4096, and its gradient arriving so
+    again = _gathered_linear_plan(1, True)
+    assert again.nodes["t"].inputs == ((Replicate(),),) and again.nodes["mm"].outputs == ((Shard(0),),)
+    assert again.nodes["mm"].live_bytes == 1792 + 2 * 512 + 2048
+    assert again.nodes["mm"].backward_live_bytes == 1792 + 2 * 4096 + 2048 + 256 + 1024 + 2 * 512 == \
+        again.cost.peak_bytes
 
 
 def test_the_memory_line_runs_through_the_backward_and_its_peak_is_the_plans():

@@ -1,0 +1,113 @@
+"""Graph inputs (parameters, arguments) gathered whole for their readers: the copies a rank holds while they are
+read, and the flat buffers exec gathers them through (exec.passes._fuse_gather: a bucket's pieces concatenated,
+gathered into one flat buffer, each input copied out of it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+
+from . import cost_model as cm
+from .buckets import assign_buckets, bucket_bytes
+from .problem import StrategyProblem
+from .saved import backward_readers, reads_input
+
+__all__ = ["Gathered", "gathered_copies", "gather_events"]
+
+
+@dataclasses.dataclass
+class Gathered:
+    """One gathered copy of a graph input (or of a value computed from inputs alone): its per-rank bytes, its
+    readers in program order, those whose backward reads it, whether it is a parameter's, its bucket's number."""
+
+    nbytes: int
+    readers: list[torch.fx.Node]
+    backward: list[torch.fx.Node]
+    param: bool
+    bucket: int = 0
+
+
+def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], dict[int, int]]:
+    """The plan's gathered copies, in the order first read, and each bucket's flat bytes."""
+    captured, mesh = problem.captured, problem.mesh_shape
+    from_params, from_inputs = ({n for n, gi in zip(captured.placeholders, captured.inputs) if kinds(gi.kind)}
+                                for kinds in (lambda k: k == "param", lambda k: True))
+    for node in captured.gm.graph.nodes:
+        for found in (from_params, from_inputs):
+            if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= found:
+                found.add(node)
+    order = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
+    copies: dict[tuple, Gathered] = {}
+    for d, c in zip(problem.decisions, chosen):
+        if d.node is None:
+            continue
+        for slot, (u, out_idx, value) in enumerate(d.sources):
+            val = value.meta["val"]
+            if value not in from_inputs or not isinstance(val, torch.Tensor):
+                continue
+            whole = cm.local_numel(val.shape, c.inputs[slot], mesh) * val.element_size()
+            if whole > cm.local_numel(val.shape, chosen[u].outputs[out_idx], mesh) * val.element_size():
+                g = copies.setdefault((value, tuple(c.inputs[slot])), Gathered(whole, [], [], value in from_params))
+                if cm.is_view_op(d.node):  # read through the view (a weight's transpose): by the view's readers
+                    g.readers += _through_views(d.node)
+                    g.backward += backward_readers(d.node, problem.needs_grad)
+                    continue
+                g.readers.append(d.node)
+                if d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad):
+                    g.backward.append(d.node)
+    found = sorted((g for g in copies.values() if g.readers), key=lambda g: min(order[r] for r in g.readers))
+    for g in found:
+        g.readers = sorted(set(g.readers), key=order.__getitem__)
+        g.backward = sorted(set(g.backward), key=order.__getitem__)
+    numbers = assign_buckets([("all_gather", g.nbytes) for g in found], bucket_bytes())
+    flat: dict[int, int] = {}
+    for g, n in zip(found, numbers):
+        g.bucket = n
+        flat[n] = flat.get(n, 0) + g.nbytes
+    return found, flat
+
+
+def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, reshard: bool, grad: bool):
+    """The bytes the gathers add and drop at each node: (forward: added before it runs, dropped after; backward:
+    the same around its backward). Forward, a bucket is gathered at its first reader, every copy made out of
+    the flat buffer at once, which then goes; a copy lives until its last reader, or, kept whole from forward
+    to backward (an argument's; a parameter's unless ``reshard``: FSDP's reshard after forward), until its last
+    backward read. With ``reshard`` the backward gathers each bucket's parameters again: its flat buffer lives
+    from its first backward read to its last, each copy around its own backward reads (exec copies it out where
+    it is first read). ``order``: each node's place in the program."""
+    fwd_add, fwd_drop, bwd_add, bwd_drop = {}, {}, {}, {}
+
+    def at(events, node, nbytes):
+        events[node] = events.get(node, 0) + nbytes
+
+    buckets: dict[int, list[Gathered]] = {}
+    for g in copies:
+        buckets.setdefault(g.bucket, []).append(g)
+    for b, gs in buckets.items():
+        first = gs[0].readers[0]  # copies are in the order first read
+        at(fwd_add, first, flat[b] + sum(g.nbytes for g in gs))
+        at(fwd_drop, first, flat[b])
+        for g in gs:
+            if grad and g.backward and not (reshard and g.param):
+                at(bwd_drop, g.backward[0], g.nbytes)
+            else:
+                at(fwd_drop, g.readers[-1], g.nbytes)
+            if grad and g.backward and reshard and g.param:
+                at(bwd_add, g.backward[-1], g.nbytes)
+                at(bwd_drop, g.backward[0], g.nbytes)
+        read = [g for g in gs if grad and g.backward and reshard and g.param]
+        if read:
+            at(bwd_add, max((g.backward[-1] for g in read), key=order.__getitem__), flat[b])
+            at(bwd_drop, min((g.backward[0] for g in read), key=order.__getitem__), flat[b])
+    return fwd_add, fwd_drop, bwd_add, bwd_drop
+
+
+
+def _through_views(view: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ops that read ``view``, directly or through further views of it."""
+    found = []
+    for user in view.users:
+        found += _through_views(user) if user.op == "call_function" and cm.is_view_op(user) else [user]
+    return found
