@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["TensorPeak"]
+__all__ = ["TensorPeak", "local"]
 
 
 class TensorPeak(TorchDispatchMode):
@@ -46,3 +46,8 @@ class TensorPeak(TorchDispatchMode):
                 self._add(t)
         self.peak = max(self.peak, self._total())
         return out
+
+
+def local(t):
+    """A DTensor's local piece (what the rank holds), any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -38,9 +38,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 
-from bench._tensor_peak import TensorPeak  # noqa: E402
+from bench._tensor_peak import TensorPeak, local  # noqa: E402
 from tests.harness import free_port  # noqa: E402
 from tests.models import GPTStack  # noqa: E402
 
@@ -55,8 +54,6 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def _local(t):
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def worker(rank, args, port, which, measure, results):
@@ -87,8 +84,8 @@ def worker(rank, args, port, which, measure, results):
     for step in range(steps):  # two warm-up steps (shardfn plans and traces in the first)
         tracker = contextlib.nullcontext()
         if measure == "memory" and step == 3:
-            state = [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            tracker = TensorPeak([_local(p) for p in model.parameters()] + state)
+            state = [local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            tracker = TensorPeak([local(p) for p in model.parameters()] + state)
         dist.barrier()
         if measure == "memory" and step == 2:
             _reset_peak_rss()

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from fully_sharded import _local, _TensorPeak  # noqa: E402
+from bench._tensor_peak import TensorPeak, local  # noqa: E402
 from tests.harness import free_port  # noqa: E402
 
 KINDS = ("shardfn, experts split", "shardfn, experts replicated", "FSDP2")
@@ -80,8 +80,8 @@ def worker(rank, args, port, which, results):
         ids = ids[args.batch * rank: args.batch * (rank + 1)]
         tracker = contextlib.nullcontext()
         if step == args.steps + 2:
-            state = [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            tracker = _TensorPeak([_local(p) for p in model.parameters()] + state)
+            state = [local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            tracker = TensorPeak([local(p) for p in model.parameters()] + state)
         dist.barrier()
         start = time.perf_counter()
         with tracker:
@@ -91,10 +91,10 @@ def worker(rank, args, port, which, results):
             opt.zero_grad(set_to_none=True)
         if 2 <= step < args.steps + 2:
             times.append(time.perf_counter() - start)
-        if isinstance(tracker, _TensorPeak):
+        if isinstance(tracker, TensorPeak):
             peak = tracker.peak / 2**20
         # shardfn's loss is the whole batch's; FSDP2's this rank's rows': their mean over the ranks is the same
-        whole = _local(loss).detach().clone()
+        whole = local(loss).detach().clone()
         if which == "FSDP2":
             dist.all_reduce(whole)
             whole /= args.world

@@ -44,7 +44,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.utils.checkpoint  # noqa: E402
 
-from fully_sharded import _TensorPeak, _local  # noqa: E402
+from bench._tensor_peak import TensorPeak, local  # noqa: E402
 from tests.harness import free_port  # noqa: E402
 from tests.models import GPTStack  # noqa: E402
 
@@ -85,8 +85,8 @@ def worker(rank, args, port, which, profile, results):
     for step in range(args.steps + 3):  # two warm-up steps (shardfn plans and traces in the first); the last
         tracker = None  # step under the tensor tracker (slow: not timed)
         if step == args.steps + 2:
-            state = [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            tracker = _TensorPeak([_local(p) for p in model.parameters()] + state)
+            state = [local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            tracker = TensorPeak([local(p) for p in model.parameters()] + state)
             tracker.__enter__()
         dist.barrier()
         start = time.perf_counter()

@@ -90,11 +90,7 @@ class Engine:
             if compiled is None:
                 compiled, made = self.first_call(key, args, kwargs, arrived, batch=batch), True
         if not made and (mode := check_mode()) != "first":  # (a program made now agreed as it was made)
-            values = (lambda: inputs_alike(self.config, args, kwargs)) if mode == "values" else None
-            if compiled.program.gated:  # settled in its forward graph, before its first collective: exec.gate
-                hold(compiled.agreement.started(first=False, values=values))
-            else:
-                compiled.agreement.check(first=False, values=values)
+            _agree_again(compiled, (lambda: inputs_alike(self.config, args, kwargs)) if mode == "values" else None)
         try:
             outs = compiled.program(*self.state_tensors(compiled), *tensors)
         finally:
@@ -235,3 +231,12 @@ class Engine:
             return torch.func.functional_call(self.module, state, args, kwargs)
         finally:
             self.capturing_self = False
+
+
+def _agree_again(compiled: Compiled, values) -> None:
+    """A repeat call's agreement: a gated program's forward graph settles it before its first collective
+    (exec.gate), so it overlaps the forward's local work; any other waits for it here."""
+    if compiled.program.gated:
+        hold(compiled.agreement.started(first=False, values=values))
+    else:
+        compiled.agreement.check(first=False, values=values)
