@@ -13,6 +13,7 @@ from ..config import ShardConfig
 from ..layout import MeshSpec, TensorSpec, normalize_strategy, to_placements
 from ..strategy_search import cost_model as cm
 from ..strategy_search.plan import Collective
+from ..strategy_search.policy import level_policy
 from ..strategy_search.request import InputRequest, OutputRequest, PlanRequest
 from .arguments import BoundCall
 
@@ -46,7 +47,8 @@ def _input_requests(config: ShardConfig, captured: CapturedGraph, call: BoundCal
             spec = param_specs.get(gi.name)
             origin = "search" if spec is None else \
                 "parameter_plan" if config.parameter_plan.get(gi.name) is not None else "laid out"
-            if spec is None and config.dataset_strategy == "data_parallel" and config.level != 1:
+            if spec is None and config.dataset_strategy == "data_parallel" \
+                    and not level_policy(config.level).searches_data_parallel_parameters:
                 spec, origin = TensorSpec.replicated(len(gi.shape)), "data_parallel"  # every rank holds it whole
             requests.append(InputRequest(None, None if spec is None else to_placements(spec, mesh_spec), origin))
         elif gi.kind == "buffer":

@@ -24,12 +24,10 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from ..reshard import region
 from ..strategy_search._summary import (collective_module, experts_lines, folded_layers, layer_of, mesh_text,
                                         placements_text, recompute_lines)
+from ..strategy_search.policy import level_policy
 
 __all__ = ["render_page", "write_page"]
 
-_OBJECTIVES = {0: "maximise compute saved per second of communication",
-               1: "minimise per-rank memory, then time",
-               2: "minimise step time within the device's memory"}
 _ORIGINS = {"in_strategy": "given by the caller (in_strategy)", "dtensor": "the DTensor argument's own layout",
             "data_parallel": "data_parallel (the batch split, parameters whole)",
             "parameter_plan": "given by the caller (parameter_plan)",
@@ -215,7 +213,7 @@ class _Page:
         plan, cost = self.plan, self.plan.cost
         facts = [("mesh", mesh_text(plan.mesh)
                   + f" ({math.prod(plan.mesh.shape)} ranks)"),
-                 ("level", f"{plan.level}: {_OBJECTIVES.get(plan.level, '?')}"),
+                 ("level", f"{plan.level}: {level_policy(plan.level).said}"),
                  ("objective", f"ratio {cost.ratio:.3g} (compute saved {_seconds(cost.saved_s)} per "
                                f"{_seconds(cost.comm_s)} of communication)" if plan.level == 0 else
                   f"peak {_bytes(cost.peak_bytes)} per rank" if plan.level == 1 else

@@ -13,15 +13,16 @@ import time
 import numpy as np
 
 from . import cost_model as cm
+from .policy import LevelPolicy
 from .pricing import Terms
 from .solver import Infeasible, Problem, Solution, solve
 
 __all__ = ["solve_level"]
 
 
-def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: float,
+def solve_level(policy: LevelPolicy, t: Terms, profile: cm.DeviceProfile, time_limit_s: float,
                 budget: float | None = None) -> Solution:
-    """Choose candidates for the level's objective (see the README's *Search* section); levels 0 and 2 within
+    """Choose candidates for the level's objective (``policy.objective``) (see the README's *Search* section); levels 0 and 2 within
     ``budget`` bytes of the pricing's memory estimate (the profile's memory where None). ``time_limit_s`` bounds
     all the level's solves together (0: exact elimination and the incumbent only)."""
     budget = profile.memory_bytes if budget is None else budget
@@ -34,16 +35,16 @@ def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: f
         return edges + [(u, v, (10 * scale + 1) * m) for u, v, m in t.violations + t.impossible]
 
     time_problem = Problem(unary_time, kept_split(t.edges, upper_time))
-    if level == 2:  # (the fastest plan first: it is the answer where it fits)
+    if policy.objective == "time":  # (the fastest plan first: it is the answer where it fits)
         try:
             sol = solve(Problem(time_problem.costs, time_problem.edges, (t.memory, budget)), time_limit_s)
         except Infeasible:
             raise ValueError(
-                f"level=2: no plan fits the per-rank memory of the {profile.name} profile "
+                f"level={policy.level}: no plan fits the per-rank memory of the {profile.name} profile "
                 f"({profile.memory_bytes / 2**30:.1f} GiB); use level=1 (least memory) or more ranks"
             ) from None
         return sol
-    if level == 1:
+    if policy.objective == "memory":
         eps = 1e-3 / upper_time  # all time together is worth less than a thousandth of a byte
         costs = [mem + eps * c for mem, c in zip(t.memory, unary_time)]
         scale = sum(float(m.max()) for m in t.memory) + 1.0
@@ -55,7 +56,7 @@ def solve_level(level: int, t: Terms, profile: cm.DeviceProfile, time_limit_s: f
             best = _best_ratio(t, unary_time, upper_time, kept_split, deadline, budget)
         except Infeasible:
             raise ValueError(
-                f"level=0: no plan fits the per-rank memory of the {profile.name} profile "
+                f"level={policy.level}: no plan fits the per-rank memory of the {profile.name} profile "
                 f"({profile.memory_bytes / 2**30:.1f} GiB); use level=1 (least memory) or more ranks"
             ) from None
     return best

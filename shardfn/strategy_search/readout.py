@@ -48,7 +48,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     returned = [r.placements for r in request.outputs]
     live, live_backward, resident, outputs, end = _live_bytes(problem, chosen, set(captured.gm.graph.nodes) -
                                                               problem.recomputed, request.optimizer_stage, returned,
-                                                              request.accumulate, request.level == 1 and request.grad)
+                                                              request.accumulate, request.policy.regathers and request.grad)
     read = _Collectives(problem, request, pricing, terms, chosen)
     fwd_colls, bwd_colls, regathers = read.all()
     last = next(reversed(live_backward), None)  # the backward's last point: its end, every gradient made, the
@@ -137,7 +137,7 @@ class _Collectives:
                 self.from_params.add(node)
         # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy
         # from forward to backward: one more all-gather per gathered parameter
-        self.reshard = request.level == 1 and request.grad
+        self.reshard = request.policy.regathers and request.grad
         self.held = request.held()
 
     def all(self) -> tuple[list[Collective], list[Collective], list[Collective]]:
@@ -529,9 +529,9 @@ def _check_budget(problem: StrategyProblem, request: PlanRequest, plan: Plan, re
     if states > budget * world:
         ways.append(f"more ranks: the parameters, gradients and optimizer states alone are {states / GiB:.1f} GiB, "
                     f"at least {math.ceil(states / budget)} ranks split over all of them")
-    if request.level != 1 and peak - outputs > budget:
+    if request.policy.solves_again_lower and peak - outputs > budget:  # (not already the least memory)
         ways.append("level=1 (least memory)")
-    if request.level != 1 and request.optimizer_stage < 2 and resident > budget / 4:
+    if request.policy.solves_again_lower and request.optimizer_stage < 2 and resident > budget / 4:
         ways.append("sf.shard_optimizer(opt, model, stage=2) (optimizer states and gradients of whole "
                     "parameters split)")
     if outputs > 0.1 * budget:

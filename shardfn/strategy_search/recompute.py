@@ -54,7 +54,7 @@ def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing:
     """The plan of the request's level with the regions it recomputes chosen by ``request.recompute``."""
     if not request.grad or request.recompute is False:
         return _planned(problem, request, pricing, terms, [], plan_within, True)
-    if request.recompute is None and request.level != 1:
+    if request.recompute is None and not request.policy.recomputes_to_lower_peak:
         try:  # the level's plan without recompute, where it fits (nothing more to price)
             return _planned(problem, request, pricing, terms, [], plan_within, False)
         except ValueError:
@@ -62,7 +62,7 @@ def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing:
     groups = region_groups(problem, request.profile)
     if request.recompute is True or not groups:
         return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
-    if request.level == 1:
+    if request.policy.recomputes_to_lower_peak:
         return _least_peak(problem, request, pricing, terms, groups, plan_within)
     for k in range(1, len(groups)):  # groups by bytes saved per second computed again, until the plan fits
         try:

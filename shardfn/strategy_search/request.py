@@ -12,6 +12,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ..config import Precision
 from . import cost_model as cm
 from .plan import Collective
+from .policy import LevelPolicy, level_policy
 
 __all__ = ["InputRequest", "OutputRequest", "PlanRequest", "search_time_limit"]
 
@@ -82,6 +83,11 @@ class PlanRequest:
     arrivals: tuple[Collective, ...] = ()
     # recompute in backward (strategy_search.recompute): None the search decides, False never, True every layer
     recompute: bool | None = None
+
+    @property
+    def policy(self) -> LevelPolicy:
+        """What the level decides (strategy_search.policy)."""
+        return level_policy(self.level)
 
     @property
     def reduce_dtype(self) -> torch.dtype | None:

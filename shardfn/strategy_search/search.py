@@ -73,7 +73,7 @@ def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, 
     for attempt in range(_BUDGET_ROUNDS):
         try:
             left = max(deadline - time.perf_counter(), 0.0)
-            solution = step("search solve", lambda: solve_level(request.level, terms, request.profile, left, budget),
+            solution = step("search solve", lambda: solve_level(request.policy, terms, request.profile, left, budget),
                             lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
                                       + ("optimal" if s.optimal else f"gap {s.gap:.2%}"), f"{left:.1f} s left")
             plan = step("search read-out", lambda: read_plan(problem, request, mesh_spec, pricing, terms, solution),
@@ -87,7 +87,7 @@ def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, 
                 warnings.warn(PlanMemoryWarning(str(e)), stacklevel=2)
                 plan = dataclasses.replace(e.plan, notes=[*e.plan.notes, str(e)])
                 break
-            if request.level == 1 or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes \
+            if not request.policy.solves_again_lower or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes \
                     or not request.profile.memory_is_hard:
                 raise  # (outputs returned whole that alone exceed the memory: no plan can fit)
             budget -= 1.05 * (e.peak - request.profile.memory_bytes) + 2**20
