@@ -16,7 +16,7 @@ from ..strategy_search.plan import NodePlan, Plan
 from ._dtensor_internals import is_masked_sum
 from ._graph_internals import annotated_as
 from .pieces import (VIEW_CALLS, conform, contiguous, from_local, local_piece, map_leaves, piece_shape, placed,
-                     redistribute, runs_on_pieces, settled, view_of_piece, view_on_pieces)
+                     redistribute, settled, view_of_piece)
 from .precision import Casts
 
 __all__ = ["Interpreter", "node_plans"]
@@ -48,13 +48,9 @@ class Interpreter:
         # table left pending at once would share it, so each is reduced as soon as its op made it
         self.masked = {n for n, np_ in self.node_plans.items()
                        if any(is_masked_sum(p) for pl in np_.outputs if pl for p in pl)}
-        self.piecewise = {n for n, np_ in self.node_plans.items()
-                          if np_.rule == "dtensor" and runs_on_pieces(n, np_.inputs, np_.outputs)}
-        # views run on pieces; not where the graph writes in place (a write through a view must reach its base
-        # through autograd's view tracking, which a piece's view run apart from its DTensor does not keep)
-        self.piece_views = set() if self.written else {
-            n for n, np_ in self.node_plans.items()
-            if np_.rule == "dtensor" and view_on_pieces(n, np_.inputs, np_.outputs)}
+        # how each node runs: the plan says (strategy_search.run_modes)
+        self.piecewise = {n for n, np_ in self.node_plans.items() if np_.run == "pieces"}
+        self.piece_views = {n for n, np_ in self.node_plans.items() if np_.run == "piece_view"}
 
     def _run_node(self, node: torch.fx.Node, env: dict) -> Any:
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -95,9 +91,9 @@ class Interpreter:
         if node.target in VIEW_CALLS:
             args = (contiguous(args[0]), *args[1:])
 
-        if np_.rule == "factory":
+        if np_.run == "factory":
             return placed(node.target(*args, **kwargs), np_.outputs[0], self.mesh)
-        if np_.rule == "random":
+        if np_.run == "random":
             shape_of = args[0]
             whole = torch.empty(shape_of.shape, dtype=shape_of.dtype, device=self.mesh.device_type)
             return placed(node.target(whole, *args[1:], **kwargs), np_.outputs[0], self.mesh)
@@ -110,7 +106,7 @@ class Interpreter:
             piece_shape(t.shape, t.placements, self.mesh) is not None for t in leaves if isinstance(t, DTensor)) \
             and all(piece_shape(v.shape, p, self.mesh) is not None
                     for v, p in zip(val if isinstance(val, (tuple, list)) else [val], np_.outputs))
-        if np_.rule == "local" or on_pieces:
+        if np_.run == "local" or on_pieces:
             piece = local_piece(np_.outputs, self.shared)
             local_args, local_kwargs = map_leaves(lambda a: piece(a) if isinstance(a, DTensor) else a,
                                                    (args, kwargs))

@@ -2,9 +2,9 @@
 
 An interpreted call (a simulated world; a program for every size at a size met first) runs each op of the
 captured graph over DTensors. DTensor's dispatch propagates each op's sharding with fake tensors, afresh at every
-new size. Where the plan's placements say DTensor's rule would run an op on its operands' pieces as they are (even
-pieces, no pending sum in or out, no size arguments), the interpreter runs it on the pieces itself
-(:func:`runs_on_pieces`); views likewise, their size arguments rewritten to the pieces' (:func:`view_of_piece`),
+new size. Where the plan says an op runs on its operands' pieces as they are (``NodePlan.run``, decided by
+strategy_search.run_modes), the interpreter runs it on the pieces itself (where they are even); views likewise,
+their size arguments rewritten to the pieces' (:func:`view_of_piece`),
 handing a gradient's pending sum on as DTensor's view rules do. Here too: laying a value out as an op reads it
 (:func:`placed`), and the autograd functions that keep a gradient a DTensor and settle its pending sums.
 """
@@ -19,13 +19,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Shard
 
-from ..capture.graph import is_view
 from ._dtensor_internals import layout_for, layout_of, local_as, local_of
 from .run import global_stride
 
 __all__ = ["GradAsDTensor", "GradSettled", "VIEW_CALLS", "as_dtensor", "conform", "contiguous", "from_local",
            "gradient_placements", "local_piece", "map_leaves", "piece_shape", "placed", "redistribute",
-           "runs_on_pieces", "settled", "view_of_piece", "view_on_pieces"]
+           "settled", "view_of_piece"]
 
 aten = torch.ops.aten
 
@@ -198,48 +197,6 @@ class _Contiguous(torch.autograd.Function):
         return grad
 
 
-# ops DTensor runs on its operands' pieces as they are, given the placements its strategy asks for (besides the
-# pointwise ones; their list arguments are dims or operands, not sizes): the interpreter runs them so itself,
-# without DTensor's sharding propagation on every call. Views apart (_PIECE_VIEWS): a view hands the pending sum of
-# its gradient on as it is (DTensor's view rules), where a piece's view between to_local and from_local would
-# resolve it first
-_ON_PIECES = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten._softmax.default,
-              aten._log_softmax.default, aten._softmax_backward_data.default,
-              aten._log_softmax_backward_data.default, aten.clone.default, aten._to_copy.default,
-              aten.cat.default, aten.sum.dim_IntList, aten.native_layer_norm.default,
-              aten.native_layer_norm_backward.default, aten.embedding.default, aten.gather.default,
-              aten.sum.default}
-_SUMS = {aten.sum.default, aten.sum.dim_IntList}
-_PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
-
-
-def runs_on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
-    """Whether ``node`` (run by DTensor's rule at these planned placements) computes each rank's piece of its
-    results from its operands' pieces alone, so the interpreter may run it on them directly: a pointwise op, or
-    one of those above, on tensors and plain values, no pending sum in or out (whose gradient the pieces would not
-    give)."""
-    op = node.target
-    if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable:
-        return False
-    listed = op in _ON_PIECES
-    if not (listed or torch.Tag.pointwise in op.tags) or is_view(op):
-        return False
-    if not outputs or any(pl is None for pl in outputs) or any(p.is_partial() for pl in inputs for p in pl):
-        return False
-    # a sum left pending: each rank sums its piece, and the gradient (whole: GradSettled) expands onto the piece.
-    # Not an average's: a piece's mean divides its gradient by the piece's count, not the whole's
-    if any(p.is_partial() for pl in outputs for p in pl) and not (
-            op in _SUMS and all(p == Partial("sum") for pl in outputs for p in pl if p.is_partial())):
-        return False
-
-    def plain(a) -> bool:
-        if isinstance(a, (list, tuple)):
-            return listed and all(plain(x) for x in a)
-        return isinstance(a, (torch.fx.Node, *_PLAIN))
-
-    return all(plain(a) for a in (*node.args, *node.kwargs.values()))
-
-
 def map_leaves(fn: Callable, obj: Any) -> Any:
     """An op's arguments (lists, tuples, dicts of values) with ``fn`` applied to each value, in pytree's order:
     pytree's general walk, per node of every interpreted call, cost more than the op on a small piece."""
@@ -263,31 +220,13 @@ def piece_shape(shape: torch.Size, placements, mesh: DeviceMesh) -> list[int] | 
     return local
 
 
-# views DTensor runs on its operand's piece, the size argument (index 1, where taken) rewritten to the result's
-# piece: the interpreter runs them so itself (_ViewOfPiece), where the planned placements say DTensor's rule would
-_PIECE_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.transpose.int,
-                aten.t.default, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor,
-                aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.detach.default,
-                aten.alias.default}
+# views run on the operand's piece (strategy_search.run_modes says which), their size argument (index 1, where
+# taken) rewritten to the result's piece
 _SIZED_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default}
 # views along one dim (its argument's position, name, default): on pieces only where that dim is whole
 _DIM_OF_VIEW = {aten.squeeze.dim: (1, "dim", None), aten.slice.Tensor: (1, "dim", 0),
                 aten.select.int: (1, "dim", None), aten.split.Tensor: (2, "dim", 0),
                 aten.split_with_sizes.default: (2, "dim", 0)}
-
-
-def view_on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
-    """Whether ``node`` is a view the interpreter may run on its operand's piece: one of those above on one tensor,
-    its other arguments plain, no pending sum in or out (a pending sum of the gradient passes: _ViewOfPiece)."""
-    if node.target not in _PIECE_VIEWS or not outputs or any(pl is None for pl in outputs) or len(inputs) != 1:
-        return False
-    if any(p.is_partial() for pl in (*inputs, *outputs) for p in pl):
-        return False
-    rest = (*node.args[1:], *node.kwargs.values())
-    plain = all(isinstance(a, (torch.fx.Node, *_PLAIN)) or
-                (isinstance(a, (list, tuple)) and all(isinstance(b, (torch.fx.Node, int)) for b in a)) for a in rest)
-    return isinstance(node.args[0], torch.fx.Node) and plain and not any(
-        isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor) for a in rest)
 
 
 def _view_dim_whole(node: torch.fx.Node, args, kwargs, placements) -> bool:

@@ -66,7 +66,8 @@ class Cost:
 
 @dataclass(frozen=True)
 class NodePlan:
-    """What runs at one graph node: its op, how (rule), where each input must be, where each output lands."""
+    """What runs at one graph node: its op, by which rule, where each input must be, where each output lands, and
+    how exec runs it (``run``: strategy_search.run_modes)."""
 
     name: str
     op: str
@@ -80,6 +81,7 @@ class NodePlan:
     # per-rank bytes alive as its backward runs (the backward's memory, read in reverse program order); None where
     # no backward runs at it
     backward_live_bytes: int | None = None
+    run: str = "dtensor"  # how exec runs it (run_modes.RUN_MODES); a plan file without it: as its rule says
 
 
 @dataclass(frozen=True)
@@ -351,7 +353,9 @@ def _decode(data: dict) -> Plan:
             n["name"], n["op"], n["rule"], tuple(_placements(p) for p in n["inputs"]),
             tuple(_placements(p) for p in n["outputs"]), n.get("module", ""),
             tuple(_shape(s) for s in n.get("shapes", ())), n.get("compute_s"), n.get("live_bytes"),
-            n.get("backward_live_bytes"))
+            n.get("backward_live_bytes"),
+            # (a plan written before run modes: DTensor's dispatch wherever the rule is DTensor's, as correct)
+            n.get("run", n["rule"]))
     inputs = [InputPlan(i["kind"], i["name"], _shape(i["shape"]), _placements(i["held"]), _placements(i["planned"]),
                         i.get("origin", "")) for i in data["inputs"]]
     collectives = [Collective(c["kind"], c["phase"], tuple(c["mesh_dims"]), int(c["nbytes"]), c["where"],

@@ -12,7 +12,7 @@ import torch.fx
 from torch.distributed.tensor.placement_types import Shard
 
 from .. import _pytree_internals as pytree
-from ..capture.graph import checkpoint_region, is_getitem, module_path
+from ..capture.graph import checkpoint_region, is_getitem, is_in_place, module_path
 from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes
@@ -32,6 +32,7 @@ from .pricing import (
 )
 from .problem import StrategyProblem, computed_from, splits
 from .request import PlanRequest
+from .run_modes import run_mode
 from .saved import saved_until
 from .solver import Solution
 
@@ -55,12 +56,14 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     if last is not None:  # largest bucket of their reductions copied as it is reduced
         live_backward[last] = max(live_backward[last], end + _largest_reduction(bwd_colls, read.gradients))
     nodes = {}
+    writes = any(is_in_place(n.target) for n in captured.gm.graph.nodes)
     for v, (d, c) in enumerate(zip(decisions, chosen)):
         if d.node is not None:
             op = "input" if d.node.op == "placeholder" else str(d.node.target)
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node),
                                           _shapes(d.node), float(terms.compute[v][solution.choice[v]]),
-                                          live.get(d.node), live_backward.get(d.node))
+                                          live.get(d.node), live_backward.get(d.node),
+                                          run_mode(d.node, c.rule, c.inputs, c.outputs, writes))
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + read.regather_s
     peak = max(max(live.values(), default=0), max(live_backward.values(), default=0))  # forward and backward
