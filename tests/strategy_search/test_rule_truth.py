@@ -208,6 +208,8 @@ DTENSOR_CASES = {
     "aminmax": (aten.aminmax.default, lambda: (r(6, 4),)),
     "maximum": (aten.maximum.default, lambda: (r(5, 3), r(5, 3))),
     "exp": (aten.exp.default, lambda: (r(5, 3),)),
+    # a list of one tensor: DTensor's stack rule merged its options into Replicate alone (asked per option now)
+    "stack_one": (aten.stack.default, lambda: ([r(5, 3)], -1)),
     # DTensor offers the batch split on both dims of a 2x2 mesh and its dispatch refuses it: the check drops it
     "convolution": (aten.convolution.default,
                     lambda: (r(4, 6, 5, 7), r(3, 6, 3, 3), r(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),
