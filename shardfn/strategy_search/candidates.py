@@ -162,15 +162,15 @@ def _meta_value(x):
     return x.meta["val"] if isinstance(x, torch.fx.Node) else x
 
 
-_PENDING_KINDS = ("sum", "max", "min")
+_PENDING_KINDS = ("sum", "max", "min", "product")
 
 
 def _plannable(p: Placement) -> bool:
     # Strided shards (a merged dim split over mesh dims out of order) are not carried through plans, and pending
     # averages lose their scaling in DTensor's backward (a replicated gradient is not divided by the ranks). Plans
-    # carry pending sums (and embedding's masked sum), and pending maxima and minima (amax, max, aminmax over a
-    # split dim): DTensor's backward of those reads the reduced result, and a gradient reaches a pending maximum
-    # whole, as the gradient of the maximum it stands for.
+    # carry pending sums (and embedding's masked sum), and pending maxima, minima and products (amax, aminmax, prod,
+    # all over a split dim): DTensor's backward of those reads the reduced result, and a gradient reaches such a
+    # pending value whole, as the gradient of the value it stands for.
     if type(p).__name__ == "_StridedShard":
         return False
     return not p.is_partial() or is_local_from_replicate(p) or getattr(p, "reduce_op", "sum") in _PENDING_KINDS

@@ -2,7 +2,8 @@
 outputs and gradients equal single-device eager, on a simulated world and on real gloo ranks. Each case names the
 cause it guards: in-place writes inside composite ops (capture functionalizes them again), DTensor's scan rule
 with a negative dim, two masked sums from one split table pending at once, views of zero sizes; and reductions to a
-maximum or minimum over the split dim, left pending (Partial("max")/Partial("min")) where they ran whole."""
+maximum, minimum or product over the split dim, left pending (Partial("max"/"min"/"product")) where they ran
+whole."""
 
 import pytest
 import torch
@@ -72,6 +73,10 @@ def _exp_of_max(x):
     return torch.amax(x, (0, 1)).exp()  # DTensor's exp keeps a pending maximum pending (monotone)
 
 
+def _prod_all(x):
+    return x.prod()
+
+
 # name: (fn, make_args, in_strategy, out_strategy, an op that must run split: (op name, its input's dim) or None)
 CASES = {
     # a composite op's copy_ into slices of its fresh result (written into a temporary before)
@@ -98,6 +103,8 @@ CASES = {
     "amax_all": (_amax_all, lambda: (rand(8, 6),), ((4, 1),), None, ("amax", 0)),
     "aminmax_range": (_range_all, lambda: (rand(8, 6),), ((4, 1),), None, ("aminmax", 0)),
     "exp_of_max": (_exp_of_max, lambda: (rand(8, 6),), ((4, 1),), None, ("amax", 0)),
+    # a product over the split dim, left pending (Partial("product"))
+    "prod_all": (_prod_all, lambda: (rand(8, 3),), ((4, 1),), None, ("prod", 0)),
 }
 
 
@@ -197,7 +204,7 @@ def test_instance_norm_updates_running_stats(module):
 
 # one case per cause on real ranks (each traces its program there: a few seconds apiece)
 REAL_RANKS = ("pad_circular_batch", "cumsum_last_split", "two_gathers", "quantile", "unflatten_zero", "rfft_uneven",
-              "aminmax_range")
+              "aminmax_range", "prod_all")
 
 
 def _on_real_ranks():

@@ -202,12 +202,14 @@ DTENSOR_CASES = {
     "view_zero": (aten.view.default, lambda: (r(4, 0), [4, 2, 0, 0, 0])),
     "reshape_zero": (aten._unsafe_view.default, lambda: (r(0, 6), [3, 0, 2])),
     "add_broadcast": (aten.add.Tensor, lambda: (r(5, 1, 3), r(4, 3))),
-    # pending maxima and minima (plans carry them): reductions over a split dim, and the monotone ops DTensor lets
+    # pending maxima, minima and products (plans carry them): reductions over a split dim, and the monotone ops DTensor lets
     # keep them pending
     "amax": (aten.amax.default, lambda: (r(5, 3), [0, 1])),
     "aminmax": (aten.aminmax.default, lambda: (r(6, 4),)),
     "maximum": (aten.maximum.default, lambda: (r(5, 3), r(5, 3))),
     "exp": (aten.exp.default, lambda: (r(5, 3),)),
+    "prod": (aten.prod.default, lambda: (r(6, 3),)),
+    "prod_dim": (aten.prod.dim_int, lambda: (r(6, 3), 0)),
     # a list of one tensor: DTensor's stack rule merged its options into Replicate alone (asked per option now)
     "stack_one": (aten.stack.default, lambda: ([r(5, 3)], -1)),
     # DTensor offers the batch split on both dims of a 2x2 mesh and its dispatch refuses it: the check drops it

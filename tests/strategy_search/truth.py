@@ -3,7 +3,7 @@
 For each candidate on each mesh: every tensor input is laid out as the candidate says (Shard: DTensor's own
 slices, uneven ones too; Replicate: whole; Partial: split into a sum, unevenly and with offsets of alternating
 sign so a non-linear op cannot pass by chance; a pending maximum (minimum) into pieces below (above) the value but
-on one rank, which one alternating), the op runs on each rank's pieces (torch's LocalTensorMode), the
+on one rank, which one going round; a pending product into factors), the op runs on each rank's pieces (torch's LocalTensorMode), the
 outputs are assembled as their placements say (Shard: concatenated, Partial: reduced, Replicate: every rank's own)
 and every rank's result is compared with the whole op. The method is DTensor's own rule validation
 (torch/distributed/tensor/_ops/strategy_validation.py), applied to shardfn's candidates.
@@ -78,6 +78,10 @@ def _partial_pieces(local, mesh: DeviceMesh, placements):
                 holder = index % n == c
                 below = (piece.abs() + 1) * (1 + c) * (1 if kind == "max" else -1)
                 pieces[r] = torch.where(holder, piece, piece - below)
+                continue
+            if kind == "product":  # the value twice on one rank, halved on the next, whole on the others
+                factor = torch.where(index % n == c, 2.0, torch.where((index + 1) % n == c, 0.5, 1.0))
+                pieces[r] = piece * factor.to(piece.dtype)
                 continue
             offset = (piece.abs() + 1) * sign
             weight = 0.7 if c == 0 else 0.3 / (n - 1)
