@@ -70,7 +70,7 @@ def _range_all(x):
 
 
 def _exp_of_max(x):
-    return torch.amax(x, (0, 1)).exp()  # DTensor's exp keeps a pending maximum pending (monotone)
+    return torch.amax(x, (0, 1)).exp()  # the pending maximum reduced before exp reads it
 
 
 def _prod_all(x):

@@ -202,8 +202,8 @@ DTENSOR_CASES = {
     "view_zero": (aten.view.default, lambda: (r(4, 0), [4, 2, 0, 0, 0])),
     "reshape_zero": (aten._unsafe_view.default, lambda: (r(0, 6), [3, 0, 2])),
     "add_broadcast": (aten.add.Tensor, lambda: (r(5, 1, 3), r(4, 3))),
-    # pending maxima, minima and products (plans carry them): reductions over a split dim, and the monotone ops DTensor lets
-    # keep them pending
+    # pending maxima, minima and products (plans carry them as results only): reductions over a split dim, and
+    # monotone ops, whose rules reading one pending are dropped
     "amax": (aten.amax.default, lambda: (r(5, 3), [0, 1])),
     "aminmax": (aten.aminmax.default, lambda: (r(6, 4),)),
     "maximum": (aten.maximum.default, lambda: (r(5, 3), r(5, 3))),
