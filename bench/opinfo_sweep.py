@@ -171,10 +171,12 @@ def _out_strategy(outs, mode: str) -> tuple:
 def ran_sharded(plan) -> bool:
     """Whether a plan runs at least one op (not an input, a constant or a factory) on split or pending operands or
     results; a program of no ops (contiguous, conj of a real tensor) where a split input is returned as it is,
-    with no collective."""
+    with no collective but the gather of a whole input's gradient as backward hands it back (every op that runs
+    split has it in the forcing modes of full_batch inputs)."""
     ops = [n for n in plan.nodes.values() if n.rule in ("dtensor", "local", "random")]
     if not ops:
-        return not plan.collectives and any(not p.is_replicate() for i in plan.inputs for p in i.planned)
+        moved = [c for c in plan.collectives if not (c.phase == "backward" and c.where.endswith(" (entry)"))]
+        return not moved and any(not p.is_replicate() for i in plan.inputs for p in i.planned)
     return any(not p.is_replicate() for n in ops for pl in (*n.inputs, *(o for o in n.outputs if o)) for p in pl)
 
 

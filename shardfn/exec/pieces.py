@@ -42,11 +42,12 @@ def placed(x: Any, placements: tuple[Placement, ...], mesh: DeviceMesh):
     """Bring an input to the placement its consumer's strategy reads it in.
 
     Going to a pending sum from a whole value is left to the op's DTensor dispatch (which may split a value into
-    a pending sum; the public redistribute may not): those dims are brought to Replicate here.
+    a pending sum; the public redistribute may not): those dims are brought to Replicate here, as are pending
+    values of another kind (a pending sum read as a pending maximum: reduced, then the op's own).
     """
     if isinstance(x, DTensor):
         current = tuple(x.placements)
-        target = tuple(Replicate() if q.is_partial() and not p.is_partial() else q
+        target = tuple(Replicate() if q.is_partial() and p != q else q
                        for p, q in zip(current, placements))
         if current == target:
             return x

@@ -298,9 +298,11 @@ def _strategies(op, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[Strateg
         strategy = _single_dim(op, schema, out_meta, mesh, options)
     elif op in sp.op_strategy_funcs:
         fn = sp.op_strategy_funcs[op]
+        # (a list of one tensor too: stack's rule merges the placements its list's options offer into one)
+        listed = any(isinstance(a, TupleStrategy) for a in schema.args_schema)
         try:
             strategy = fn(schema)
-            collapsed = isinstance(strategy, OpStrategy) and len(options) > 1 and \
+            collapsed = isinstance(strategy, OpStrategy) and (len(options) > 1 or listed) and \
                 len(strategy.strategies) < len(options[0])
         except Exception:  # noqa: BLE001 - an eager-only rule that indexes per input
             strategy, collapsed = None, True

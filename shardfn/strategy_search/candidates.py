@@ -162,12 +162,21 @@ def _meta_value(x):
     return x.meta["val"] if isinstance(x, torch.fx.Node) else x
 
 
-def _plannable(p: Placement) -> bool:
+_PENDING_KINDS = ("sum", "max", "min", "product")
+
+
+def _plannable(p: Placement, read: bool = False) -> bool:
     # Strided shards (a merged dim split over mesh dims out of order) are not carried through plans, and pending
-    # averages/maxima lose their scaling in DTensor's backward: plans use sums (and embedding's masked sum).
+    # averages lose their scaling in DTensor's backward (a replicated gradient is not divided by the ranks). Plans
+    # carry pending sums (and embedding's masked sum), and pending maxima, minima and products (amax, aminmax, prod,
+    # all over a split dim): DTensor's backward of those reads the reduced result, and a gradient reaches such a
+    # pending value whole, as the gradient of the value it stands for. Those three only as a result (``read``
+    # False): an op that reads one pending is not taken (DTensor's rules pass a pending maximum through monotone
+    # ops, and torch 2.13's _fft_r2c rule through an FFT, which is wrong), so each is reduced before any op reads it.
     if type(p).__name__ == "_StridedShard":
         return False
-    return not p.is_partial() or is_local_from_replicate(p) or getattr(p, "reduce_op", "sum") == "sum"
+    kind = getattr(p, "reduce_op", "sum")
+    return not p.is_partial() or is_local_from_replicate(p) or kind == "sum" or (kind in _PENDING_KINDS and not read)
 
 
 def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
@@ -182,7 +191,8 @@ def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | No
         # Replicate. A pending-sum input (a bias added once to a row-parallel matmul) is reached from Replicate
         # inside the dispatch too, or arrives pending from its producer.
         outs = (out,) if n_out == 1 and (out is None or isinstance(out[0], Placement)) else tuple(out)
-        if not all(_plannable(p) for pl in (*ins, *(o for o in outs if o)) for p in pl):
+        if not (all(_plannable(p, read=True) for pl in ins for p in pl)
+                and all(_plannable(p) for pl in outs if pl for p in pl)):
             continue
         ins = tuple(tuple(Replicate() if is_local_from_replicate(p) else p for p in pl) for pl in ins)
         cands.append(Candidate(outs, ins, "dtensor"))

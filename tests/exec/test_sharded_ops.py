@@ -1,12 +1,14 @@
 """Ops that really run split (issue 35): every input split on the op's dim, the output asked for in the same split,
 outputs and gradients equal single-device eager, on a simulated world and on real gloo ranks. Each case names the
 cause it guards: in-place writes inside composite ops (capture functionalizes them again), DTensor's scan rule
-with a negative dim, two masked sums from one split table pending at once, views of zero sizes."""
+with a negative dim, two masked sums from one split table pending at once, views of zero sizes; and reductions to a
+maximum, minimum or product over the split dim, left pending (Partial("max"/"min"/"product")) where they ran
+whole."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import shardfn as sf
 from shardfn.runtime import simulated_world
@@ -58,6 +60,23 @@ def _unflatten_zero(x):
     return torch.unflatten(x, 1, (2, 0, 0, 0))
 
 
+def _amax_all(x):
+    return torch.amax(x, (0, 1))
+
+
+def _range_all(x):
+    low, high = torch.aminmax(x)
+    return high - low
+
+
+def _exp_of_max(x):
+    return torch.amax(x, (0, 1)).exp()  # the pending maximum reduced before exp reads it
+
+
+def _prod_all(x):
+    return x.prod()
+
+
 # name: (fn, make_args, in_strategy, out_strategy, an op that must run split: (op name, its input's dim) or None)
 CASES = {
     # a composite op's copy_ into slices of its fresh result (written into a temporary before)
@@ -79,6 +98,13 @@ CASES = {
     "rfft_uneven": (_rfft_rows, lambda: (rand(5, 8),), ((4, 1),), None, None),
     # DTensor's view rule never returns on zero sizes
     "unflatten_zero": (_unflatten_zero, lambda: (rand(4, 0),), ((4, 1),), ((4, 1, 1, 1, 1),), None),
+    # a maximum or minimum over the split dim: each rank's piece reduced, the pending maxima (minima) reduced once
+    # (gathered first before); the gradient reaches the rows that hold the maximum
+    "amax_all": (_amax_all, lambda: (rand(8, 6),), ((4, 1),), None, ("amax", 0)),
+    "aminmax_range": (_range_all, lambda: (rand(8, 6),), ((4, 1),), None, ("aminmax", 0)),
+    "exp_of_max": (_exp_of_max, lambda: (rand(8, 6),), ((4, 1),), None, ("amax", 0)),
+    # a product over the split dim, left pending (Partial("product"))
+    "prod_all": (_prod_all, lambda: (rand(8, 3),), ((4, 1),), None, ("prod", 0)),
 }
 
 
@@ -177,7 +203,8 @@ def test_instance_norm_updates_running_stats(module):
 
 
 # one case per cause on real ranks (each traces its program there: a few seconds apiece)
-REAL_RANKS = ("pad_circular_batch", "cumsum_last_split", "two_gathers", "quantile", "unflatten_zero", "rfft_uneven")
+REAL_RANKS = ("pad_circular_batch", "cumsum_last_split", "two_gathers", "quantile", "unflatten_zero", "rfft_uneven",
+              "aminmax_range", "prod_all")
 
 
 def _on_real_ranks():
@@ -217,3 +244,18 @@ def test_pad_circular_at_changing_sizes():
             _loss(out).backward()
             _loss(ref).backward()
             torch.testing.assert_close(x.grad, ref_x.grad)
+
+
+def test_pending_sum_read_as_pending_maximum():
+    # an op whose rule reads a pending maximum, given a pending sum: the sum is reduced first (DTensor's
+    # redistribute refuses one pending kind to another), then the op's dispatch takes it from there
+    from shardfn.exec.pieces import placed
+
+    with simulated_world(4):
+        mesh = sf.init()
+        x = torch.arange(8.0)
+        pending_sum = distribute_tensor(x, mesh, [Shard(0)]).sum()
+        assert pending_sum.placements == (Partial("sum"),)
+        got = placed(pending_sum, (Partial("max"),), mesh)
+        assert got.placements == (Replicate(),)
+        torch.testing.assert_close(got.full_tensor(), x.sum())

@@ -202,6 +202,16 @@ DTENSOR_CASES = {
     "view_zero": (aten.view.default, lambda: (r(4, 0), [4, 2, 0, 0, 0])),
     "reshape_zero": (aten._unsafe_view.default, lambda: (r(0, 6), [3, 0, 2])),
     "add_broadcast": (aten.add.Tensor, lambda: (r(5, 1, 3), r(4, 3))),
+    # pending maxima, minima and products (plans carry them as results only): reductions over a split dim, and
+    # monotone ops, whose rules reading one pending are dropped
+    "amax": (aten.amax.default, lambda: (r(5, 3), [0, 1])),
+    "aminmax": (aten.aminmax.default, lambda: (r(6, 4),)),
+    "maximum": (aten.maximum.default, lambda: (r(5, 3), r(5, 3))),
+    "exp": (aten.exp.default, lambda: (r(5, 3),)),
+    "prod": (aten.prod.default, lambda: (r(6, 3),)),
+    "prod_dim": (aten.prod.dim_int, lambda: (r(6, 3), 0)),
+    # a list of one tensor: DTensor's stack rule merged its options into Replicate alone (asked per option now)
+    "stack_one": (aten.stack.default, lambda: ([r(5, 3)], -1)),
     # DTensor offers the batch split on both dims of a 2x2 mesh and its dispatch refuses it: the check drops it
     "convolution": (aten.convolution.default,
                     lambda: (r(4, 6, 5, 7), r(3, 6, 3, 3), r(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1)),

@@ -2,8 +2,9 @@
 
 For each candidate on each mesh: every tensor input is laid out as the candidate says (Shard: DTensor's own
 slices, uneven ones too; Replicate: whole; Partial: split into a sum, unevenly and with offsets of alternating
-sign so a non-linear op cannot pass by chance), the op runs on each rank's pieces (torch's LocalTensorMode), the
-outputs are assembled as their placements say (Shard: concatenated, Partial: summed, Replicate: every rank's own)
+sign so a non-linear op cannot pass by chance; a pending maximum (minimum) into pieces below (above) the value but
+on one rank, which one going round; a pending product into factors), the op runs on each rank's pieces (torch's LocalTensorMode), the
+outputs are assembled as their placements say (Shard: concatenated, Partial: reduced, Replicate: every rank's own)
 and every rank's result is compared with the whole op. The method is DTensor's own rule validation
 (torch/distributed/tensor/_ops/strategy_validation.py), applied to shardfn's candidates.
 """
@@ -51,7 +52,8 @@ def op_node(op, args: tuple, kwargs: dict) -> torch.fx.Node:
 
 
 def _partial_pieces(local, mesh: DeviceMesh, placements):
-    """Per-rank pieces whose sum over each Partial mesh dim is the (already sliced) piece."""
+    """Per-rank pieces whose sum (maximum, minimum: the placement's reduction) over each Partial mesh dim is the
+    (already sliced) piece."""
     from torch.distributed._local_tensor import LocalTensor
 
     pieces = dict(local._local_tensors) if isinstance(local, LocalTensor) else \
@@ -64,10 +66,23 @@ def _partial_pieces(local, mesh: DeviceMesh, placements):
         for r, piece in pieces.items():
             c = coords[r][m]
             sign = torch.ones_like(piece)
+            index = torch.tensor(0)  # each element's index sum
             if piece.numel():
                 grids = torch.meshgrid(*[torch.arange(s) for s in piece.shape], indexing="ij") if piece.dim() else ()
-                parity = sum(grids, torch.tensor(0)) % 2 if piece.dim() else torch.tensor(0)
-                sign = torch.where(parity == 0, 1.0, -1.0).to(piece.dtype)
+                index = sum(grids, torch.tensor(0))
+                sign = torch.where(index % 2 == 0, 1.0, -1.0).to(piece.dtype)
+            kind = getattr(p, "reduce_op", "sum")
+            if kind in ("max", "min"):
+                # one rank holds the value itself (which one goes round over the elements), the others a value
+                # below it (above, for a minimum) by a distinct amount
+                holder = index % n == c
+                below = (piece.abs() + 1) * (1 + c) * (1 if kind == "max" else -1)
+                pieces[r] = torch.where(holder, piece, piece - below)
+                continue
+            if kind == "product":  # the value twice on one rank, halved on the next, whole on the others
+                factor = torch.where(index % n == c, 2.0, torch.where((index + 1) % n == c, 0.5, 1.0))
+                pieces[r] = piece * factor.to(piece.dtype)
+                continue
             offset = (piece.abs() + 1) * sign
             weight = 0.7 if c == 0 else 0.3 / (n - 1)
             pieces[r] = piece * weight + offset * (c - (n - 1) / 2)
