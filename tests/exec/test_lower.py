@@ -224,3 +224,30 @@ def test_an_output_split_unevenly_takes_its_gradient_in_its_global_strides():
 
 def test_an_output_split_unevenly_on_real_ranks(gloo4):
     assert gloo4.run(_uneven_pad_parity, 1) == [None] * 4
+
+
+def test_exec_runs_each_node_as_the_plan_says(monkeypatch):
+    # the plan says how each node runs (NodePlan.run); the interpreter follows it: a plan saying DTensor's
+    # dispatch for every op (as a plan file written before run modes reads) gives the same numbers, and only a
+    # plan whose nodes say "pieces" runs them on the pieces (their local pieces taken, no DTensor dispatch)
+    import shardfn.exec.interpret as interpret
+
+    with simulated_world(4):
+        x, w1, w2 = _args()
+        f = sf.shard(_two_matmuls, in_strategy=((4, 1), None, None))
+        want = f(x, w1, w2)
+        (ran,) = sf.engine_of(f).programs.values()
+        assert "pieces" in {n.run for n in ran.plan.nodes.values()}
+        assert {n.run for n in ran.plan.nodes.values() if n.rule != "dtensor"} <= \
+            {"input", "output", "factory", "random", "local"}
+        dispatched = dataclasses.replace(ran.plan, nodes={k: dataclasses.replace(n, run=n.rule)
+                                                          for k, n in ran.plan.nodes.items()})
+        assert sf.Plan.from_json(dispatched.to_json()).nodes == dispatched.nodes
+        taken = []
+        original = interpret.local_piece
+        monkeypatch.setattr(interpret, "local_piece", lambda *a: taken.append(1) or original(*a))
+        for plan, on_pieces in ((ran.plan, True), (dispatched, False)):
+            taken.clear()
+            got = lower(ran.captured, plan, ran.program.mesh)(x, w1, w2)[0]
+            torch.testing.assert_close(got, want)
+            assert bool(taken) == on_pieces, (on_pieces, len(taken))
