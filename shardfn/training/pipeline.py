@@ -275,11 +275,13 @@ class Pipeline:
             plan, outs = plan_stage(engine_of(stage), *example)
             state = _state_bytes(stage, plan)
             send = sum(o.numel() * o.element_size() for o in outs) if i + 1 < len(self.stages) else 0
-            # what a micro-batch keeps until its backward: the forward's peak (plan.cost.peak_bytes is the step's,
-            # its backward's gradients included, which one micro-batch at a time holds)
-            forward = max((n.live_bytes for n in plan.nodes.values() if n.live_bytes is not None),
-                          default=plan.cost.peak_bytes)
-            stages.append(StagePlan(i, self._ranks(i), plan, state, max(0, forward - state),
+            # what a micro-batch keeps until its backward: the forward's peak above what its inputs (the stage's
+            # parameters and optimizer states, the micro-batch) hold as it starts (plan.cost.peak_bytes is the
+            # step's, its backward's gradients included, which one micro-batch at a time holds)
+            live = [(n.op == "input", n.live_bytes) for n in plan.nodes.values() if n.live_bytes is not None]
+            forward = max((b for _, b in live), default=plan.cost.peak_bytes)
+            held = max((b for is_input, b in live if is_input), default=0)
+            stages.append(StagePlan(i, self._ranks(i), plan, state, max(0, forward - held),
                                     _in_flight(self.schedule, m, p, v, i % p), send))
             example = outs
         notes = ["memory: each stage's plan for one micro-batch, its activations held for every micro-batch in "
