@@ -12,7 +12,7 @@ import math
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from .. import _pytree_internals as pytree
 from ..capture.functions import FunctionCall
@@ -299,6 +299,60 @@ def _constant_pad(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     choices = [((R,), (R,))] + [((Shard(d),), (Shard(d),)) for d in range(x.dim()) if d not in padded]
     valid = set(valid_placements(x.shape, mesh))
     return [c for c in _per_mesh_dim(mesh, choices, "local") if c.inputs[0] in valid]
+
+
+# --- pairwise distances -------------------------------------------------------------------------------------
+#
+# cdist(x1 (B..., P, M), x2 (B..., R, M)) -> (B..., P, R): each distance reads one row of x1 and one of x2. Per
+# mesh dim one of:
+#   rows   : x1 split on P, x2 whole: the output split on P;
+#   columns: x2 split on R, x1 whole: the output split on R;
+#   batch  : a batch dim split in both and in the output.
+# Only where x1 and x2 hold one batch shape (broadcast batch dims run whole: the backward sums x2's gradient over
+# them, which the simulated world cannot do on pieces of per-rank sizes).
+# The backward (_cdist_backward(grad, x1, x2, p, cdist) -> the gradient of x1; x2's is the same op with x1 and x2
+# swapped and grad, cdist transposed) the same way: rows split grad, x1, cdist and the result on P; columns split
+# grad and cdist on R and x2 on R, each rank's gradient of x1 a pending sum over its columns; batch splits all.
+# The contracted M stays whole (a p-norm of pieces is not their sum). A piece of fewer rows may take the direct
+# kernel where the whole took the matrix-product one (compute_mode None, over 25 rows): the same distances
+# within rounding.
+
+CDIST = [aten._cdist_forward.default, aten._cdist_backward.default]
+
+
+def _cdist_batch_dims(x1, x2) -> list[int]:
+    """The batch dims (of x1, x2 and the output alike), split where the two hold one batch shape."""
+    return list(range(x1.dim() - 2))
+
+
+def _valid_local(node: torch.fx.Node, mesh: DeviceMesh, choices: list) -> list[Candidate]:
+    """``choices`` per mesh dim (run on the local pieces), those whose inputs' placements fit their shapes."""
+    valid = [set(valid_placements(a.meta["val"].shape, mesh)) for a in tensor_inputs(node)]
+    return [c for c in _per_mesh_dim(mesh, choices, "local") if all(pl in ok for pl, ok in zip(c.inputs, valid))]
+
+
+@register_rule(aten._cdist_forward.default)
+def _cdist_forward(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    x1, x2 = node.args[0].meta["val"], node.args[1].meta["val"]
+    n = x1.dim()
+    choices = [((R,), (R, R))]
+    if x1.shape[:-2] == x2.shape[:-2]:  # batch dims broadcast: whole
+        choices += [((Shard(n - 2),), (Shard(n - 2), R)),  # rows
+                    ((Shard(n - 1),), (R, Shard(n - 2)))]  # columns
+        choices += [((Shard(d),), (Shard(d), Shard(d))) for d in _cdist_batch_dims(x1, x2)]
+    return _valid_local(node, mesh, choices)
+
+
+@register_rule(aten._cdist_backward.default)
+def _cdist_backward(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    grad, x1, x2 = (a.meta["val"] for a in node.args[:3])
+    n = grad.dim()
+    choices = [((R,), (R, R, R, R))]  # inputs: grad, x1, x2, cdist
+    if x1.shape[:-2] == x2.shape[:-2] == grad.shape[:-2]:  # batch dims broadcast: whole
+        choices += [((Shard(n - 2),), (Shard(n - 2), Shard(n - 2), R, Shard(n - 2))),  # rows
+                    ((Partial(),), (Shard(n - 1), R, Shard(n - 2), Shard(n - 1)))]  # columns: a pending sum
+        choices += [((Shard(d),), (Shard(d),) * 4) for d in _cdist_batch_dims(x1, x2)]
+    return _valid_local(node, mesh, choices)
 
 
 # --- random fills -------------------------------------------------------------------------------------------

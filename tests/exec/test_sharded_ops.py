@@ -77,7 +77,16 @@ def _prod_all(x):
     return x.prod()
 
 
-# name: (fn, make_args, in_strategy, out_strategy, an op that must run split: (op name, its input's dim) or None)
+def _cdist(x1, x2):
+    return torch.cdist(x1, x2, p=1.5)
+
+
+def _cdist_euclid(x1, x2):
+    return torch.cdist(x1, x2)
+
+
+# name: (fn, make_args, in_strategy, out_strategy, an op that must run split: (op name, its input's dim[, which
+# input, else the first]) or None)
 CASES = {
     # a composite op's copy_ into slices of its fresh result (written into a temporary before)
     "pad_circular_batch": (_pad_circular, lambda: (rand(8, 4, 5, 6),), ((4, 1, 1, 1),), ((4, 1, 1, 1),), None),
@@ -105,6 +114,13 @@ CASES = {
     "exp_of_max": (_exp_of_max, lambda: (rand(8, 6),), ((4, 1),), None, ("amax", 0)),
     # a product over the split dim, left pending (Partial("product"))
     "prod_all": (_prod_all, lambda: (rand(8, 3),), ((4, 1),), None, ("prod", 0)),
+    # pairwise distances (own rule; none before: gathered): x1's rows, x2's rows (the output's columns) or the
+    # batch split, the gradients of the whole operand pending sums
+    "cdist_rows": (_cdist, lambda: (rand(8, 5), rand(6, 5)), ((4, 1), None), ((4, 1),), ("_cdist_forward", 0)),
+    "cdist_columns": (_cdist, lambda: (rand(6, 5), rand(7, 5)), (None, (4, 1)), ((1, 4),),
+                      ("_cdist_forward", 0, 1)),
+    "cdist_batch": (_cdist_euclid, lambda: (rand(4, 6, 3), rand(4, 5, 3)), ((4, 1, 1), (4, 1, 1)), ((4, 1, 1),),
+                    ("_cdist_forward", 0)),
 }
 
 
@@ -136,9 +152,9 @@ def check_split(name, ranks: int = 4):
                 for r in range(ranks):
                     torch.testing.assert_close(on_rank(a.grad, r), on_rank(e.grad, r), rtol=1e-5, atol=1e-5)
     if split_op is not None:
-        op, dim = split_op
+        op, dim, which = (*split_op, 0)[:3]
         plan = sf.explain(sharded, *args)
-        assert any(n.op.startswith(f"aten.{op}") and n.inputs[0] == (Shard(dim),) for n in plan.nodes.values()), \
+        assert any(n.op.startswith(f"aten.{op}") and n.inputs[which] == (Shard(dim),) for n in plan.nodes.values()), \
             plan.table()
 
 
@@ -204,7 +220,7 @@ def test_instance_norm_updates_running_stats(module):
 
 # one case per cause on real ranks (each traces its program there: a few seconds apiece)
 REAL_RANKS = ("pad_circular_batch", "cumsum_last_split", "two_gathers", "quantile", "unflatten_zero", "rfft_uneven",
-              "aminmax_range", "prod_all")
+              "aminmax_range", "prod_all", "cdist_columns")
 
 
 def _on_real_ranks():

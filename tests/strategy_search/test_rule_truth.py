@@ -101,6 +101,51 @@ def test_edge_pad_rule(case):
     assert failures(op, args, {}) == []
 
 
+def _cdist_cases():
+    # (x1 shape, x2 shape, p); each x2 holds one of x1's rows (a zero distance, which the backward divides by)
+    yield (6, 5), (4, 5), 2.0
+    yield (3, 6, 5), (3, 4, 5), 1.0  # batched
+    yield (2, 7, 3), (2, 5, 3), 1.5  # uneven rows
+    yield (5, 3), (7, 3), 0.0
+    yield (6, 4), (5, 4), float("inf")
+    yield (4, 3, 6, 2), (4, 3, 5, 2), 3.0  # two batch dims
+    yield (1, 5, 3), (3, 6, 3), 2.0  # a broadcast batch dim: whole
+    yield (2, 5, 3), (5, 3), 2.0  # x2 without the batch dim: whole
+    yield (4, 30, 3), (4, 8, 3), 2.0  # over 25 rows: the whole op takes the matrix-product kernel
+
+
+@pytest.mark.parametrize("case", list(_cdist_cases()), ids=str)
+def test_cdist_rule(case):
+    # the forward (x1 split on its rows, x2 on its rows = the output's columns, or both on a batch dim) and its
+    # backward: autograd through the forward on each rank's pieces, and _cdist_backward itself (x1's gradient; a
+    # pending sum over the ranks' columns)
+    from tests.strategy_search.truth import backward_failures
+
+    s1, s2, p = case
+    x1, x2 = r(*s1), r(*s2)
+    if s1[:-2] == s2[:-2] and s1[-2] < 25:
+        # a zero distance (the matrix-product kernel over 25 rows rounds one to about 1e-3: eager's own error)
+        x2[..., 0, :] = x1[..., 0, :]
+    forward = aten._cdist_forward.default
+    assert failures(forward, (x1, x2, p, None), {}) == []
+    assert backward_failures(forward, (x1, x2, p, None), pending_replicated=True) == []
+    dist = forward(x1, x2, p, None)
+    if s1[:-2] == s2[:-2]:  # (autograd's backward expands broadcast batch dims before it)
+        assert failures(aten._cdist_backward.default, (r(*dist.shape), x1, x2, p, dist), {}) == []
+
+
+def test_cdist_rule_splits_rows_columns_and_batch():
+    from shardfn.strategy_search.candidates import node_candidates
+    from tests.strategy_search.truth import op_node, planning
+
+    x1, x2 = r(4, 8, 3), r(4, 8, 3)
+    node = op_node(aten._cdist_forward.default, (x1, x2, 2.0, None), {})
+    got = {(c.outputs[0], c.inputs[0], c.inputs[1]) for c in node_candidates(node, planning(4), set())}
+    S, R_ = Shard, Replicate()
+    assert got == {((R_,), (R_,), (R_,)), ((S(1),), (S(1),), (R_,)), ((S(2),), (R_,), (S(1),)),
+                   ((S(0),), (S(0),), (S(0),))}
+
+
 def _function_calls():
     # (Function call as fn makes it, its arguments); the target of its captured node is what the rule sees
     from tests.functions import BloomGelu, GradientReversal, MaskedScale, RowSoftmax, StraightThroughRound, TimesCount
@@ -155,13 +200,13 @@ def test_every_own_rule_has_ground_truth():
     # convolution's own rule only where DTensor has none (torch 2.11): DTENSOR_CASES checks whichever is used
     lacking = set() if has_dtensor_rule(aten.convolution.default) else {aten.convolution.default}
     # the reshapes' own rule answers zero sizes itself and hands any other to DTensor's (checked in DTENSOR_CASES)
-    from shardfn.strategy_search.rules import _EDGE_PADS, _RESHAPES, SCANS
+    from shardfn.strategy_search.rules import _EDGE_PADS, _RESHAPES, CDIST, SCANS
 
     # the experts' rules: tests/strategy_search/test_expert_rules.py
     from shardfn.capture.experts import ExpertMM, MoEExperts
 
     assert set(_RULES) - set(RANDOM_FILLS) - {ExpertMM, MoEExperts} == {SDPA, aten.var_mean.correction, aten.constant_pad_nd.default,
-                                               FunctionCall, *_RESHAPES, *_EDGE_PADS, *SCANS} | lacking
+                                               FunctionCall, *_RESHAPES, *_EDGE_PADS, *SCANS, *CDIST} | lacking
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims

@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement, Replicate
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate
 
 from shardfn.layout import Axis, MeshSpec
 from shardfn.runtime import planning_mesh, simulated_world
@@ -187,22 +187,27 @@ def _short(p: Placement) -> str:
     return "R" if p.is_replicate() else f"S{p.dim}" if hasattr(p, "dim") else "P"
 
 
-def backward_failures(op, args: tuple, meshes=MESHES) -> list[str]:
-    """:func:`failures` for the backward of ``op`` (differentiable, returning a list of tensors): under each
+def backward_failures(op, args: tuple, meshes=MESHES, pending_replicated=False) -> list[str]:
+    """:func:`failures` for the backward of ``op`` (differentiable, returning a tensor or a list of them): under each
     candidate, the inputs laid out as it says and the outputs' gradients as its outputs are, autograd through
     ``op`` on each rank's pieces gives pieces of the whole backward's input gradients (laid out as the inputs)."""
-    grads = [torch.randn_like(o) for o in op(*args)]
+    grads = [torch.randn_like(o) for o in _outputs(op(*args))]
     wanted = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
 
     def vjp(*tensors):
         ins = [t.detach().requires_grad_() if i in wanted else t for i, t in enumerate(tensors[:len(args)])]
-        pairs = [(o, g) for o, g in zip(op(*ins), tensors[len(args):]) if o.requires_grad]
+        pairs = [(o, g) for o, g in zip(_outputs(op(*ins)), tensors[len(args):]) if o.requires_grad]
         return list(torch.autograd.grad([o for o, _ in pairs], [ins[i] for i in wanted], [g for _, g in pairs]))
 
     expected = vjp(*args, *grads)
     found = []
     for shape, mesh, cand in _candidates_on_meshes(op_node(op, args, {}), meshes):
-        backward = C.Candidate(tuple(cand.inputs[i] for i in wanted), (*cand.inputs, *cand.outputs), "local")
+        layouts = tuple(cand.inputs[i] for i in wanted)
+        if pending_replicated:  # as exec returns them: a whole input read by ranks working on different pieces
+            working = {m for pl in cand.outputs if pl for m, p in enumerate(pl) if not p.is_replicate()}
+            layouts = tuple(tuple(Partial() if m in working and p.is_replicate() else p for m, p in enumerate(pl))
+                            for pl in layouts)
+        backward = C.Candidate(layouts, (*cand.inputs, *cand.outputs), "local")
         why = check_candidate(vjp, (*args, *grads), {}, expected, backward, mesh)
         if why:
             found.append(f"{shape} {_fmt(cand.inputs)} -> {_fmt(cand.outputs)} backward: {why}")
