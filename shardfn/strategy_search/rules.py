@@ -274,6 +274,21 @@ def _scan_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
     return not any(isinstance(p, Shard) and p.dim == along for pl in (cand.inputs[0], cand.outputs[0]) for p in pl)
 
 
+@register_check(aten.stack.default)
+def _stack_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate) -> bool:
+    # stack inserts a dim at ``dim``: a split dim j of its inputs is the result's j before it and j + 1 from it on.
+    # DTensor's stack rule in torch 2.11 maps a negative dim otherwise (stack([x], -1) of x split on its last dim
+    # claimed the result split on that same dim: each rank's piece of another shape than the result's)
+    tensors, dim = node.args[0], node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    at = dim % (tensors[0].meta["val"].dim() + 1)
+
+    def stacked(p):
+        return Shard(p.dim if p.dim < at else p.dim + 1) if isinstance(p, Shard) else p
+
+    return cand.outputs[0] is not None and all(
+        out == stacked(pl[m]) for m, out in enumerate(cand.outputs[0]) for pl in cand.inputs)
+
+
 @register_rule(*SCANS)
 def _scan_along(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     # a scan splits over any dim but the one it carries along, each rank scanning its piece. Own, not DTensor's:
