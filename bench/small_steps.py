@@ -29,15 +29,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+from bench.changing_lengths import _gpt2  # noqa: E402  (the same GPT-2)
 from tests.harness import free_port  # noqa: E402
-
-
-def _gpt2(args):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    return tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=args.dim, n_layer=args.layers, n_head=4, vocab_size=128,
-                                            n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 class _Way:
