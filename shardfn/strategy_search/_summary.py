@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING
 
+from .expert_rules import EXPERT_INPUTS
+
 if TYPE_CHECKING:
     from ..layout import MeshSpec
 
@@ -168,9 +170,9 @@ def recompute_lines(plan) -> list[str]:
     return lines
 
 
-# the mixture-of-experts ops capture makes (shardfn.capture.experts): the positions of their tokens and of their
-# (first) expert weights among the op's inputs
-_EXPERT_OPS = {"MoEExperts.apply": (0, 4), "ExpertMM.apply": (0, 1)}
+# the mixture-of-experts ops as a plan names them (a Function's call: "MoEExperts.apply"), with the positions of
+# their tokens and expert weights among their inputs
+_EXPERT_OPS = {f"{op.__qualname__}.apply": at for op, at in EXPERT_INPUTS.items()}
 
 
 def _experts_text(node, mesh) -> str:

@@ -52,13 +52,19 @@ def expert_dims(cand: Candidate) -> tuple[int, ...]:
     return tuple(m for m, p in enumerate(cand.inputs[1]) if isinstance(p, Shard) and p.dim == 0)
 
 
+# each experts op's inputs: the position of its tokens and of its (first) expert weights
+EXPERT_INPUTS = {MoEExperts: (0, 4), ExpertMM: (0, 1)}
+
+
 def dispatches_tokens(node: torch.fx.Node, cand: Candidate, mesh_dims) -> bool:
     """Whether ``cand``, a candidate of an experts op, splits the experts over every one of ``mesh_dims``: there
     the tokens it reads whole are dispatched to the ranks holding their experts (their sum comes back split where
     it is read so), not gathered to run whole: data parallelism over those dims is kept."""
     target = getattr(getattr(node, "target", None), "function", None)
-    weight = {MoEExperts: 4, ExpertMM: 1}.get(target)
-    return weight is not None and all(isinstance(cand.inputs[weight][m], Shard) and cand.inputs[weight][m].dim == 0
+    if target not in EXPERT_INPUTS:
+        return False
+    weight = EXPERT_INPUTS[target][1]
+    return all(isinstance(cand.inputs[weight][m], Shard) and cand.inputs[weight][m].dim == 0
                                       for m in mesh_dims)
 
 
