@@ -74,8 +74,10 @@ class Engine:
             return compiled.captured.result(outs, tensors, objects)
         try:
             compiled, outs = self.run(key, args, kwargs, tensors, arrived, start)
+            self.programs.last_uneven.pop(key, None)
         except UnevenBatch as uneven:  # raised on every rank alike
             compiled, outs = uneven_batch.uneven_call(self, uneven.rows, args, kwargs, tensors, arrived, start)
+            self.programs.last_uneven[key] = compiled
         return compiled.captured.result(outs, tensors, objects)
 
     def run(self, key: tuple, args, kwargs, tensors: list, arrived: tuple, start,

@@ -176,11 +176,15 @@ class Programs:
         self.static_only = _Bounded()
         # a sub-mesh call's placeholder programs on a rank outside its ranks (shardfn.call.submesh), by signature
         self.outside = _Bounded()
+        # real ranks: the program the last call of this rank's batch slices ran, where the ranks' slices had other
+        # lengths (the program for their global batch: explain() cannot learn the others' rows on its own)
+        self.last_uneven = _Bounded()
 
     def clear(self) -> None:
         """Forget every program and everything remembered per signature or structure (made for a process group
         that is gone)."""
-        for kept in (self.by_signature, self.for_every_size, self.sizes_seen, self.static_only, self.outside):
+        for kept in (self.by_signature, self.for_every_size, self.sizes_seen, self.static_only, self.outside,
+                     self.last_uneven):
             kept.clear()
 
     def get(self, key: tuple) -> Compiled | None:
@@ -206,7 +210,10 @@ class Programs:
         return compiled.rejects(sizes, tensors) or compiled
 
     def that_ran(self, key: tuple, tensors: list) -> Compiled | None:
-        """The program a call of this signature runs, where one is made: its own, or the one for every size."""
+        """The program a call of this signature runs, where one is made: the last uneven call's, its own, or the
+        one for every size."""
+        if key in self.last_uneven:
+            return self.last_uneven[key]
         serving = self.serving(key, tensors)
         return self.get(key) or (serving if isinstance(serving, Compiled) else None)
 

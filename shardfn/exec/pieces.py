@@ -18,6 +18,7 @@ import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.placement_types import Partial, Placement, Shard
+from torch._prims_common import make_contiguous_strides_for
 
 from ._dtensor_internals import layout_for, layout_of, local_as, local_of
 from .run import global_stride
@@ -185,13 +186,15 @@ def contiguous(x: Any) -> Any:
 class _Contiguous(torch.autograd.Function):
     """``x`` contiguous, its piece and its global strides both, made on the piece: DTensor's contiguous() returns a
     DTensor whose global strides are contiguous as it is (its piece may not be), and its clone would propagate
-    its sharding afresh at every new size. The gradient passes as it is (a clone's), pending sums too."""
+    its sharding afresh at every new size. The gradient passes as it is (a clone's), pending sums too. The whole's
+    strides are the contiguous ones of its shape, never read off the piece: an empty piece (6 rows over 4 ranks)
+    has strides of no order, and every rank must say the same strides."""
 
     @staticmethod
     def forward(ctx, x):
         piece = local_of(x).detach().contiguous()
         return DTensor.from_local(piece, x.device_mesh, x.placements, run_check=False, shape=x.shape,
-                                  stride=global_stride(piece, x.shape, x.placements, x.device_mesh))
+                                  stride=make_contiguous_strides_for(x.shape))
 
     @staticmethod
     def backward(ctx, grad):

@@ -344,7 +344,9 @@ def _distinct(keys: list) -> tuple[list, np.ndarray]:
 
 
 def _gathers(ops, dims) -> bool:
-    return any(o.kind in ("all_gather", "all_to_all") and o.mesh_dim in dims for o in ops)
+    # an all_to_all moves the split to another dim (a transpose of the batch, a scan over it): the value stays
+    # split, each rank's bytes as they were, so it is no gather
+    return any(o.kind == "all_gather" and o.mesh_dim in dims for o in ops)
 
 
 def gathered_at(decisions, choice, found) -> list[str]:

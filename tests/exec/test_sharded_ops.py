@@ -236,7 +236,9 @@ def _on_real_ranks():
 
     for name, run in [*((n, lambda n=n: case(n)) for n in REAL_RANKS),
                       ("instance_norm_function", lambda: _instance_norm_running_stats(False)),
-                      ("instance_norm_module", lambda: _instance_norm_running_stats(True))]:
+                      ("instance_norm_module", lambda: _instance_norm_running_stats(True)),
+                      ("data_parallel_scan", lambda: _data_parallel_over_the_batch(_batch_scan, 6, real=True)),
+                      ("data_parallel_flip", lambda: _data_parallel_over_the_batch(_batch_transposed, 6, real=True))]:
         try:
             run()
         except Exception:  # noqa: BLE001 - reported per case
@@ -278,3 +280,55 @@ def test_pending_sum_read_as_pending_maximum():
         got = placed(pending_sum, (Partial("max"),), mesh)
         assert got.placements == (Replicate(),)
         torch.testing.assert_close(got.full_tensor(), x.sum())
+
+
+def _batch_scan(x):
+    return torch.cumsum(x, 0) * 2
+
+
+def _batch_transposed(x):
+    return x.transpose(0, 1).flip(1).transpose(0, 1)
+
+
+def _data_parallel_over_the_batch(fn, rows: int, real: bool = False):
+    """An op over the batch dim of data-parallel slices (a scan of the batch, a flip of it): the plan moves the
+    batch's split to another dim (all_to_all) and back, never gathering the batch (an all_to_all was priced as a
+    gather of the batch, so every rank gathered it). Each rank's slice of the outputs and gradients as eager's.
+    ``real``: on real ranks (each checks its own slice), else in a simulated world."""
+    import torch.distributed as dist
+
+    from shardfn.runtime import simulated_map
+
+    torch.manual_seed(0)
+    full = torch.randn(rows, 8)
+    ref = full.clone().requires_grad_()
+    weights = torch.linspace(-1, 1, rows * 8).reshape(rows, 8)  # the loss's, so each element's gradient differs
+    want = fn(ref)
+    (want * weights).sum().backward()
+    cut = [len(p) for p in full.chunk(4)] + [0] * (4 - len(full.chunk(4)))
+    starts = [sum(cut[:r]) for r in range(4)]
+
+    ranks = [dist.get_rank()] if real else range(4)
+
+    def mine(t):  # each rank's slice of the batch
+        if real:
+            return t[starts[ranks[0]]:starts[ranks[0]] + cut[ranks[0]]]
+        return simulated_map(t, lambda r, v: v[r][starts[r]:starts[r] + cut[r]])
+
+    x = mine(full).requires_grad_()
+    sharded = sf.shard(fn, (None,), dataset_strategy="data_parallel")
+    out = sharded(x)
+    (out * mine(weights)).sum().backward()
+    for r in ranks:
+        rows_r = slice(starts[r], starts[r] + cut[r])
+        torch.testing.assert_close(on_rank(out, r), on_rank(want, r)[rows_r], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(on_rank(x.grad, r), on_rank(ref.grad, r)[rows_r], rtol=1e-5, atol=1e-5)
+    kinds = {(c.phase, c.kind) for c in sf.explain(sharded, x).collectives}
+    assert ("forward", "all_to_all") in kinds and ("forward", "all_gather") not in kinds, kinds
+
+
+@pytest.mark.parametrize("fn", [_batch_scan, _batch_transposed], ids=["scan", "flip"])
+@pytest.mark.parametrize("rows", [8, 6])
+def test_data_parallel_op_over_the_batch_moves_its_split(fn, rows):
+    with simulated_world(4):
+        _data_parallel_over_the_batch(fn, rows)
