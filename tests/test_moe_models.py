@@ -20,7 +20,8 @@ def _simulated_slice(t):
     return local_tensor_mode().rank_map(lambda r: on_rank(t, r)[per * r: per * (r + 1)].clone())
 
 
-@pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "batched_mm")])
+# eager: the experts class's own loop over the experts hit (nonzero), run inside the captured op
+@pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "batched_mm"), ("mixtral", "eager")])
 def test_experts_split_train_like_unsharded_on_simulated_ranks(name, impl):
     with simulated_world(WORLD):
         _, split = train_and_compare(name, impl, WORLD, ranks=WORLD)
@@ -115,7 +116,7 @@ def _train_body(name, impl):
     return train_and_compare(name, impl, dist.get_world_size())
 
 
-@pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "grouped_mm")])
+@pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "grouped_mm"), ("qwen2_moe", "eager")])
 def test_experts_split_train_like_unsharded_on_real_ranks(gloo4, name, impl):
     results = gloo4.run(_train_body, name, impl)
     assert all(r == results[0] for r in results), results

@@ -1,7 +1,7 @@
 """Mixture-of-experts layers captured in a form that splits over experts exactly.
 
-transformers' experts modules (``grouped_mm`` and ``batched_mm`` implementations, gated, without biases: Mixtral,
-Qwen2-MoE, ...) are captured as one call of :class:`MoEExperts` (the tokens, their top-k experts and weights, the
+transformers' experts modules (``grouped_mm``, ``batched_mm`` and ``eager`` implementations, gated, without biases:
+Mixtral, Qwen2-MoE, ...) are captured as one call of :class:`MoEExperts` (the tokens, their top-k experts and weights, the
 experts' global ids, the two expert weights): it runs transformers' own implementation on the experts a rank holds,
 tokens routed elsewhere turned into transformers' expert-parallel sentinels (no compute, no contribution). Tokens
 are independent (a token split needs nothing) and split experts give each rank its experts' share of every token
@@ -156,7 +156,9 @@ def _run_experts(hidden, index, weights, experts, gate_up, down, act: str, impl:
     return forward(_local_experts(gate_up, down, act, n), hidden, local, weights)
 
 
-_ORIGINAL: dict = {}  # transformers' experts forwards by implementation name, as they were before capture
+# transformers' experts forwards by implementation name, as they were before capture; an experts class's own
+# ('eager': its loop over the experts hit) by "eager:<module>.<class>"
+_ORIGINAL: dict = {}
 
 
 @torch.library.custom_op("shardfn::moe_experts", mutates_args=())
@@ -224,20 +226,34 @@ def _supported(module) -> bool:
             and isinstance(getattr(module.config, "hidden_act", None), str))
 
 
+def _own_forward(module):
+    """An experts class's own forward ('eager'), which transformers' dispatch wraps (functools.wraps)."""
+    own = getattr(type(module).forward, "__wrapped__", None)
+    if own is None:
+        raise TypeError(f"{type(module).__name__}: transformers' experts dispatch without its own forward; use "
+                        "experts_implementation='grouped_mm'")
+    return own
+
+
 def _as_moe_experts(impl: str):
     def forward(module, hidden, index, weights):
         if not _supported(module):
-            return _ORIGINAL[impl](module, hidden, index, weights)
+            return (_ORIGINAL.get(impl) or _own_forward(module))(module, hidden, index, weights)
+        name = impl
+        if impl == "eager":  # the class's own loop, run inside the op (its nonzero reads the routing there)
+            name = f"eager:{type(module).__module__}.{type(module).__qualname__}"
+            _ORIGINAL[name] = _own_forward(module)
         experts = torch.arange(module.gate_up_proj.size(0), device=hidden.device)
         return MoEExperts.apply(hidden, index, weights, experts, module.gate_up_proj,
-                                module.down_proj, module.config.hidden_act, impl)
+                                module.down_proj, module.config.hidden_act, name)
 
     return forward
 
 
 @contextlib.contextmanager
 def experts_captured() -> Iterator[None]:
-    """While fn is captured, transformers' grouped_mm and batched_mm experts run as one MoEExperts call each."""
+    """While fn is captured, transformers' experts (grouped_mm, batched_mm and eager) run as one MoEExperts call
+    each: the same implementation, inside an op whose routing the trace does not read."""
     moe = sys.modules.get("transformers.integrations.moe")
     if moe is None:
         yield
@@ -246,7 +262,8 @@ def experts_captured() -> Iterator[None]:
     saved = {impl: mapping[impl] for impl in ("grouped_mm", "batched_mm") if impl in mapping}
     _ORIGINAL.update(saved)
     try:
-        mapping.update({impl: _as_moe_experts(impl) for impl in saved})
+        mapping.update({impl: _as_moe_experts(impl) for impl in (*saved, "eager")})
         yield
     finally:
+        mapping.pop("eager", None)
         mapping.update(saved)
