@@ -77,8 +77,9 @@ def _std_mean_as_sums(x, dim=None, *, correction=None, keepdim=False):
 #   gathering the batch, as data parallelism needs;
 # - group norm, whose kernels take the batch size as an argument (the global one in the graph, wrong for a
 #   rank's slice in backward): as views and statistics, it needs no such number;
-# - mean, var, std (and mse_loss's mean): as sums, they run on split pieces (a pending sum each) instead of
-#   gathering their input.
+# - mean, var, std (and the mean of mse_loss, smooth_l1_loss, soft_margin_loss, binary_cross_entropy and the
+#   margin losses, each an elementwise or per-sample loss then its reduction): as sums, they run on split pieces
+#   (a pending sum each) instead of gathering their input.
 _DECOMPOSITIONS = {
     **get_decompositions([
         torch.ops.aten.native_batch_norm, torch.ops.aten.cudnn_batch_norm, torch.ops.aten.miopen_batch_norm,
@@ -86,7 +87,9 @@ _DECOMPOSITIONS = {
         torch.ops.aten._native_batch_norm_legit_no_training, torch.ops.aten._batch_norm_with_update,
         torch.ops.aten._batch_norm_with_update_functional, torch.ops.aten._batch_norm_no_update,
         torch.ops.aten.nll_loss_forward, torch.ops.aten.nll_loss2d_forward, torch.ops.aten.native_group_norm,
-        torch.ops.aten.mse_loss]),
+        torch.ops.aten.mse_loss, torch.ops.aten.smooth_l1_loss, torch.ops.aten.soft_margin_loss,
+        torch.ops.aten.binary_cross_entropy, torch.ops.aten.multi_margin_loss,
+        torch.ops.aten.multilabel_margin_loss_forward]),
     torch.ops.aten.var_mean.correction: _var_mean_two_pass,
     torch.ops.aten.mean.dim: _mean_as_sum,
     torch.ops.aten.mean.default: lambda x, *, dtype=None: _mean_as_sum(x, dtype=dtype),

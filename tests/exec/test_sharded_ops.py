@@ -85,6 +85,18 @@ def _cdist_euclid(x1, x2):
     return torch.cdist(x1, x2)
 
 
+def _bce(x, y):
+    return F.binary_cross_entropy(torch.sigmoid(x), y)
+
+
+def _smooth_l1(x, y):
+    return F.smooth_l1_loss(x, y, beta=0.5)
+
+
+def _multi_margin(x, y):
+    return F.multi_margin_loss(x, y)
+
+
 # name: (fn, make_args, in_strategy, out_strategy, an op that must run split: (op name, its input's dim[, which
 # input, else the first]) or None)
 CASES = {
@@ -119,6 +131,14 @@ CASES = {
     "cdist_rows": (_cdist, lambda: (rand(8, 5), rand(6, 5)), ((4, 1), None), ((4, 1),), ("_cdist_forward", 0)),
     "cdist_columns": (_cdist, lambda: (rand(6, 5), rand(7, 5)), (None, (4, 1)), ((1, 4),),
                       ("_cdist_forward", 0, 1)),
+    # losses of their own kernels, mean-reduced over a split batch (gathered before: the reduction is the kernel's):
+    # decomposed as captured into the elementwise (per-sample) loss and a sum, pending over the ranks
+    # (sizes where a gather of the batch costs more than the all-reduce of a number on the CPU profile)
+    "bce_batch": (_bce, lambda: (rand(64, 4096), torch.rand(64, 4096)), ((4, 1), (4, 1)), None, ("sum", 0)),
+    "smooth_l1_batch": (_smooth_l1, lambda: (rand(64, 4096), rand(64, 4096, grad=False)), ((4, 1), (4, 1)), None,
+                        ("sum", 0)),
+    "multi_margin_batch": (_multi_margin, lambda: (rand(64, 4096), torch.randint(0, 4096, (64,))), ((4, 1), (4,)),
+                           None, ("sum", 0)),
     "cdist_batch": (_cdist_euclid, lambda: (rand(4, 6, 3), rand(4, 5, 3)), ((4, 1, 1), (4, 1, 1)), ((4, 1, 1),),
                     ("_cdist_forward", 0)),
 }
@@ -223,7 +243,7 @@ def test_instance_norm_updates_running_stats(module):
 
 # one case per cause on real ranks (each traces its program there: a few seconds apiece)
 REAL_RANKS = ("pad_circular_batch", "cumsum_last_split", "two_gathers", "quantile", "unflatten_zero", "rfft_uneven",
-              "aminmax_range", "prod_all", "cdist_columns")
+              "aminmax_range", "prod_all", "cdist_columns", "bce_batch")
 
 
 def _on_real_ranks():

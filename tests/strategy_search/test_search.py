@@ -134,3 +134,16 @@ def test_a_bad_time_limit_is_a_clear_error(monkeypatch, value):
     monkeypatch.setenv("SHARDFN_SEARCH_TIME_LIMIT", value)
     with pytest.raises(ValueError, match="SHARDFN_SEARCH_TIME_LIMIT.*positive number of seconds"):
         sf.explain(torch.mm, torch.empty(8, 4, device="meta"), torch.empty(4, 6, device="meta"), world_size=4)
+
+
+def test_a_value_made_by_new_full_from_a_value_needing_a_gradient_needs_none():
+    # binary_cross_entropy's decomposition clamps with p.new_full((), -100): that scalar carries no gradient, yet
+    # the plan reduced its pending "gradient" in backward (one all_reduce a step that exec never ran, priced)
+    def clamped_loss(x):
+        p = torch.sigmoid(x)
+        c = p.new_full((), -100.0)
+        return (torch.maximum(torch.log1p(-p), c) - torch.maximum(torch.log(p), c)).sum()
+
+    plan = sf.explain(clamped_loss, torch.empty(64, 1024, device="meta", requires_grad=True), world_size=4,
+                      in_strategy=((4, 1),))
+    assert not [c for c in plan.collectives if c.phase == "backward" and "new_full" in c.where], plan.table()
