@@ -194,7 +194,7 @@ def worker(rank, args, port, profile_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import shardfn as sf
-    from shardfn.calibrate import calibrate
+    from shardfn.training.calibrate import calibrate
     from shardfn.strategy_search.cost_model import save_profile
 
     sf.init()

@@ -1,8 +1,11 @@
 """ShardConfig: the arguments of ``shard`` (and ``explain``), checked once, frozen.
 
-Every check here is local (no communication) and runs on every rank, so a bad argument raises the same error
-everywhere. What can only be checked against a call's inputs (shapes, the number of arguments) is checked when
-the call binds them (:mod:`shardfn.call.arguments`).
+Each strategy given (in_strategy's, out_strategy's, parameter_plan's) is read here once into a
+:class:`~shardfn.layout.Strategy` (as given, and the TensorSpec it names), and in_strategy's entries are told apart
+here once (a strategy, None, or a tuple, list or dict of entries for a container argument, kept in its form); a call
+binding its arguments reads them so. Every check here is local (no communication) and runs on every rank, so a bad
+argument raises the same error everywhere. What can only be checked against a call's inputs (shapes, the number of
+arguments, the world size) is checked when the call binds them (:mod:`shardfn.call.arguments`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from .layout import Layout, TensorLayout
+from .layout import Layout, Strategy, TensorLayout
 
-__all__ = ["Precision", "ShardConfig", "check_strategy", "is_container_entry"]
+__all__ = ["Precision", "ShardConfig", "check_strategy"]
 
 DATASET_STRATEGIES = ("full_batch", "data_parallel")
 
@@ -35,20 +38,24 @@ def check_strategy(s: Any, arg: str) -> None:
         )
 
 
-def _check_entry(e: Any, arg: str) -> None:
-    """An in_strategy entry: a strategy, or (for an argument that is a container of tensors) a tuple, list or dict
-    of entries matching it. Which one it is shows when a call binds it to its argument."""
+def _strategy(s: Any, arg: str) -> Strategy | None:
+    """One tensor's strategy checked and read (:class:`Strategy`), or None."""
+    check_strategy(s, arg)
+    return None if s is None else Strategy.of(s, arg)
+
+
+def _entry(e: Any, arg: str) -> Any:
+    """An in_strategy entry read: a strategy (a :class:`Strategy`) or None, or (for an argument that is a container
+    of tensors) a tuple, list or dict of entries matching it, of the same kind. Whether it matches shows when a
+    call binds it to its argument."""
     if isinstance(e, dict):
-        for k, v in e.items():
-            _check_entry(v, f"{arg}[{k!r}]")
-    elif is_container_entry(e):
-        for i, v in enumerate(e):
-            _check_entry(v, f"{arg}[{i}]")
-    else:
-        check_strategy(e, arg)
+        return {k: _entry(v, f"{arg}[{k!r}]") for k, v in e.items()}
+    if _is_container_entry(e):
+        return type(e)(_entry(v, f"{arg}[{i}]") for i, v in enumerate(e))
+    return _strategy(e, arg)
 
 
-def is_container_entry(e: Any) -> bool:
+def _is_container_entry(e: Any) -> bool:
     """A tuple/list of entries (for a container argument), as opposed to a strategy (a tuple of ints)."""
     return isinstance(e, (tuple, list)) and bool(e) and all(
         v is None or isinstance(v, (tuple, list, dict, TensorLayout)) for v in e)
@@ -85,7 +92,7 @@ def _check_in_strategy(in_strategy: Any, fn: Callable) -> tuple | dict:
     if isinstance(in_strategy, TensorLayout):
         in_strategy = (in_strategy,)
     if isinstance(in_strategy, dict):
-        names = _parameter_names(fn)
+        names, read = _parameter_names(fn), {}
         for key, entry in in_strategy.items():
             if not isinstance(key, str):
                 raise TypeError(f"in_strategy keys must be argument names (str), got {key!r}")
@@ -93,14 +100,12 @@ def _check_in_strategy(in_strategy: Any, fn: Callable) -> tuple | dict:
                 close = difflib.get_close_matches(key, names, n=1, cutoff=0.3)
                 raise ValueError(f"in_strategy names {key!r}, which is not an argument of {_name(fn)} (its "
                                  f"arguments: {', '.join(names)})" + (f"; did you mean {close[0]!r}?" if close else ""))
-            _check_entry(entry, f"in_strategy[{key!r}]")
-        return dict(in_strategy)
+            read[key] = _entry(entry, f"in_strategy[{key!r}]")
+        return read
     if not isinstance(in_strategy, (tuple, list)):
         raise TypeError(f"in_strategy must be a tuple with one entry per positional input, or a dict {{argument "
                         f"name: entry}}; got {type(in_strategy).__name__}")
-    for i, e in enumerate(in_strategy):
-        _check_entry(e, f"in_strategy[{i}]")
-    return tuple(in_strategy)
+    return tuple(_entry(e, f"in_strategy[{i}]") for i, e in enumerate(in_strategy))
 
 
 def _check_out_strategy(out_strategy: Any) -> tuple | None:
@@ -111,9 +116,7 @@ def _check_out_strategy(out_strategy: Any) -> tuple | None:
     if not isinstance(out_strategy, (tuple, list)):
         raise TypeError(f"out_strategy must be a tuple with one entry per output tensor, got "
                         f"{type(out_strategy).__name__}")
-    for i, s in enumerate(out_strategy):
-        check_strategy(s, f"out_strategy[{i}]")
-    return tuple(out_strategy)
+    return tuple(_strategy(s, f"out_strategy[{i}]") for i, s in enumerate(out_strategy))
 
 
 def _parameter_names(fn: Callable) -> list[str] | None:
@@ -158,18 +161,18 @@ def _check_parameter_plan(module: nn.Module | None, parameter_plan: Any) -> dict
                 f"parameter_plan names an unknown parameter {raw!r} of {type(module).__name__}; "
                 f"names are relative to the module. Closest real names: {close}"
             )
-        check_strategy(strategy, f"parameter_plan[{raw!r}]")
+        read = _strategy(strategy, f"parameter_plan[{raw!r}]")
         name = canonical[name]
-        if name in plan and plan[name] != strategy:
+        if name in plan and getattr(plan[name], "given", None) != strategy:
             raise ValueError(f"parameter_plan gives {raw!r} and {given[name]!r}, one tied parameter, two different "
                              "strategies; give one")
-        plan[name], given[name] = strategy, raw
+        plan[name], given[name] = read, raw
     return plan
 
 
 def _call_ranks(strategies: list) -> tuple[int, ...] | None:
     """The ranks a call runs on: those its layouts name (all the same), or None for the whole world."""
-    named = {s.ranks: s for s in strategies if isinstance(s, TensorLayout) and s.ranks is not None}
+    named = {s.layout.ranks: s for s in strategies if s.layout is not None and s.layout.ranks is not None}
     if len(named) > 1:
         a, b = list(named.values())[:2]
         raise ValueError(f"the layouts of one shard call name different ranks: {a!r} and {b!r}; a call runs on one "
@@ -219,9 +222,9 @@ class Precision:
 class ShardConfig:
     """What a sharded callable was asked to do: shard's arguments, validated (see :func:`shardfn.shard`)."""
 
-    in_strategy: tuple | dict
-    out_strategy: tuple | None
-    parameter_plan: dict  # canonical parameter name -> strategy
+    in_strategy: tuple | dict  # entries read: Strategy or None, or a tuple, list or dict of entries
+    out_strategy: tuple | None  # Strategy or None per output
+    parameter_plan: dict  # canonical parameter name -> Strategy (or None)
     level: int
     device: str | None
     dataset_strategy: str
@@ -263,7 +266,7 @@ class ShardConfig:
                      dynamic=dynamic, recompute=recompute)
         return dataclasses.replace(config, ranks=_call_ranks(config.strategies()))
 
-    def strategies(self) -> list:
+    def strategies(self) -> list[Strategy]:
         """Every strategy given (for mesh axis names), in a fixed order."""
         found: list = []
 
@@ -271,7 +274,7 @@ class ShardConfig:
             if isinstance(e, dict):
                 for v in e.values():
                     walk(v)
-            elif is_container_entry(e):
+            elif isinstance(e, (tuple, list)):
                 for v in e:
                     walk(v)
             elif e is not None:

@@ -27,6 +27,7 @@ __all__ = [
     "Axis",
     "Layout",
     "MeshSpec",
+    "Strategy",
     "TensorLayout",
     "TensorSpec",
     "common_mesh",
@@ -202,23 +203,66 @@ def _where(arg: str, tensor: str) -> str:
     return f"{arg} (for {tensor})" if tensor else arg
 
 
+@dataclass(frozen=True)
+class Strategy:
+    """One user strategy, read once (``ShardConfig.make``): as given (what errors quote; its repr) and the
+    TensorSpec it names, which needs neither the tensor nor the world. :func:`normalize_strategy` checks it
+    against those (the tensor's dims, the world size) without reading it again."""
+
+    given: tuple | list | TensorLayout
+    spec: TensorSpec
+
+    @classmethod
+    def of(cls, strategy: "tuple | list | TensorLayout | Strategy", arg: str) -> "Strategy":
+        """``strategy`` read: its own checks (ints >= 1; a layout's axes in device-matrix order), ``arg`` naming
+        it in their errors."""
+        return strategy if isinstance(strategy, Strategy) else cls(strategy, _spec(strategy, arg))
+
+    @property
+    def layout(self) -> TensorLayout | None:
+        """The sf.Layout tensor layout given, or None for a tuple of split counts."""
+        return self.given if isinstance(self.given, TensorLayout) else None
+
+    def __repr__(self) -> str:
+        return repr(self.given)
+
+
 def normalize_strategy(
-    strategy: tuple | TensorLayout, shape: Sequence[int] | None, world_size: int, arg: str, tensor: str = ""
+    strategy: tuple | TensorLayout | Strategy, shape: Sequence[int] | None, world_size: int, arg: str,
+    tensor: str = ""
 ) -> TensorSpec:
     """Check one user strategy against its tensor's global shape and the world; return its TensorSpec.
 
     ``arg`` names the argument (``"in_strategy[0]"``) and ``tensor`` the tensor, so every error says where and
     what to change. Pure local checks: safe to run on every rank before any communication. With ``shape`` None
-    (not known yet) only the checks that do not need it run.
+    (not known yet) only the checks that do not need it run. A :class:`Strategy` (read already) is only checked.
     """
     where = _where(arg, tensor)
-    if shape is None:
-        n = len(strategy.tensor_map) if isinstance(strategy, TensorLayout) else \
-            len(strategy) if isinstance(strategy, (tuple, list)) else 0
-        shape = (0,) * n  # 0 is divisible by every split count
-    shape = tuple(shape)
+    strategy = Strategy.of(strategy, where)
+    given = strategy.given
+    n = len(given.tensor_map) if isinstance(given, TensorLayout) else len(given)
+    shape = (0,) * n if shape is None else tuple(shape)  # 0 is divisible by every split count
+    if isinstance(given, TensorLayout):
+        _check_layout(given, shape, world_size, where)
+        return strategy.spec
+    if len(given) != len(shape):
+        raise ValueError(
+            f"{where} = {tuple(given)!r} has {len(given)} entries but the tensor has {len(shape)} dims "
+            f"(shape {shape}); give one split count per dim, e.g. {(1,) * len(shape)!r}"
+        )
+    total = math.prod(given)
+    if world_size % total:
+        raise ValueError(
+            f"{where} = {tuple(given)!r} splits over {total} devices, which does not divide the world size "
+            f"{world_size}; choose split counts whose product divides {world_size}"
+        )
+    return strategy.spec  # a split that does not divide its dim makes torch.chunk's pieces
+
+
+def _spec(strategy: tuple | list | TensorLayout, where: str) -> TensorSpec:
+    """The TensorSpec a strategy names (its checks that need neither the tensor nor the world)."""
     if isinstance(strategy, TensorLayout):
-        return _layout_spec(strategy, shape, world_size, where)
+        return _layout_spec(strategy, where)
     if not isinstance(strategy, (tuple, list)):
         raise TypeError(
             f"{where} must be a tuple of split counts (one int per tensor dim), an sf.Layout(...)(...) or None; "
@@ -229,25 +273,14 @@ def normalize_strategy(
             raise TypeError(f"{where} = {tuple(strategy)!r}: every entry must be an int split count, got {s!r}")
         if s < 1:
             raise ValueError(f"{where} = {tuple(strategy)!r}: split counts must be >= 1, got {s}")
-    if len(strategy) != len(shape):
-        raise ValueError(
-            f"{where} = {tuple(strategy)!r} has {len(strategy)} entries but the tensor has {len(shape)} dims "
-            f"(shape {shape}); give one split count per dim, e.g. {(1,) * len(shape)!r}"
-        )
-    total = math.prod(strategy)
-    if world_size % total:
-        raise ValueError(
-            f"{where} = {tuple(strategy)!r} splits over {total} devices, which does not divide the world size "
-            f"{world_size}; choose split counts whose product divides {world_size}"
-        )
     dims = []
-    for d, split in enumerate(strategy):  # a split that does not divide its dim makes torch.chunk's pieces
+    for d, split in enumerate(strategy):
         stride = math.prod(strategy[d + 1 :])
         dims.append((Axis(split, stride),) if split > 1 else ())
     return TensorSpec(tuple(dims))
 
 
-def _layout_spec(layout: TensorLayout, shape: tuple[int, ...], world_size: int, where: str) -> TensorSpec:
+def _check_layout(layout: TensorLayout, shape: tuple[int, ...], world_size: int, where: str) -> None:
     total = math.prod(layout.device_matrix)
     if world_size % total:
         raise ValueError(
@@ -259,6 +292,9 @@ def _layout_spec(layout: TensorLayout, shape: tuple[int, ...], world_size: int, 
             f"{where} = {layout!r} maps {len(layout.tensor_map)} dims but the tensor has {len(shape)} dims "
             f"(shape {shape}); give one alias (or 'None') per dim"
         )
+
+
+def _layout_spec(layout: TensorLayout, where: str) -> TensorSpec:
     dims = []
     for d, names in enumerate(layout.tensor_map):
         axes = tuple(layout.axis(n) for n in names if layout.axis(n).size > 1)

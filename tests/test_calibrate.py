@@ -1,5 +1,5 @@
-"""shardfn.calibrate on 4 real gloo ranks: every rank gets the same measured profile, measured per dim of a 2 x 2
-mesh, and plans made with it (SHARDFN_PROFILE) price collectives by the measured constants."""
+"""shardfn.training.calibrate on 4 real gloo ranks: every rank gets the same measured profile, measured per dim of
+a 2 x 2 mesh, and plans made with it (SHARDFN_PROFILE) price collectives by the measured constants."""
 
 import os
 
@@ -11,7 +11,7 @@ from shardfn.strategy_search.cost_model import CPU
 
 def _calibrate_body(path):
     import shardfn as sf
-    from shardfn.calibrate import calibrate
+    from shardfn.training.calibrate import calibrate
     from shardfn.strategy_search.cost_model import save_profile
 
     profile = calibrate(repeat=3, mesh=(2, 2))

@@ -11,7 +11,9 @@ objects, in :func:`shardfn.capture.structure.split`'s order) is an input of the 
 
 An entry is a strategy (a tuple of split counts or a layout) for a tensor argument, None (the search decides, for
 a tensor or for everything inside a container), or a tuple/list/dict shaped like a container argument with an
-entry for each of its items.
+entry for each of its items. The config holds them read (:meth:`shardfn.config.ShardConfig.make`: each strategy a
+:class:`~shardfn.layout.Strategy`, told apart from a container there); binding only matches them to the arguments
+and checks each against its tensor's shape and the world.
 """
 
 from __future__ import annotations
@@ -27,15 +29,10 @@ from torch.distributed.tensor import DTensor
 from .. import _pytree_internals as pytree
 from ..capture import split_arguments
 from ..capture.structure import kept_as_is, split
-from ..config import ShardConfig, is_container_entry
-from ..layout import Axis, TensorLayout, TensorSpec, normalize_strategy, spec_of_dtensor
+from ..config import ShardConfig
+from ..layout import Axis, Strategy, TensorSpec, normalize_strategy, spec_of_dtensor
 
 __all__ = ["BoundCall", "bind", "call_key", "sizes_of", "without_batch_rows", "without_sizes"]
-
-
-def _is_strategy(e: Any) -> bool:
-    return isinstance(e, TensorLayout) or (
-        isinstance(e, (tuple, list)) and all(isinstance(v, int) and not isinstance(v, bool) for v in e))
 
 
 def _align(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str]]:
@@ -44,11 +41,11 @@ def _align(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str
     if entry is None:
         return [(None, where)] * len(split(value)[0])
     if isinstance(value, torch.Tensor):
-        if not _is_strategy(entry):
+        if not isinstance(entry, Strategy):
             raise ValueError(f"{where} is {entry!r} but {what} is one tensor; give one strategy (a tuple of split "
                              "counts or a layout) or None")
         return [(entry, where)]
-    if isinstance(value, (tuple, list)) and is_container_entry(entry):
+    if isinstance(value, (tuple, list)) and isinstance(entry, (tuple, list)):
         if len(entry) != len(value):
             raise ValueError(f"{where} has {len(entry)} entries but {what} holds {len(value)} items; give one entry "
                              "per item (None to let shardfn decide)")
@@ -59,18 +56,18 @@ def _align(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str
             raise ValueError(f"{where} names {unknown} but {what} has only the keys {list(value)}")
         return [s for k, v in value.items() for s in _align(v, entry.get(k), f"{where}[{k!r}]", f"{what}[{k!r}]")]
     if len(pytree.tree_leaves(value)) == 1 and pytree.tree_leaves(value)[0] is value:
-        if _is_strategy(entry) and hasattr(value, "__dict__") and not kept_as_is(value):
+        if isinstance(entry, Strategy) and hasattr(value, "__dict__") and not kept_as_is(value):
             return _across_object(value, entry, where, what)
         raise ValueError(f"{where} is {entry!r} but {what} is a {type(value).__name__}, not a tensor; use None")
     raise ValueError(f"{where} is {entry!r} but {what} is a {type(value).__name__}; give None, or for a tuple, "
                      "list or dict of tensors an entry of the same shape")
 
 
-def _across_object(value: Any, entry: Any, where: str, what: str) -> list[tuple[Any, str]]:
+def _across_object(value: Any, entry: Strategy, where: str, what: str) -> list[tuple[Any, str]]:
     """One strategy for an object (a KV cache, whose tensors have no entries of their own): each of its tensors
     with as many dims as the strategy names takes it; the others (a StaticCache's 0-dim counter) take the
     default, as if the entry were None. (A cache before its first call may hold its counters alone.)"""
-    n = len(entry.tensor_map) if isinstance(entry, TensorLayout) else len(entry)
+    n = len(entry.spec.dims)
     tensors = split(value)[0]
     dims = sorted({t.dim() for t in tensors if t.dim() > 0})
     if dims and n not in dims:
@@ -126,7 +123,7 @@ def _item(entry: Any, index: int) -> Any:
     """The entry of the index-th extra positional argument, from the entry given for ``*args``."""
     if entry is None:
         return None
-    if _is_strategy(entry) or not isinstance(entry, (tuple, list)):
+    if not isinstance(entry, (tuple, list)):
         raise ValueError(f"the entry for *args must be a tuple with one entry per extra positional argument, got "
                          f"{entry!r}")
     return entry[index] if index < len(entry) else None
@@ -231,7 +228,7 @@ def batch_slices(config: ShardConfig, world: int) -> int:
         return 1
     entries = list(config.in_strategy.values()) if isinstance(config.in_strategy, dict) else list(config.in_strategy)
     first = entries[0] if entries else None
-    if first is None or not _is_strategy(first):
+    if not isinstance(first, Strategy):
         return world
     spec = normalize_strategy(first, None, world, "in_strategy[0]")
     return math.prod(a.size for a in spec.dims[0]) if spec.dims else world

@@ -16,7 +16,7 @@ from ..capture import capture, split_arguments
 from ..capture.dynamic import planning_graph
 from ..capture.graph import CapturedGraph
 from ..config import ShardConfig
-from ..layout import Axis, MeshSpec, TensorLayout, TensorSpec, common_mesh, normalize_strategy
+from ..layout import Axis, MeshSpec, TensorSpec, common_mesh, normalize_strategy
 from ..progress import Progress
 from ..strategy_search import Plan, make_plan, profile_for
 from . import accumulation, parameters, submesh
@@ -122,10 +122,10 @@ def _dynamic_note(captured: CapturedGraph, dynamic: dict) -> str:
 def _alias_names(strategies) -> dict:
     """Mesh-dim names from the user's Layout aliases (used when a user axis is exactly one mesh dim)."""
     names = {}
-    for s in strategies:
-        if isinstance(s, TensorLayout):
-            for i, n in enumerate(s.alias_name):
-                names[Axis(s.device_matrix[i], math.prod(s.device_matrix[i + 1 :]))] = n
+    for layout in (given.layout for given in strategies):
+        if layout is not None:
+            for i, n in enumerate(layout.alias_name):
+                names[Axis(layout.device_matrix[i], math.prod(layout.device_matrix[i + 1 :]))] = n
     return names
 
 
@@ -133,13 +133,13 @@ def _axis_links(strategies) -> dict:
     """The links the user's Layouts give their axes ({axis: "intra"/"inter"}); Layouts that disagree on one axis
     are an error."""
     links: dict = {}
-    for s in strategies:
-        if isinstance(s, TensorLayout) and s.links is not None:
-            for i, link in enumerate(s.links):
-                axis = Axis(s.device_matrix[i], math.prod(s.device_matrix[i + 1 :]))
+    for layout in (given.layout for given in strategies):
+        if layout is not None and layout.links is not None:
+            for i, link in enumerate(layout.links):
+                axis = Axis(layout.device_matrix[i], math.prod(layout.device_matrix[i + 1 :]))
                 if links.setdefault(axis, link) != link:
                     raise ValueError(f"in_strategy: the Layouts given say both {links[axis]!r} and {link!r} for "
-                                     f"axis {s.alias_name[i]!r}; give every Layout of one call the same links")
+                                     f"axis {layout.alias_name[i]!r}; give every Layout of one call the same links")
     return links
 
 

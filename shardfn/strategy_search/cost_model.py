@@ -12,7 +12,8 @@ reduce_scatter     c + (n-1) alpha + (n-1)/n B beta      (B = input before scatt
 all_to_all         c + (n-1) alpha + (n-1)/n^2 B beta    (B = input)
 =================  ==============================================
 
-(:func:`ring_terms` holds the hops and volumes; ``shardfn.calibrate`` solves the same formulas for alpha and beta.)
+(:func:`ring_terms` holds the hops and volumes; ``shardfn.training.calibrate`` solves the same formulas for alpha
+and beta.)
 
 Each mesh dim has its own link (:class:`Link`: alpha, beta, launch cost): a profile has one within a node
 (``intra_node``: NVLink on an H100 node) and one between nodes (``inter_node``: the network). By default a mesh
@@ -76,7 +77,7 @@ class Link:
     alpha_s: float  # per-hop latency
     beta_s_per_byte: float  # inverse bandwidth per rank (1 / bus bandwidth)
     launch_s: float = 0.0  # fixed cost of issuing one collective (software, kernel launch)
-    # measured per collective kind (shardfn.calibrate): (kind, alpha_s, beta_s_per_byte), which replace alpha,
+    # measured per collective kind (shardfn.training.calibrate): (kind, alpha_s, beta_s_per_byte), which replace alpha,
     # beta and the launch cost for that kind
     per_kind: tuple[tuple[str, float, float], ...] = ()
 
@@ -105,7 +106,7 @@ class DeviceProfile:
     half_flops_per_s: float = 0.0  # bf16/fp16 matmul throughput (0: as fp32)
     tf32_flops_per_s: float = 0.0  # fp32 matmuls when TF32 is allowed (0: as fp32)
     op_s: float = 0.0  # the fixed cost of running one op (dispatch), whatever its size and split
-    # what shardfn.calibrate measured per dim of the mesh it ran on: (mesh dim, its size, its link, kind,
+    # what shardfn.training.calibrate measured per dim of the mesh it ran on: (mesh dim, its size, its link, kind,
     # alpha_s, beta_s_per_byte); each link's per_kind is the slowest of its dims
     measured_dims: tuple[tuple[int, int, str, str, float, float], ...] = ()
     # True: memory_bytes is the device's own and a plan over it is refused; False (a CPU rank: a share of its

@@ -77,6 +77,20 @@ def test_bad_entries_name_the_argument_and_the_fix(in_strategy, exc, match):
             sf.shard(blend, in_strategy=in_strategy)(rand(8, 6), (rand(8, 6), rand(8, 6)), {"w": rand(6), "b": rand(6)})
 
 
+def test_strategies_are_read_once_when_shard_is_called():
+    """shard() reads each strategy into a Strategy (its TensorSpec) and tells containers from strategies; a call
+    binds what it read. A check that needs neither the tensor nor the world raises at shard(), naming the entry."""
+    from shardfn.layout import Axis, Strategy, TensorSpec
+
+    sharded = sf.shard(blend, in_strategy=((4, 1), ((4, 1), None), {"w": (2,)}))
+    x, pair, weights = sf.engine_of(sharded).config.in_strategy
+    assert isinstance(x, Strategy) and x.spec == TensorSpec(((Axis(4, 1),), ())) and repr(x) == "(4, 1)"
+    assert type(pair) is tuple and pair[1] is None and isinstance(pair[0], Strategy)
+    assert isinstance(weights["w"], Strategy) and weights["w"].given == (2,)
+    with pytest.raises(ValueError, match=r"in_strategy\[1\]\[0\] = \(0, 1\): split counts must be >= 1"):
+        sf.shard(blend, in_strategy=((4, 1), ((0, 1), None), None))
+
+
 def test_keyword_tensors_in_data_parallel_are_batch_slices():
     from torch.distributed._local_tensor import local_tensor_mode
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from . import runtime
-from .layout import TensorLayout, common_mesh, normalize_strategy, to_placements
+from .. import runtime
+from ..layout import TensorLayout, common_mesh, normalize_strategy, to_placements
 
 __all__ = ["outside_placeholder", "reshard", "transfers"]
 
