@@ -7,7 +7,7 @@
 from .api import ShardedFunction, ShardedModule, engine_of, explain, no_sync, shard, shard_optimizer
 from .capture import CaptureError
 from .layout import Layout
-from .training.reshard import reshard
+from .call.reshard import reshard
 from .show import show
 from .runtime import init
 from .strategy_search import Plan

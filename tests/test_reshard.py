@@ -13,7 +13,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 import shardfn as sf
 from shardfn import runtime
 from shardfn.layout import MeshSpec, mesh_axes
-from shardfn.training.reshard import region, transfers
+from shardfn.call.reshard import region, transfers
 
 
 def _mesh(ranks, shape, names=("a", "b")):

@@ -24,7 +24,7 @@ from .._mesh_internals import mesh_without_groups
 from ..config import ShardConfig
 from ..layout import Layout, TensorLayout, common_mesh, normalize_strategy, to_placements
 from .programs import Compiled, Planned
-from ..training.reshard import outside_placeholder, reshard
+from .reshard import outside_placeholder, reshard
 from ..strategy_search.plan import Collective
 
 __all__ = ["arrival_records", "arrive", "outside_call", "placeholders"]

@@ -23,7 +23,7 @@ from torch.distributed.tensor import Shard
 from .. import runtime
 from ..capture import split_arguments
 from ..layout import MeshSpec, TensorSpec, to_placements
-from ..training.reshard import region
+from .reshard import region
 from ..strategy_search import profile_for
 from .arguments import bind
 from .planning import call_mesh, param_specs

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from ..training.reshard import region
+from ..call.reshard import region
 from ..strategy_search._summary import (collective_module, experts_lines, folded_layers, layer_of, mesh_text,
                                         placements_text, recompute_lines)
 from ..strategy_search.policy import level_policy
