@@ -8,13 +8,14 @@ method 1.1 us, on a 2-core CPU). A graph of a few hundred small ops, a decoding 
 world of one, spends a third of its time in that conversion: on a GPU, such a step is bound by how fast ops are
 launched.
 
-:func:`direct_calls` gives a copy of a graph whose ops of the table below are called through their bindings.
-The table holds only ops whose binding takes the schema's arguments as the graph passes them (positional ones in
-order, keyword-only ones by name) and reaches the very overload the graph names for them: the function variant
-(``torch.<op>``, or ``torch._C._nn.<op>``) or the method (``x.<op>``); the result, its autograd and its dtype
-are the op's own. Ops outside the table (random ones, in-place ones, those without a binding such as
-``_unsafe_view`` or ``slice.Tensor``, those whose binding takes other arguments) keep their OpOverload call. The
-copy runs only: plans, explain and traces read the graph itself.
+:func:`direct_calls` gives a copy of a graph whose ops of a table are called through their bindings: the table is
+the rule registry's (:mod:`shardfn.strategy_search.registry`, ``REGISTRY.binding``). It holds only ops whose
+binding takes the schema's arguments as the graph passes them (positional ones in order, keyword-only ones by name)
+and reaches the very overload the graph names for them: the function variant (``torch.<op>``, or
+``torch._C._nn.<op>``) or the method (``x.<op>``); the result, its autograd and its dtype are the op's own. Ops
+outside the table (random ones, in-place ones, those without a binding such as ``_unsafe_view`` or
+``slice.Tensor``, those whose binding takes other arguments) keep their OpOverload call. The copy runs only: plans,
+explain and traces read the graph itself.
 """
 
 from __future__ import annotations
@@ -22,37 +23,16 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..strategy_search.registry import REGISTRY
+
 __all__ = ["direct_calls"]
-
-# op packet name -> where its binding is: "function" (torch's variable functions, else torch._C._nn) or "method"
-_BINDINGS: dict[str, str] = {
-    **dict.fromkeys((
-        # matrix products and attention
-        "mm", "bmm", "addmm", "baddbmm", "embedding",
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-        # elementwise
-        "add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "log", "tanh", "sigmoid", "sin", "cos",
-        "abs", "reciprocal", "maximum", "minimum", "clamp", "erf", "where", "rsub", "relu",
-        "le", "lt", "ge", "gt", "eq", "ne", "bitwise_and", "bitwise_or", "bitwise_not", "logical_not",
-        # reductions, normalizations, joins
-        "mean", "sum", "amax", "_softmax", "_log_softmax", "native_layer_norm", "cat", "stack", "clone",
-        # views
-        "transpose", "unsqueeze", "squeeze", "t", "permute", "select", "detach",
-        # factories
-        "scalar_tensor", "arange", "full", "zeros", "ones", "empty",
-    ), "function"),
-    **dict.fromkeys(("silu", "gelu"), "nn"),
-    **dict.fromkeys(("view", "expand", "new_ones", "new_zeros", "new_empty", "new_full"), "method"),
-}
-
 
 def _binding(op: torch._ops.OpOverload):
     """How to call ``op`` directly: ("call_function", the binding) or ("call_method", its name); None to keep it."""
     if not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
         return None
     name = op.overloadpacket.__name__
-    where = _BINDINGS.get(name)
+    where = REGISTRY.binding(name)  # "function" (torch's variable functions), "nn" (torch._C._nn), "method"
     if where is None:
         return None
     if where == "method":

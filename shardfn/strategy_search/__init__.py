@@ -1,6 +1,7 @@
 """Stage 2: CapturedGraph + PlanRequest -> Plan."""
 
-from . import expert_rules, rules  # noqa: F401 - shardfn's own rules and checks, registered with the candidates
+# shardfn's own rules and checks, and its rules in DTensor's form, registered with the one registry (registry)
+from . import dtensor_rules, expert_rules, rules  # noqa: F401
 from .cost_model import CPU, H100, DeviceProfile, profile_for
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
 from .request import InputRequest, OutputRequest, PlanRequest

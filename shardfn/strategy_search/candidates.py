@@ -2,7 +2,8 @@
 
 Where they come from, first match wins:
 
-1. shardfn's own rules (:mod:`.rules`), registered with :func:`register_rule` (ops DTensor has no right rule for);
+1. shardfn's own rules (:mod:`.rules`), registered with :func:`register_rule` (ops DTensor has no right rule for)
+   in the one registry of rules (:mod:`.registry`), which also keeps the candidates found between plans;
 2. DTensor's registered op strategies, through :mod:`._dtensor_adapter`;
 3. the replicated fallback (Paddle's replicated SPMD rule): every input and output replicated, the op run on
    whole tensors by every rank. Correct for any op, never parallel; the ops that use it are named in one warning.
@@ -19,7 +20,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx
@@ -27,10 +28,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from .. import _pytree_internals as pytree
-from ..capture.functions import FunctionCall
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
 from .empty_pieces import runs_on_empty_pieces
-from .lru import LRU
+from .registry import REGISTRY
 
 __all__ = [
     "RANDOM_FILLS",
@@ -73,14 +73,8 @@ def _outputs_of(val: Any) -> list[torch.Tensor | None]:
     return [None]
 
 
-# Random fills that read only their input's shape. exec draws them whole on every rank from the shared generator
-# state and slices, so a seed gives the same numbers whatever the layout (and the same as single-device eager).
-# Other seeded random ops (they read values) run replicated.
-RANDOM_FILLS = {
-    aten.bernoulli.p, aten.uniform.default, aten.normal_functional.default, aten.rand_like.default,
-    aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype, aten.exponential.default,
-    aten.random.default, aten.random.to,
-}
+# Random fills that read only their input's shape (drawn whole from the seed and sliced): the registry's table
+RANDOM_FILLS = REGISTRY.random_fills()
 
 
 def _seeded(op) -> bool:
@@ -89,35 +83,9 @@ def _seeded(op) -> bool:
 
 # --- own rules ----------------------------------------------------------------------------------------------
 
-_RULES: dict[Any, Callable[[torch.fx.Node, DeviceMesh], list[Candidate]]] = {}
-
-
-def register_rule(*ops):
-    """Register ``fn(node, mesh) -> list[Candidate]`` (None: no rule for this node) as the rule for ``ops``
-    (checked before DTensor's). An op may also be a torch.autograd.Function class: the rule of its calls in fn
-    (which then run as ``rule="local"`` candidates say: the Function called on each rank's pieces)."""
-
-    def deco(fn):
-        for op in ops:
-            _RULES[op] = fn
-        return fn
-
-    return deco
-
-
-_CHECKS: dict[Any, Callable[[torch.fx.Node, DeviceMesh, Candidate], bool]] = {}
-
-
-def register_check(*ops):
-    """Register ``fn(node, mesh, candidate) -> bool`` to keep only the DTensor candidates of ``ops`` it accepts
-    (where DTensor's rule is wrong for some shapes)."""
-
-    def deco(fn):
-        for op in ops:
-            _CHECKS[op] = fn
-        return fn
-
-    return deco
+# the registry's decorators (registry.register_rule, register_check), here too where they were first
+register_rule = REGISTRY.register_rule
+register_check = REGISTRY.register_check
 
 
 def _per_mesh_dim(mesh: DeviceMesh, choices: list[tuple[Placements | None, tuple[Placement, ...]]], rule: str):
@@ -131,20 +99,11 @@ def _per_mesh_dim(mesh: DeviceMesh, choices: list[tuple[Placements | None, tuple
     return out
 
 
-def _rule(target) -> Callable | None:
-    """The own rule of ``target``: one registered for it, or for a Function call, one registered for the Function
-    class, else the rule of Function calls."""
-    rule = _RULES.get(target)
-    if rule is None and isinstance(target, FunctionCall):
-        rule = _RULES.get(target.function, _RULES.get(FunctionCall))
-    return rule
-
-
 # --- assembling ---------------------------------------------------------------------------------------------
 
-# DTensor's (and the own rules') answers per op, argument shapes and mesh, kept between plans: one shared list
-# per key, so identical layers share candidate lists (and what is priced per list)
-_CACHE = LRU(8192)
+# DTensor's (and the own rules') answers per op, argument shapes and mesh are kept between plans by the registry
+# (REGISTRY.candidates): one shared list per key, so identical layers share candidate lists (and what is priced
+# per list)
 
 
 def _key(node: torch.fx.Node, mesh: DeviceMesh):
@@ -196,7 +155,7 @@ def _from_dtensor(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | No
             continue
         ins = tuple(tuple(Replicate() if is_local_from_replicate(p) else p for p in pl) for pl in ins)
         cands.append(Candidate(outs, ins, "dtensor"))
-    check = _CHECKS.get(node.target)
+    check = REGISTRY.check(node.target)
     if check is not None:
         cands = [c for c in cands if check(node, mesh, c)]
     return cands or None
@@ -210,10 +169,10 @@ def _replicated(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
 
 def _rules_say(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
     """The candidates the rules give ``node`` (None: no rule)."""
-    rule = _rule(node.target)
+    rule = REGISTRY.rule(node.target)
     if rule is not None:
         return rule(node, mesh)
-    if _seeded(node.target) and node.target not in RANDOM_FILLS:
+    if _seeded(node.target) and not REGISTRY.is_random_fill(node.target):
         return _replicated(node, mesh)
     if not tensor_inputs(node):
         # factory ops (zeros, arange, ...): made whole on every rank and sliced to any layout
@@ -228,8 +187,8 @@ def _rules_say(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
 
 def node_candidates(node: torch.fx.Node, mesh: DeviceMesh, fallbacks: set[str]) -> list[Candidate]:
     """Candidates of a call_function node. Ops that fall back to replication are added to ``fallbacks``."""
-    cands = _CACHE.get(_key(node, mesh), lambda: runs_on_empty_pieces(node, tensor_inputs(node), mesh,
-                                                                          _rules_say(node, mesh)))
+    cands = REGISTRY.candidates(_key(node, mesh), lambda: runs_on_empty_pieces(node, tensor_inputs(node), mesh,
+                                                                                _rules_say(node, mesh)))
     if cands is None:
         fallbacks.add(str(node.target))
         return _replicated(node, mesh)
@@ -238,8 +197,8 @@ def node_candidates(node: torch.fx.Node, mesh: DeviceMesh, fallbacks: set[str]) 
 
 def input_candidates(shape: tuple[int, ...], mesh: DeviceMesh) -> list[Candidate]:
     """A graph input the user left open: any Replicate/Shard layout of its shape (one shared list per shape)."""
-    return _CACHE.get(("input", tuple(shape), tuple(mesh.shape)),
-                      lambda: [Candidate((p,), (), "input") for p in valid_placements(shape, mesh)])
+    return REGISTRY.candidates(("input", tuple(shape), tuple(mesh.shape)),
+                               lambda: [Candidate((p,), (), "input") for p in valid_placements(shape, mesh)])
 
 
 class ReplicatedFallbackWarning(UserWarning):

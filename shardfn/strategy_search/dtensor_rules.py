@@ -11,46 +11,28 @@ tests/strategy_search/test_rule_truth.py. Each rule lists, per mesh dim, (output
 None for non-tensor arguments.
 
 DTensor's registry is process-wide and shardfn's programs run through DTensor's dispatch, so the rules must be
-there while shardfn plans and runs: they are registered by :func:`register`, which the search calls the first
-time it builds a problem (not at import: importing shardfn leaves DTensor as it is), and they stay registered
-(they only add rules for ops DTensor would refuse or run whole; other code's DTensors then take them too).
+there while shardfn plans and runs: each is registered with :data:`.registry.REGISTRY`
+(``register_dtensor_rule``, aliased ``_lacking`` here), which keeps it pending until :func:`register`
+(``REGISTRY.register_in_dtensor``), called by the search the first time it builds a problem (not at import:
+importing shardfn leaves DTensor as it is); then they stay registered (they only add rules for ops DTensor would
+refuse or run whole; other code's DTensors then take them too).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor.experimental import register_sharding
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from ._dtensor_adapter import has_dtensor_rule
+from .registry import REGISTRY
 
 aten = torch.ops.aten
 R = Replicate()
 
 __all__ = ["REGISTERED", "register"]
 
-REGISTERED: list = []  # the ops registered so far
-_PENDING: list = []  # (ops, rule) not yet registered
-
-
-def _lacking(*ops):
-    """The decorated rule, for those of ``ops`` DTensor has no rule for (registered by :func:`register`)."""
-
-    def deco(fn):
-        _PENDING.append((ops, fn))
-        return fn
-
-    return deco
-
-
-def register() -> None:
-    """Put the rules in DTensor's registry, once, for the ops it lacks."""
-    while _PENDING:
-        ops, fn = _PENDING.pop(0)
-        missing = [op for op in ops if not has_dtensor_rule(op)]
-        if missing:
-            register_sharding(missing)(fn)
-            REGISTERED.extend(missing)
+REGISTERED: list = REGISTRY.registered_in_dtensor  # the ops registered so far (the registry's list)
+register = REGISTRY.register_in_dtensor  # put the pending rules in DTensor's registry, once, for the ops it lacks
+_lacking = REGISTRY.register_dtensor_rule  # the decorated rule, for those of its ops DTensor has no rule for
 
 
 def _ndim(x) -> int:

@@ -20,13 +20,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import _pytree_internals as pytree
 from .._simulation_internals import not_simulated
 from ._dtensor_adapter import local_shapes
-from .lru import LRU
+from .registry import REGISTRY
 
 __all__ = ["runs_on_empty_pieces"]
 
 # a probe allocates the empty rank's other pieces: bounded, beyond it the candidate is kept untried
 _MAX_PROBE_ELEMENTS = 1 << 20
-_RUNS = LRU(1024)  # (op, argument shapes) -> whether the op runs on them
+_RUNS = REGISTRY.memo("runs_on_empty_pieces", 1024)  # (op, argument shapes) -> whether the op runs on them
 
 
 def _maybe_empty(shape, placements, mesh: DeviceMesh) -> bool:

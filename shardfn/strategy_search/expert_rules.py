@@ -24,7 +24,8 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..capture.experts import ExpertMM, MoEExperts
 from ._dtensor_adapter import valid_placements
-from .candidates import Candidate, _per_mesh_dim, register_rule, tensor_inputs
+from .candidates import Candidate, _per_mesh_dim, tensor_inputs
+from .registry import register_rule
 
 R = Replicate()
 

@@ -22,6 +22,7 @@ from .buckets import bucket_bytes
 from .candidates import Candidate
 from .expert_rules import dispatches_tokens
 from .problem import Decision, StrategyProblem
+from .registry import REGISTRY
 
 __all__ = ["Pricing", "Terms", "gathered_at", "gradient_copies", "gradient_handed_back", "node_collectives",
            "parameter_copies", "passes_on", "pending"]
@@ -355,11 +356,6 @@ def gathered_at(decisions, choice, found) -> list[str]:
             f"{decisions[v].name}" for u, v, m in found if m[choice[u], choice[v]]]
 
 
-# ops whose gradient is their input's, reshaped: a gradient reduced after them is the input's own
-_RESHAPES = (torch.ops.aten.t.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-             torch.ops.aten.transpose.int, torch.ops.aten.permute.default)
-
-
 @dataclass(frozen=True)
 class _BucketShare:
     """The part of its collective's fixed costs a gradient's reduction bears once exec fuses it into a bucket of
@@ -385,7 +381,7 @@ class _BucketShare:
 def gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:
     """The graph input whose gradient, as it leaves the program (no other reader adds to it), is what is
     reduced where ``node`` is read; else None. Exec fuses those reductions into buckets."""
-    while node.op == "call_function" and node.target in _RESHAPES and len(node.users) == 1:
+    while node.op == "call_function" and REGISTRY.reshapes_gradient(node.target) and len(node.users) == 1:
         node = node.args[0]
     return node if node.op == "placeholder" and len(node.users) == 1 else None
 

@@ -20,7 +20,6 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from .. import _pytree_internals as pytree
 from ..capture.graph import CapturedGraph, checkpoint_region, is_getitem
 from . import cost_model as cm
-from . import dtensor_rules
 from .candidates import (
     Candidate,
     input_candidates,
@@ -29,11 +28,11 @@ from .candidates import (
     tensor_inputs,
     warn_fallbacks,
 )
+from .registry import REGISTRY
 from .request import PlanRequest
 
 __all__ = ["Decision", "StrategyProblem", "build_problem", "computed_from", "splits"]
 
-aten = torch.ops.aten
 Placements = tuple[Placement, ...]
 
 
@@ -88,7 +87,7 @@ class CandidateLists:
 
 def build_problem(captured: CapturedGraph, mesh: DeviceMesh, request: PlanRequest,
                   lists: CandidateLists) -> StrategyProblem:
-    dtensor_rules.register()  # (the first time: DTensor's own registry, which the programs' dispatch reads too)
+    REGISTRY.register_in_dtensor()  # (the first time: DTensor's own registry, which the programs' dispatch reads)
     mesh_shape = tuple(mesh.shape)
     fixed_inputs = request.fixed()
     decisions: list[Decision] = []
@@ -286,17 +285,10 @@ def _recomputed(captured: CapturedGraph) -> frozenset[torch.fx.Node]:
         region := checkpoint_region(n)) is not None and all(checkpoint_region(u) == region for u in n.users))
 
 
-# ops every model leans on: running one of them replicated because its rule could not be read would make every
-# plan silently serial, so that is an error naming the torch release instead
-_CORE_OPS = {str(op) for op in (
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.native_layer_norm.default,
-    aten.embedding.default, aten._softmax.default, aten._log_softmax.default, aten.sum.dim_IntList,
-    aten.mean.dim, aten.add.Tensor, aten.mul.Tensor, aten.view.default, aten.t.default, aten.transpose.int,
-)}
-
-
 def _check_core_rules(fallbacks: set[str]) -> None:
-    missing = sorted(fallbacks & _CORE_OPS)
+    # ops every model leans on (the registry's table): replicating one for want of its rule would make every plan
+    # silently serial, so that is an error naming the torch release instead
+    missing = sorted(fallbacks & REGISTRY.core_ops())
     if missing:
         raise RuntimeError(
             f"shardfn could not read DTensor's sharding rules for {', '.join(missing)} in torch {torch.__version__}: "

@@ -31,14 +31,13 @@ from .pricing import (
     pending,
 )
 from .problem import StrategyProblem, computed_from, splits
+from .registry import REGISTRY
 from .request import PlanRequest
 from .run_modes import run_mode
 from .saved import saved_until
 from .solver import Solution
 
 __all__ = ["OverBudget", "read_plan"]
-
-aten = torch.ops.aten
 
 
 def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, terms: Terms,
@@ -228,11 +227,6 @@ def _shapes(node: torch.fx.Node) -> tuple[tuple[int, ...] | None, ...]:
                  for v in (vals if isinstance(vals, (list, tuple)) else [vals]))
 
 
-# inputs an op's backward does not read: terms it only adds (a bias, either side of a sum)
-_ADDED = {aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.addmm.default: (0,), aten.baddbmm.default: (0,),
-          aten.addbmm.default: (0,)}
-
-
 def _read_in_backward(node: torch.fx.Node | None, slot: int, needs_grad: set) -> bool:
     """Does the backward of ``node``'s op read its tensor input ``slot``? Where another input needs a gradient (a
     weight is read for its input's gradient), unless the op only adds that input. A view's backward reads
@@ -242,7 +236,7 @@ def _read_in_backward(node: torch.fx.Node | None, slot: int, needs_grad: set) ->
     if cm.is_view_op(node) or is_getitem(node):
         return any(_read_in_backward(user, k, needs_grad) for user in node.users
                    for k, a in enumerate([node] if is_getitem(user) else tensor_inputs(user)) if a is node)
-    if slot in _ADDED.get(node.target, ()):
+    if slot in REGISTRY.added_inputs(node.target):  # terms it only adds (a bias, either side of a sum)
         return False
     return any(a in needs_grad for k, a in enumerate(tensor_inputs(node)) if k != slot)
 

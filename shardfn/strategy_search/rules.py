@@ -1,4 +1,5 @@
-"""shardfn's own sharding rules, next to each other, and its checks on DTensor's rules.
+"""shardfn's own sharding rules, next to each other, and its checks on DTensor's rules, each registered by
+decorator (``register_rule``, ``register_check``) in the one registry of rules (:mod:`.registry`).
 
 Every rule and check here is proven against ground truth by tests/strategy_search/test_rule_truth.py: inputs laid
 out as a candidate says, the op run on each rank's pieces, the pieces assembled and compared with the whole op.
@@ -17,8 +18,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from .. import _pytree_internals as pytree
 from ..capture.functions import FunctionCall
 from ._dtensor_adapter import has_dtensor_rule, local_shapes, valid_placements
-from .candidates import (RANDOM_FILLS, Candidate, _from_dtensor, _per_mesh_dim, register_check, register_rule,
-                         replicated_candidates, tensor_inputs)
+from .candidates import Candidate, _from_dtensor, _per_mesh_dim, replicated_candidates, tensor_inputs
+from .registry import REGISTRY, register_check, register_rule
 
 aten = torch.ops.aten
 R = Replicate()
@@ -372,7 +373,7 @@ def _cdist_backward(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
 
 # --- random fills -------------------------------------------------------------------------------------------
 
-@register_rule(*RANDOM_FILLS)
+@register_rule(*REGISTRY.random_fills())
 def _random_fill(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     # drawn whole and sliced: any layout, the shape-carrying input in the same layout (no communication)
     n_in = len(tensor_inputs(node))

@@ -21,10 +21,10 @@ import torch.fx
 from torch.distributed.tensor.placement_types import Partial
 
 from ..capture.graph import is_view
+from .registry import REGISTRY
 
 __all__ = ["RUN_MODES", "run_mode", "runs_on_pieces", "view_on_pieces"]
 
-aten = torch.ops.aten
 RUN_MODES = ("factory", "random", "local", "pieces", "piece_view", "dtensor", "input", "output")
 
 
@@ -41,38 +41,26 @@ def run_mode(node: torch.fx.Node, rule: str, inputs, outputs, graph_writes: bool
     return "dtensor"
 
 
-# ops DTensor runs on its operands' pieces as they are, given the placements its strategy asks for (besides the
-# pointwise ones; their list arguments are dims or operands, not sizes): the interpreter runs them so itself,
-# without DTensor's sharding propagation on every call. Views apart (_PIECE_VIEWS): a view hands the pending sum of
-# its gradient on as it is (DTensor's view rules), where a piece's view between to_local and from_local would
-# resolve it first
-_ON_PIECES = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten._softmax.default,
-              aten._log_softmax.default, aten._softmax_backward_data.default,
-              aten._log_softmax_backward_data.default, aten.clone.default, aten._to_copy.default,
-              aten.cat.default, aten.sum.dim_IntList, aten.native_layer_norm.default,
-              aten.native_layer_norm_backward.default, aten.embedding.default, aten.gather.default,
-              aten.sum.default}
-_SUMS = {aten.sum.default, aten.sum.dim_IntList}
 _PLAIN = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format, type(None))
 
 
 def runs_on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
     """Whether ``node`` (run by DTensor's rule at these planned placements) computes each rank's piece of its
     results from its operands' pieces alone, so the interpreter may run it on them directly: a pointwise op, or
-    one of those above, on tensors and plain values, no pending sum in or out (whose gradient the pieces would not
-    give)."""
+    one the registry's table runs on pieces (REGISTRY.runs_on_pieces), on tensors and plain values, no pending
+    sum in or out (whose gradient the pieces would not give; a sum of REGISTRY.sums_on_pieces may leave one)."""
     op = node.target
     if not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable:
         return False
-    listed = op in _ON_PIECES
+    listed = REGISTRY.runs_on_pieces(op)
     if not (listed or torch.Tag.pointwise in op.tags) or is_view(op):
         return False
     if not outputs or any(pl is None for pl in outputs) or any(p.is_partial() for pl in inputs for p in pl):
         return False
     # a sum left pending: each rank sums its piece, and the gradient (whole: GradSettled) expands onto the piece.
     # Not an average's: a piece's mean divides its gradient by the piece's count, not the whole's
-    if any(p.is_partial() for pl in outputs for p in pl) and not (
-            op in _SUMS and all(p == Partial("sum") for pl in outputs for p in pl if p.is_partial())):
+    if any(p.is_partial() for pl in outputs for p in pl) and not (REGISTRY.sums_on_pieces(op) and all(
+            p == Partial("sum") for pl in outputs for p in pl if p.is_partial())):
         return False
 
     def plain(a) -> bool:
@@ -83,17 +71,13 @@ def runs_on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
     return all(plain(a) for a in (*node.args, *node.kwargs.values()))
 
 
-# views DTensor runs on its operand's piece, the size argument rewritten to the result's piece: exec runs them so
-# itself (its _ViewOfPiece), where the planned placements say DTensor's rule would
-_PIECE_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default, aten.transpose.int,
-                aten.t.default, aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor,
-                aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.detach.default,
-                aten.alias.default}
-
 def view_on_pieces(node: torch.fx.Node, inputs, outputs) -> bool:
-    """Whether ``node`` is a view the interpreter may run on its operand's piece: one of those above on one tensor,
-    its other arguments plain, no pending sum in or out (a pending sum of the gradient passes: _ViewOfPiece)."""
-    if node.target not in _PIECE_VIEWS or not outputs or any(pl is None for pl in outputs) or len(inputs) != 1:
+    """Whether ``node`` is a view the interpreter may run on its operand's piece: one of the registry's
+    (REGISTRY.view_on_pieces) on one tensor, its other arguments plain, no pending sum in or out (a pending sum of
+    the gradient passes: _ViewOfPiece)."""
+    if not REGISTRY.view_on_pieces(node.target) or not outputs or any(pl is None for pl in outputs):
+        return False
+    if len(inputs) != 1:
         return False
     if any(p.is_partial() for pl in (*inputs, *outputs) for p in pl):
         return False

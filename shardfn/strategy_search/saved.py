@@ -5,7 +5,8 @@ backward reads it) has run; a value no backward reads goes after its last forwar
 derivative formulas' in outline (AOTAutograd's partitioner may save less, recomputing cheap ops): an op's
 backward reads an input where another input needs a gradient (a weight is read for its input's gradient), or
 where the op is not linear in it and it needs a gradient itself (gelu's input); ops that only move, add or
-convert their inputs read none; a few ops read their own output (softmax, tanh, attention).
+convert their inputs read none; a few ops read their own output (softmax, tanh, attention). Which ops are which
+are the registry's tables (:mod:`.registry`: added_inputs, moves_gradient, linear_in_each, reads_output).
 """
 
 from __future__ import annotations
@@ -16,29 +17,9 @@ import torch.fx
 from ..capture.graph import is_getitem
 from .candidates import tensor_inputs
 from .cost_model import is_view_op
+from .registry import REGISTRY
 
 __all__ = ["backward_readers", "reads_input", "saved_until"]
-
-aten = torch.ops.aten
-
-# inputs an op only adds: its backward does not read them
-_ADDED = {aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.addmm.default: (0,), aten.baddbmm.default: (0,),
-          aten.addbmm.default: (0,)}
-# ops linear in each input, their backward reads none (it moves, sums or converts the output's gradient)
-_MOVES = {aten.cat.default, aten.stack.default, aten.clone.default, aten._to_copy.default, aten.neg.default,
-          aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim, aten.expand.default,
-          aten.repeat.default, aten.add.Tensor, aten.sub.Tensor, aten.constant_pad_nd.default}
-# ops linear in each input alone: their backward reads an input only for another input's gradient
-_BILINEAR = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default, aten.mul.Tensor,
-             aten.mul.Scalar, aten.div.Scalar, aten.embedding.default, aten.convolution.default,
-             aten.index_select.default, aten.gather.default, aten.where.self, aten.masked_fill.Scalar,
-             aten.nll_loss_forward.default}
-# ops whose backward reads their own output (all of a tuple's: attention's output and log-sum-exp)
-_READS_OUTPUT = {aten.tanh.default, aten.sigmoid.default, aten.exp.default, aten.rsqrt.default, aten.sqrt.default,
-                 aten.relu.default, aten._softmax.default, aten._log_softmax.default,
-                 aten._scaled_dot_product_flash_attention_for_cpu.default,
-                 aten._scaled_dot_product_efficient_attention.default,
-                 aten._scaled_dot_product_flash_attention.default}
 
 
 def saved_until(nodes: list[torch.fx.Node], needs_grad: set) -> dict[torch.fx.Node, torch.fx.Node]:
@@ -49,7 +30,7 @@ def saved_until(nodes: list[torch.fx.Node], needs_grad: set) -> dict[torch.fx.No
         if v.op != "call_function" or is_view_op(v) or is_getitem(v):
             continue
         readers = backward_readers(v, needs_grad)
-        if v.target in _READS_OUTPUT and v in needs_grad:
+        if REGISTRY.reads_output(v.target) and v in needs_grad:
             readers.append(v)
         if readers:
             until[v] = min(readers, key=order.__getitem__)
@@ -72,9 +53,10 @@ def backward_readers(v: torch.fx.Node, needs_grad: set) -> list[torch.fx.Node]:
 
 def reads_input(node: torch.fx.Node, slot: int, needs_grad: set) -> bool:
     """Does the backward of ``node``'s op read its tensor input ``slot``?"""
-    if node.target in _MOVES or slot in _ADDED.get(node.target, ()):
+    if REGISTRY.moves_gradient(node.target) or slot in REGISTRY.added_inputs(node.target):
         return False
     inputs = tensor_inputs(node)
     if any(a in needs_grad for k, a in enumerate(inputs) if k != slot):
         return True
-    return node.target not in _BILINEAR and node.target not in _READS_OUTPUT and inputs[slot] in needs_grad
+    return (not REGISTRY.linear_in_each(node.target) and not REGISTRY.reads_output(node.target)
+            and inputs[slot] in needs_grad)

@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from shardfn.exec.direct_calls import _BINDINGS, direct_calls
+from shardfn.exec.direct_calls import direct_calls
+from shardfn.strategy_search.registry import REGISTRY
 
 # table ops a CPU trace of the function below does not reach: attention kernels of CUDA (tests/test_cuda.py runs
 # them), factories whose values are undefined (empty, new_empty), and detach (which later releases' make_fx drops)
@@ -50,7 +51,8 @@ def test_ops_called_through_their_bindings_give_the_graphs_own_results_and_gradi
     direct = direct_calls(gm)
     called = {n.target if n.op == "call_method" else n.target.__name__ for n in direct.graph.nodes
               if n.op in ("call_method", "call_function") and not isinstance(n.target, torch._ops.OpOverload)}
-    assert set(_BINDINGS) - called <= _NOT_REACHED, f"table ops not exercised: {set(_BINDINGS) - called - _NOT_REACHED}"
+    table = set(REGISTRY.bindings())
+    assert table - called <= _NOT_REACHED, f"table ops not exercised: {table - called - _NOT_REACHED}"
     out, grads = _run(gm, _inputs())
     out_direct, grads_direct = _run(direct, _inputs())
     assert torch.equal(out, out_direct)

@@ -74,9 +74,10 @@ def test_a_core_rule_that_cannot_be_read_is_an_error_naming_the_torch_release(mo
     import shardfn as sf
     import shardfn.strategy_search.candidates as candidates
     from shardfn.strategy_search.lru import LRU
+    from shardfn.strategy_search.registry import REGISTRY
 
     monkeypatch.setattr(candidates, "_from_dtensor", lambda node, mesh: None)  # as if DTensor had no rules
-    monkeypatch.setattr(candidates, "_CACHE", LRU(16))
+    monkeypatch.setattr(REGISTRY, "_memos", {"candidates": LRU(16)})
     release = re.escape(torch.__version__)
     with pytest.raises(RuntimeError, match=rf"rules for aten.mm.default in torch {release}.*>=2.11,<2.16"):
         sf.explain(torch.mm, torch.empty(8, 4), torch.empty(4, 6), world_size=4)

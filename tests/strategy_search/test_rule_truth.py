@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from shardfn.strategy_search.candidates import _RULES
+from shardfn.strategy_search.registry import REGISTRY
 from tests.strategy_search.truth import failures
 
 aten = torch.ops.aten
@@ -205,8 +205,9 @@ def test_every_own_rule_has_ground_truth():
     # the experts' rules: tests/strategy_search/test_expert_rules.py
     from shardfn.capture.experts import ExpertMM, MoEExperts
 
-    assert set(_RULES) - set(RANDOM_FILLS) - {ExpertMM, MoEExperts} == {SDPA, aten.var_mean.correction, aten.constant_pad_nd.default,
-                                               FunctionCall, *_RESHAPES, *_EDGE_PADS, *SCANS, *CDIST} | lacking
+    assert REGISTRY.ruled_ops() - set(RANDOM_FILLS) - {ExpertMM, MoEExperts} == {
+        SDPA, aten.var_mean.correction, aten.constant_pad_nd.default, FunctionCall, *_RESHAPES, *_EDGE_PADS, *SCANS,
+        *CDIST} | lacking
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims
