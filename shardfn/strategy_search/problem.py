@@ -210,14 +210,6 @@ def _outputs(node: torch.fx.Node) -> list:
     return list(val) if isinstance(val, (tuple, list)) else [val]
 
 
-# ops whose result carries no gradient from their tensor inputs (read for shape, dtype and device, or detached):
-# a value made by one needs none, and no pending gradient of it is priced or reduced
-_NO_GRADIENT = {aten.new_full.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
-                aten.new_empty_strided.default, aten.zeros_like.default, aten.ones_like.default,
-                aten.full_like.default, aten.empty_like.default, aten.rand_like.default, aten.randn_like.default,
-                aten.randint_like.default, aten.detach.default}
-
-
 def _needs_grad(captured: CapturedGraph, grad: bool) -> set[torch.fx.Node]:
     if not grad:
         return set()
@@ -226,7 +218,7 @@ def _needs_grad(captured: CapturedGraph, grad: bool) -> set[torch.fx.Node]:
         if gi.requires_grad and gi.dtype.is_floating_point:
             out.add(node)
     for node in captured.gm.graph.nodes:
-        if node.op == "call_function" and node.target not in _NO_GRADIENT and any(
+        if node.op == "call_function" and not REGISTRY.carries_no_gradient(node.target) and any(
                 a in out for a in node.all_input_nodes):
             vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
             if any(v.dtype.is_floating_point for v in vals):

@@ -185,6 +185,10 @@ class RuleRegistry:
         """Its gradient is its input's, reshaped: a gradient reduced after it is the input's own."""
         return self._in("reshapes_gradient", op)
 
+    def carries_no_gradient(self, op) -> bool:
+        """Its result carries no gradient from its tensor inputs (read for shape, dtype and device, or detached)."""
+        return self._in("no_gradient", op)
+
     def core_ops(self) -> frozenset[str]:
         """The names of the ops every model leans on (replicating one for want of its rule is an error)."""
         return frozenset(str(op) for op in self._tables["core"])
@@ -259,6 +263,14 @@ REGISTRY.describe("reads_output", {
     aten.relu.default, aten._softmax.default, aten._log_softmax.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention.default,
+})
+# ops whose result carries no gradient from their tensor inputs: a value made by one needs none, and no pending
+# gradient of it is priced or reduced (problem)
+REGISTRY.describe("no_gradient", {
+    aten.new_full.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+    aten.new_empty_strided.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+    aten.empty_like.default, aten.rand_like.default, aten.randn_like.default, aten.randint_like.default,
+    aten.detach.default,
 })
 # ops whose gradient is their input's, reshaped: a gradient reduced after them is the input's own (pricing)
 REGISTRY.describe("reshapes_gradient", {aten.t.default, aten.view.default, aten._unsafe_view.default,
