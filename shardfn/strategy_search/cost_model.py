@@ -47,7 +47,7 @@ from torch.utils.flop_counter import flop_registry
 from .. import _pytree_internals as pytree
 from ..capture.functions import FunctionCall
 from ..capture.graph import is_view
-from .lru import LRU
+from .registry import REGISTRY
 
 __all__ = [
     "CPU",
@@ -346,7 +346,8 @@ def accumulated_collectives(shape: Sequence[int], itemsize: int, src: Sequence[P
                                     mesh_shape)
 
 
-_FLOPS = LRU(16384)  # per op and shapes: identical layers count each op once
+# per op and shapes: identical layers count each op once (a memo the registry owns, emptied by its clear())
+_FLOPS = REGISTRY.memo("flops", 16384)
 
 
 def node_flops(node) -> int:

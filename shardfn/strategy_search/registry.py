@@ -9,7 +9,8 @@
   the search first builds a problem (:meth:`RuleRegistry.register_in_dtensor`), then put in DTensor's process-wide
   registry for the ops it lacks. Importing shardfn leaves DTensor as it is;
 - the candidates found per op, argument shapes and mesh, kept between plans (:meth:`RuleRegistry.candidates`:
-  one bounded LRU), and the other memos finding them asks (:meth:`RuleRegistry.memo`: the empty-piece probes);
+  one bounded LRU), and the other memos pricing them asks (:meth:`RuleRegistry.memo`: the empty-piece probes, the
+  FLOPs per op and shapes);
   :meth:`RuleRegistry.clear` empties them all;
 - the op tables, below the class: which ops DTensor runs on their pieces as they are, which inputs an op only
   adds, what an op's backward reads, which ops every model leans on, which have torch bindings that exec calls
@@ -125,7 +126,8 @@ class RuleRegistry:
         return self._memos["candidates"].get(key, make)
 
     def memo(self, name: str, maxsize: int) -> LRU:
-        """The bounded memo ``name`` of what finding candidates asks many times (made the first time)."""
+        """The bounded memo ``name`` of what finding and pricing candidates asks many times (made the first
+        time)."""
         return self._memos.setdefault(name, LRU(maxsize))
 
     def clear(self) -> None:
