@@ -85,6 +85,10 @@ def _cdist_euclid(x1, x2):
     return torch.cdist(x1, x2)
 
 
+def _transposed_doubled(x):
+    return x.t() * 2
+
+
 def _bce(x, y):
     return F.binary_cross_entropy(torch.sigmoid(x), y)
 
@@ -139,6 +143,9 @@ CASES = {
                         ("sum", 0)),
     "multi_margin_batch": (_multi_margin, lambda: (rand(64, 4096), torch.randint(0, 4096, (64,))), ((4, 1), (4,)),
                            None, ("sum", 0)),
+    # a transposed piece made contiguous where one rank's piece is empty (6 rows over 4): its strides, read off the
+    # piece, differed on that rank (a per-rank size in the simulated world; the whole's strides on real ranks)
+    "transpose_uneven": (_transposed_doubled, lambda: (rand(6, 8),), ((4, 1),), ((4, 1),), None),
     "cdist_batch": (_cdist_euclid, lambda: (rand(4, 6, 3), rand(4, 5, 3)), ((4, 1, 1), (4, 1, 1)), ((4, 1, 1),),
                     ("_cdist_forward", 0)),
 }
@@ -245,7 +252,7 @@ def test_instance_norm_updates_running_stats(module):
 
 # one case per cause on real ranks (each traces its program there: a few seconds apiece)
 REAL_RANKS = ("pad_circular_batch", "cumsum_last_split", "two_gathers", "quantile", "unflatten_zero", "rfft_uneven",
-              "aminmax_range", "prod_all", "cdist_columns", "bce_batch")
+              "aminmax_range", "prod_all", "cdist_columns", "bce_batch", "transpose_uneven")
 
 
 def _on_real_ranks():
@@ -313,10 +320,9 @@ def _batch_transposed(x):
 
 
 def _data_parallel_over_the_batch(fn, rows: int, real: bool = False):
-    """An op over the batch dim of data-parallel slices (a scan of the batch, a flip of it): the plan moves the
-    batch's split to another dim (all_to_all) and back, never gathering the batch (an all_to_all was priced as a
-    gather of the batch, so every rank gathered it). Each rank's slice of the outputs and gradients as eager's.
-    ``real``: on real ranks (each checks its own slice), else in a simulated world."""
+    """An op over the batch dim of data-parallel slices (a scan of the batch, a flip of it), 6 rows over 4 ranks
+    (one holds none): each rank's slice of the outputs and gradients as eager's. ``real``: on real ranks (each
+    checks its own slice), else in a simulated world."""
     import torch.distributed as dist
 
     from shardfn.runtime import simulated_map
@@ -345,12 +351,22 @@ def _data_parallel_over_the_batch(fn, rows: int, real: bool = False):
         rows_r = slice(starts[r], starts[r] + cut[r])
         torch.testing.assert_close(on_rank(out, r), on_rank(want, r)[rows_r], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(on_rank(x.grad, r), on_rank(ref.grad, r)[rows_r], rtol=1e-5, atol=1e-5)
-    kinds = {(c.phase, c.kind) for c in sf.explain(sharded, x).collectives}
-    assert ("forward", "all_to_all") in kinds and ("forward", "all_gather") not in kinds, kinds
 
 
 @pytest.mark.parametrize("fn", [_batch_scan, _batch_transposed], ids=["scan", "flip"])
 @pytest.mark.parametrize("rows", [8, 6])
-def test_data_parallel_op_over_the_batch_moves_its_split(fn, rows):
+def test_data_parallel_op_over_the_batch_trains_like_eager(fn, rows):
     with simulated_world(4):
         _data_parallel_over_the_batch(fn, rows)
+
+
+@pytest.mark.parametrize("fn", [_batch_scan, _batch_transposed], ids=["scan", "flip"])
+def test_data_parallel_op_over_the_batch_moves_its_split_where_an_all_to_all_is_one(fn):
+    # On CUDA (NCCL) a split moved between dims is one all_to_all: each rank holds as much as before, so the plan
+    # moves the batch's split and back instead of gathering the batch (an all_to_all was counted as a gather of
+    # the batch). DTensor on CPU (gloo) runs that move as an all_gather and a chunk: a gather, counted as one
+    x = torch.empty(256, 1024, device="meta", requires_grad=True)  # each rank's slice
+    kinds = {p: {(c.phase, c.kind) for c in sf.explain(fn, x, world_size=4, dataset_strategy="data_parallel",
+                                                       device=p).collectives} for p in ("cuda", "cpu")}
+    assert ("forward", "all_to_all") in kinds["cuda"] and ("forward", "all_gather") not in kinds["cuda"], kinds
+    assert ("forward", "all_to_all") not in kinds["cpu"], kinds
