@@ -11,6 +11,7 @@ import torch
 from .. import runtime
 from ..capture import split_arguments
 from ..exec.lower import lower, use_inductor
+from . import planning
 from .agreement import alone, call_agreement
 from .programs import Compiled
 
@@ -82,8 +83,8 @@ def _synced_once(engine, compiled: Compiled, here: Compiled) -> Compiled:
     if engine.module is None or not torch.is_grad_enabled() or compiled.plan.accumulate or \
             engine.config.precision is not None or engine.optimizer_stage or compiled.program.mesh.size() == 1:
         return here
-    if compiled.synced_once is None:  # (lowered once, beside the program that reduces as it goes)
-        compiled.synced_once = lower(compiled.captured, dataclasses.replace(compiled.plan, accumulate=True),
+    if compiled.synced_once is None:  # (planned and lowered once, beside the program that reduces as it goes)
+        compiled.synced_once = lower(compiled.captured, planning.plan_accumulating(engine, compiled.planned),
                                      compiled.program.mesh)
     program = compiled.synced_once
     return dataclasses.replace(here, planned=dataclasses.replace(here.planned, plan=program.plan),
