@@ -84,11 +84,27 @@ def _synced_once(engine, compiled: Compiled, here: Compiled) -> Compiled:
             engine.config.precision is not None or engine.optimizer_stage or compiled.program.mesh.size() == 1:
         return here
     if compiled.synced_once is None:  # (planned and lowered once, beside the program that reduces as it goes)
-        compiled.synced_once = lower(compiled.captured, planning.plan_accumulating(engine, compiled.planned),
+        compiled.synced_once = lower(compiled.captured, _accumulating_plan(engine, compiled, here.agreement),
                                      compiled.program.mesh)
     program = compiled.synced_once
     return dataclasses.replace(here, planned=dataclasses.replace(here.planned, plan=program.plan),
                                program=program)
+
+
+def _accumulating_plan(engine, compiled: Compiled, agreement):
+    """The search's plan of the program for every size accumulating without sync (planning.plan_accumulating),
+    which the ranks agree on as on a first call's plan (each plans it alone: a solve cut short by its time
+    limit may end elsewhere on another rank), a rank's failure raised on every rank."""
+    plan = error = None
+    try:
+        plan = planning.plan_accumulating(engine, compiled.planned)
+    except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_program, reported on the others
+        error = e
+    if agreement is not None:
+        agreement.check_program(None, plan and plan.table(), error)
+    elif error is not None:
+        raise error
+    return plan
 
 
 def _given_dims(engine, args, kwargs, tensors: list) -> dict[int, tuple[int, ...]]:
