@@ -460,9 +460,11 @@ def test_a_region_is_computed_again_just_before_its_backward_not_hoisted():
     assert len(firsts) == 3 and firsts == sorted(firsts, reverse=True), firsts
 
 
-def test_backward_buckets_are_the_plans(monkeypatch):
+@pytest.mark.parametrize("world,split", [(2, (2, 1, 1)), (4, (2, 2, 1))])
+def test_backward_buckets_are_the_plans(monkeypatch, world, split):
     # the plan lists the gradient all-reduces' buckets (explain shows them) and exec fuses the traced backward's
-    # reductions by the same rule: the buckets fused are the plan's, and a plan whose buckets differ is refused
+    # reductions by the same rule: the buckets fused are the plan's, and a plan whose buckets differ is refused.
+    # On a 2 x 2 mesh some gradients are reduced over both dims, one after the other: the last is bucketed
     import dataclasses
 
     from shardfn.exec.passes import check_buckets
@@ -477,8 +479,9 @@ def test_backward_buckets_are_the_plans(monkeypatch):
         return original(plan, buckets)
 
     monkeypatch.setattr("shardfn.exec.passes.check_buckets", recording)
-    with simulated_world(2, local_tensors=False):
-        model = sf.shard(GPTStack(2, 32, 4), in_strategy=((2, 1, 1),), dataset_strategy="data_parallel")
+    with simulated_world(world, local_tensors=False):
+        model = sf.shard(GPTStack(2, 32, 4), in_strategy=(split,),
+                         **({"dataset_strategy": "data_parallel"} if world == 2 else {}))
         model(torch.randn(4, 8, 32)).square().mean().backward()
         (compiled,) = sf.engine_of(model).programs.values()
     planned: dict = {}
