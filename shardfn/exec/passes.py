@@ -20,6 +20,7 @@ unchanged.
 
 from __future__ import annotations
 
+import collections
 import functools
 import operator
 
@@ -319,24 +320,30 @@ def _bucket_numbers(items: list[tuple], gradient: list[bool], limit: int) -> lis
 
 
 def check_buckets(plan, fused: list[list[int]]) -> None:
-    """The plan lists each gradient all-reduce's bucket (strategy_search.readout, explain shows them); a
-    backward graph's fused reductions (``fused``: :func:`_fuse_reductions`' buckets, each its reductions' bytes)
-    must be the same buckets, else a ValueError. Exec cannot just read the plan's: a Collective names the
-    tensor it moves by the captured graph's nodes ("producer -> consumer"), and the traced per-rank graph is
-    another graph (AOTAutograd's, DTensor's dispatch traced), whose all-reduces are found by what they do (a
-    sum whose result only leads to the outputs, through a tail of a few ops); so exec applies the plan's rule
-    to what it finds, and this checks that both came to the same buckets, compared by their reductions' bytes
-    (the plan's: each all-reduce's operand, as exec reduces it). Forward graphs are not compared: their fused
-    reductions (a loss and its count) are not gradients, which the plan does not bucket."""
+    """The plan lists each gradient all-reduce's bucket (strategy_search.readout, explain shows them); each
+    bucket a backward graph fuses (``fused``: :func:`_fuse_reductions`' buckets, each its gradients' bytes) must
+    lie within one of the plan's, else a ValueError: exec never fuses gradients the plan keeps apart. Exec
+    cannot just read the plan's: a Collective names the tensor it moves by the captured graph's nodes
+    ("producer -> consumer"), and the traced per-rank graph is another graph (AOTAutograd's, DTensor's dispatch
+    traced), whose all-reduces are found by what they do (a sum whose result only leads to the outputs, through
+    a tail of a few ops); so exec applies the plan's rule to what it finds, and this checks the two. A plan's
+    bucket may hold more than exec fuses: a gradient DTensor reduces whole and then cuts this rank's piece from
+    (a tensor-parallel weight's over the data-parallel dim, a sharded optimizer's) is, to exec, a reduction its
+    tail computes on, which rides in a bucket without being counted. Forward graphs are not compared: their
+    fused reductions (a loss and its count) are not gradients, which the plan does not bucket."""
     planned: dict[int, list[int]] = {}
     for c in plan.collectives:
         if c.bucket is not None and c.kind == "all_reduce" and c.phase == "backward":
             planned.setdefault(c.bucket, []).append(c.nbytes)
-    want, got = sorted(sorted(b) for b in planned.values()), sorted(sorted(b) for b in fused)
-    if want != got:
-        raise ValueError(f"{plan.name}: the backward graph's gradient all-reduces fuse into buckets of {got} "
-                         f"bytes, but its plan lists buckets of {want} bytes (strategy_search.buckets' rule, "
-                         "SHARDFN_BUCKET_MB alike for both?): exec runs only the plan it was given")
+    free = [collections.Counter(b) for b in planned.values()]
+    for bucket in sorted(fused, key=len, reverse=True):
+        within = next((b for b in free if not collections.Counter(bucket) - b), None)
+        if within is None:
+            raise ValueError(f"{plan.name}: the backward graph fuses gradient all-reduces of {sorted(bucket)} "
+                             f"bytes into one bucket, which no bucket of its plan holds (the plan's: "
+                             f"{sorted(sorted(b) for b in planned.values())}; strategy_search.buckets' rule, "
+                             "SHARDFN_BUCKET_MB alike for both?): exec runs only the plan it was given")
+        free.remove(within)
 
 
 def _gathered_input(node: torch.fx.Node) -> bool:
