@@ -24,7 +24,7 @@ from .arguments import BoundCall, bind
 from .programs import Planned
 from .request import build_request
 
-__all__ = ["call_mesh", "param_specs", "plan_call", "plan_stage"]
+__all__ = ["call_mesh", "param_specs", "plan_accumulating", "plan_call", "plan_stage"]
 
 
 def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = (),
@@ -55,7 +55,33 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
         plan = make_plan(planned, runtime.planning_mesh(mesh_spec, device), mesh_spec, request, progress)
     params, buffers = engine.state()
     return Planned(captured, plan, mesh_spec, tuple(parameters.slot(engine.module, n) for n in params),
-                   tuple(parameters.slot(engine.module, n) for n in buffers), dict(dynamic or {}))
+                   tuple(parameters.slot(engine.module, n) for n in buffers), dict(dynamic or {}), request)
+
+
+def plan_accumulating(engine, planned: Planned) -> Plan:
+    """The plan of ``planned``'s graph accumulating without sync (every parameter's gradient left pending, as
+    sf.no_sync's programs leave them), asked of the search: its request again, with ``accumulate`` and each
+    parameter fixed where ``planned``'s plan laid it out (a program beside that one: the parameters are laid
+    out already). Its parameters' layouts are checked to be that plan's."""
+    if planned.request is None:
+        raise RuntimeError(f"{engine.name}: no request kept with this plan, so no accumulating plan can be asked")
+    inputs = tuple(dataclasses.replace(r, fixed=p.planned, origin="laid out")
+                   if p.kind == "param" and r.fixed is None else r
+                   for r, p in zip(planned.request.inputs, planned.plan.inputs))
+    request = dataclasses.replace(planned.request, inputs=inputs, accumulate=True)
+    graph = planned.captured if not planned.dynamic else dataclasses.replace(
+        planned.captured, gm=planning_graph(planned.captured.gm), dynamic=None)
+    device = runtime.resolve_device(engine.config.device)
+    with runtime.outside_simulation():
+        plan = make_plan(graph, runtime.planning_mesh(planned.mesh_spec, device), planned.mesh_spec, request)
+    laid_out = {p.name: p.planned for p in planned.plan.inputs if p.kind == "param"}
+    moved = [f"{p.name} {p.planned} (laid out {laid_out[p.name]})" for p in plan.inputs
+             if p.kind == "param" and p.planned != laid_out[p.name]]
+    if not plan.accumulate or moved:
+        raise RuntimeError(f"{engine.name}: the search's accumulating plan "
+                           + (f"moves parameters laid out already: {', '.join(moved)}" if moved else
+                              "does not accumulate") + "; it must keep the program's it stands beside")
+    return plan
 
 
 def call_mesh(config: ShardConfig, layouts: list, world: int, devices_per_node: int) -> MeshSpec:

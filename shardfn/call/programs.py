@@ -27,6 +27,7 @@ from ..layout import MeshSpec
 from .step_times import StepTimes
 from ..strategy_search import Plan
 from ..strategy_search.lru import LRU
+from ..strategy_search.request import PlanRequest
 
 __all__ = ["Compiled", "Planned", "Programs", "cache_limit", "trace_after"]
 
@@ -105,6 +106,9 @@ class Planned:
     buffer_slots: tuple = ()
     # a program for every size of some dims (capture.dynamic): {argument tensor number: dims}
     dynamic: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # what the search was asked (None: not kept): another plan of the same graph is asked with it changed
+    # (planning.plan_accumulating)
+    request: PlanRequest | None = None
 
 
 @dataclass

@@ -11,6 +11,7 @@ import torch
 from .. import runtime
 from ..capture import split_arguments
 from ..exec.lower import lower, use_inductor
+from . import planning
 from .agreement import alone, call_agreement
 from .programs import Compiled
 
@@ -82,12 +83,28 @@ def _synced_once(engine, compiled: Compiled, here: Compiled) -> Compiled:
     if engine.module is None or not torch.is_grad_enabled() or compiled.plan.accumulate or \
             engine.config.precision is not None or engine.optimizer_stage or compiled.program.mesh.size() == 1:
         return here
-    if compiled.synced_once is None:  # (lowered once, beside the program that reduces as it goes)
-        compiled.synced_once = lower(compiled.captured, dataclasses.replace(compiled.plan, accumulate=True),
+    if compiled.synced_once is None:  # (planned and lowered once, beside the program that reduces as it goes)
+        compiled.synced_once = lower(compiled.captured, _accumulating_plan(engine, compiled, here.agreement),
                                      compiled.program.mesh)
     program = compiled.synced_once
     return dataclasses.replace(here, planned=dataclasses.replace(here.planned, plan=program.plan),
                                program=program)
+
+
+def _accumulating_plan(engine, compiled: Compiled, agreement):
+    """The search's plan of the program for every size accumulating without sync (planning.plan_accumulating),
+    which the ranks agree on as on a first call's plan (each plans it alone: a solve cut short by its time
+    limit may end elsewhere on another rank), a rank's failure raised on every rank."""
+    plan = error = None
+    try:
+        plan = planning.plan_accumulating(engine, compiled.planned)
+    except Exception as e:  # noqa: BLE001 - re-raised on this rank by check_program, reported on the others
+        error = e
+    if agreement is not None:
+        agreement.check_program(None, plan and plan.table(), error)
+    elif error is not None:
+        raise error
+    return plan
 
 
 def _given_dims(engine, args, kwargs, tensors: list) -> dict[int, tuple[int, ...]]:

@@ -20,7 +20,9 @@ unchanged.
 
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 import operator
 
 import torch
@@ -30,10 +32,11 @@ from ..capture.graph import checkpoint_region, is_in_place
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
 from ._graph_internals import held_elsewhere
 
-__all__ = ["recompute_checkpointed", "regather_in_backward", "simplify"]
+__all__ = ["check_buckets", "recompute_checkpointed", "regather_in_backward", "simplify"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
+_log = logging.getLogger("shardfn")
 _DROPPABLE_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.alias.default)
 
 
@@ -252,13 +255,21 @@ def _reduced_for_output(node: torch.fx.Node, out: torch.fx.Node) -> list[torch.f
     return _tail_to_output(wait, out) if isinstance(val, torch.Tensor) else None
 
 
-def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -> None:
+# ops through which a reduced value is still the gradient the plan lists (its reshapes, as pricing's
+# gradient_handed_back follows them, and a cast back from the reduce dtype)
+_GRADIENT_TAIL = (aten.t.default, aten.view.default, aten._unsafe_view.default, aten.transpose.int,
+                  aten.permute.default, aten.reshape.default, aten._to_copy.default,
+                  torch.ops.prims.convert_element_type.default)
+
+
+def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -> list[list[int]]:
     """Gradients' all-reduces into buckets of up to ``limit`` bytes (strategy_search.buckets' rule, taking the
     gradients last input first, as the plan lists them): one collective each, launched where the bucket's last
     gradient is ready (the overlap pass then starts it as early as that allows). A reduction whose result is
     read inside the graph joins only where a few ops lead it to the outputs (its tail, then run after the
     bucket): a forward's reduced loss and its reduced count so make one all-reduce. ``in_place``: each bucket
-    is a buffer kept between calls (see :func:`_fuse`)."""
+    is a buffer kept between calls (see :func:`_fuse`). Returns the buckets fused, each its gradients' bytes
+    (:func:`check_buckets` compares a backward graph's with the plan's)."""
     out = next(n for n in graph.nodes if n.op == "output")
     returned = list(out.args[0])
     tails = {n: t for n in graph.nodes if (t := _reduced_for_output(n, out)) is not None}
@@ -270,13 +281,71 @@ def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -
 
     found.sort(key=lambda n: -handed_back(n))  # the input whose gradient it is, last first
     vals = [_node_value(n.args[0]) for n in found]
-    numbers = assign_buckets([((n.args[2], v.dtype), v.numel() * v.element_size()) for n, v in zip(found, vals)],
-                             limit)
+    gradient = [all(t.target in _GRADIENT_TAIL for t in tails[n]) for n in found]
+    numbers = _bucket_numbers([((n.args[2], v.dtype), v.numel() * v.element_size()) for n, v in zip(found, vals)],
+                              gradient, limit)
     order = {n: i for i, n in enumerate(graph.nodes)}
+    fused = []
     for number in set(numbers):
         bucket = sorted((n for n, k in zip(found, numbers) if k == number), key=order.__getitem__)
         if len(bucket) > 1:
+            fused.append(sorted(v.numel() * v.element_size() for n, v, g, k in zip(found, vals, gradient, numbers)
+                                if g and k == number))
             _fuse(graph, bucket, in_place, [t for n in bucket for t in tails[n]])
+    return [b for b in fused if len(b) > 1]
+
+
+def _bucket_numbers(items: list[tuple], gradient: list[bool], limit: int) -> list[int]:
+    """The bucket of each ``(kind, nbytes)`` reduction, in the order they are ready: the gradients' by the
+    plan's rule among themselves (so the gradients share buckets as the plan lists them); each other reduction
+    (one computed further by its tail: a reduced count, an embedding's rows' sum) joins the bucket of the
+    nearest gradient of its kind, the last before it else the first after it, and those of a kind no gradient
+    has by the rule among themselves."""
+    at = [i for i, g in enumerate(gradient) if g]
+    numbers: list = [None] * len(items)
+    for i, number in zip(at, assign_buckets([items[i] for i in at], limit)):
+        numbers[i] = number
+    alone = []
+    for i, (kind, _) in enumerate(items):
+        if gradient[i]:
+            continue
+        same = [j for j in at if items[j][0] == kind]
+        nearest = [j for j in same if j < i][-1:] or same[:1]
+        if nearest:
+            numbers[i] = numbers[nearest[0]]
+        else:
+            alone.append(i)
+    first = max((n for n in numbers if n is not None), default=-1) + 1
+    for i, number in zip(alone, assign_buckets([items[i] for i in alone], limit)):
+        numbers[i] = first + number
+    return numbers
+
+
+def check_buckets(plan, fused: list[list[int]]) -> None:
+    """The plan lists each gradient all-reduce's bucket (strategy_search.readout, explain shows them); each
+    bucket a backward graph fuses (``fused``: :func:`_fuse_reductions`' buckets, each its gradients' bytes) must
+    lie within one of the plan's, else a ValueError: exec never fuses gradients the plan keeps apart. Exec
+    cannot just read the plan's: a Collective names the tensor it moves by the captured graph's nodes
+    ("producer -> consumer"), and the traced per-rank graph is another graph (AOTAutograd's, DTensor's dispatch
+    traced), whose all-reduces are found by what they do (a sum whose result only leads to the outputs, through
+    a tail of a few ops); so exec applies the plan's rule to what it finds, and this checks the two. A plan's
+    bucket may hold more than exec fuses: a gradient DTensor reduces whole and then cuts this rank's piece from
+    (a tensor-parallel weight's over the data-parallel dim, a sharded optimizer's) is, to exec, a reduction its
+    tail computes on, which rides in a bucket without being counted. Forward graphs are not compared: their
+    fused reductions (a loss and its count) are not gradients, which the plan does not bucket."""
+    planned: dict[int, list[int]] = {}
+    for c in plan.collectives:
+        if c.bucket is not None and c.kind == "all_reduce" and c.phase == "backward":
+            planned.setdefault(c.bucket, []).append(c.nbytes)
+    free = [collections.Counter(b) for b in planned.values()]
+    for bucket in sorted(fused, key=len, reverse=True):
+        within = next((b for b in free if not collections.Counter(bucket) - b), None)
+        if within is None:
+            raise ValueError(f"{plan.name}: the backward graph fuses gradient all-reduces of {sorted(bucket)} "
+                             f"bytes into one bucket, which no bucket of its plan holds (the plan's: "
+                             f"{sorted(sorted(b) for b in planned.values())}; strategy_search.buckets' rule, "
+                             "SHARDFN_BUCKET_MB alike for both?): exec runs only the plan it was given")
+        free.remove(within)
 
 
 def _gathered_input(node: torch.fx.Node) -> bool:
@@ -462,15 +531,23 @@ def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool,
         graph.erase_node(n)
 
 
-def simplify(gm: torch.fx.GraphModule, in_place: bool = True, one_in_flight: bool = False) -> torch.fx.GraphModule:
+def simplify(gm: torch.fx.GraphModule, in_place: bool = True, one_in_flight: bool = False,
+             plan=None) -> torch.fx.GraphModule:
     """All the clean-ups; ``in_place=False`` keeps the graph functional (for Inductor, which plans its own
     buffers); ``one_in_flight``: no collective starts before the previous one is waited for (gloo, see
-    :func:`_one_in_flight`)."""
+    :func:`_one_in_flight`). ``plan``: a backward graph's program's plan, against whose gradient buckets its
+    fused reductions are checked (:func:`check_buckets`; a disagreement is said on the ``shardfn`` logger)."""
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     _drop_identities(graph, set(out.all_input_nodes))
+    fused = _fuse_reductions(graph, bucket_bytes(), in_place) if bucket_bytes() > 0 else []
+    if plan is not None:
+        try:
+            check_buckets(plan, fused)
+        except ValueError as e:  # said, not raised: plans exec still fuses otherwise exist (issue 36: GPT-2 with
+            # tensor-parallel weights, Gemma 3's norms), and refusing them would stop programs that run right
+            _log.info("shardfn: %s", e)
     if bucket_bytes() > 0:
-        _fuse_reductions(graph, bucket_bytes(), in_place)
         _fuse_gathers(graph, bucket_bytes())
         _fuse_reduce_scatters(graph, bucket_bytes())
     if in_place:

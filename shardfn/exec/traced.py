@@ -83,8 +83,12 @@ def traced_program(program, step: Callable) -> Callable:
         def compiler(gm: torch.fx.GraphModule, example_inputs):
             # Inductor plans its own buffers: the graph it gets stays functional (no in-place rewrites);
             # gloo runs one collective at a time (passes._one_in_flight)
+            # a backward graph's gradient buckets are checked against the plan's (passes.check_buckets), but for
+            # a program for every size traced at other sizes than its plan's (an input's gradient's bytes differ)
+            planned = name == "backward" and getattr(program.captured, "dynamic", None) is None
             program.graphs[name] = simplify(gm, in_place=not inductor,
-                                         one_in_flight=program.mesh.device_type == "cpu")
+                                         one_in_flight=program.mesh.device_type == "cpu",
+                                         plan=program.plan if planned else None)
             if not inductor:
                 if name == "forward":  # a cached call's agreement may still be in flight up to here (exec.gate)
                     program.graphs[name], program.gated = gate(program.graphs[name]), True

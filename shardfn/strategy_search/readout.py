@@ -197,9 +197,8 @@ class _Collectives:
             self.regather_s += sum(c.seconds for c in again)
         bwd = self._synced(bwd, handed_back)
         if handed_back is not None:
-            self.gradients += [(len(self.bwd) + k, (o.kind, o.mesh_dim, grad_dtype or val.dtype),
-                                self.position[handed_back])
-                               for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
+            self.gradients += [(len(self.bwd) + k, (bwd[k].kind, bwd[k].mesh_dim, grad_dtype or val.dtype),
+                                self.position[handed_back]) for k in _last_reduction(bwd)]
         self.bwd += [self._priced(o, "backward", where, handed_back is not None) for o in bwd]
 
     def _node(self, i: int, d, c) -> None:
@@ -214,8 +213,8 @@ class _Collectives:
         placeholder = d.node is not None and d.node.op == "placeholder"
         if placeholder:  # a graph input's gradient, handed back
             grad_dtype = self.terms.grad_dtypes.get(d.node) or d.node.meta["val"].dtype
-            self.gradients += [(len(self.bwd) + k, (o.kind, o.mesh_dim, grad_dtype), self.position[d.node])
-                               for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
+            self.gradients += [(len(self.bwd) + k, (bwd[k].kind, bwd[k].mesh_dim, grad_dtype),
+                                self.position[d.node]) for k in _last_reduction(bwd)]
         self.fwd = [self._priced(o, "forward", what) for o in fwd] + self.fwd
         self.bwd += [self._priced(o, "backward", what, placeholder) for o in bwd]
 
@@ -274,6 +273,17 @@ def _why_gathered(problem: StrategyProblem, request: PlanRequest, pricing: Prici
                      f"(this plan: compute {c * 1e3:.3f} ms, comm {m * 1e3:.3f} ms). "
                      "For data parallelism give dataset_strategy='data_parallel'.")
     return notes
+
+
+def _last_reduction(bwd: list) -> list[int]:
+    """Which of a gradient's reductions (``bwd``: its backward collectives) exec may fuse into a bucket: the last,
+    whose result is the gradient handed back. A gradient pending over several mesh dims is reduced over one
+    after the other, in mesh-dim order (DTensor's redistribute), each earlier reduction's result the next one's
+    operand: exec (passes._fuse_reductions) finds only the last, over the highest dim, and checks that the
+    buckets it fuses are the plan's."""
+    at = [k for k, o in enumerate(bwd) if o.kind in ("all_reduce", "reduce_scatter")]
+    last = max((bwd[k].mesh_dim for k in at), default=None)
+    return [k for k in at if bwd[k].mesh_dim == last]
 
 
 def _with_buckets(bwd_colls: list[Collective], gradients: list[tuple[int, tuple, int]]) -> list[Collective]:

@@ -283,3 +283,30 @@ def test_an_interpreted_new_length_reduces_its_gradients_once():
     # the first length's program reduces each of the 3 parameters' gradients as autograd hands it over; the
     # program for every length (from the second length on) one bucket of them
     assert reduces[0] >= 3 and reduces[1:] == [1] * (len(LENGTHS) - 1), reduces
+
+
+def test_the_synced_once_program_is_the_searchs_accumulating_plan():
+    # the program for every size, interpreted with gradients, runs a plan that leaves the parameters' gradients
+    # pending: the search's plan of the same graph asked with accumulate=True (as sf.no_sync's calls ask it),
+    # the parameters kept where the first plan laid them out; not the first plan with its field replaced
+    from torch.distributed._local_tensor import local_tensor_mode
+
+    with simulated_world(WORLD):
+        model = sf.shard(_Views(), in_strategy=(None,), dataset_strategy="data_parallel")
+        engine = sf.engine_of(model)
+        for length in LENGTHS[:3]:
+            ids = torch.randint(0, 32, (8, length))
+            local = local_tensor_mode().rank_map(lambda r: on_rank(ids, r)[2 * r: 2 * r + 2].clone())
+            model(local).backward()
+            if length == LENGTHS[1]:
+                planned_at = local  # the program for every size is planned at the second length's sizes
+        (compiled,) = [c for c in engine.programs.for_every_size.values() if c.synced_once is not None]
+        with sf.no_sync(model):  # what the search plans for an accumulating call of that graph
+            asked = engine.plan([planned_at], {}, WORLD, "cpu", dynamic=compiled.dynamic).plan
+    synced = compiled.synced_once.plan
+    assert synced.accumulate and not compiled.plan.accumulate and asked.accumulate
+    assert synced.collectives == asked.collectives and dict(synced.nodes) == dict(asked.nodes)
+    assert [(p.name, p.planned) for p in synced.inputs] == [(p.name, p.planned) for p in asked.inputs] \
+        == [(p.name, p.planned) for p in compiled.plan.inputs]
+    # the first plan all-reduces the gradients as autograd hands them over; the accumulating plan none
+    assert compiled.plan.count("all_reduce", "backward") > 0 == synced.count("all_reduce", "backward")

@@ -458,3 +458,41 @@ def test_a_region_is_computed_again_just_before_its_backward_not_hoisted():
              if checkpoint_region(n) is not None and getattr(n.meta.get("recompute"), "name", "") == "MUST_RECOMPUTE"]
     firsts = list(dict.fromkeys(again))
     assert len(firsts) == 3 and firsts == sorted(firsts, reverse=True), firsts
+
+
+@pytest.mark.parametrize("world,split", [(2, (2, 1, 1)), (4, (2, 2, 1))])
+def test_backward_buckets_are_the_plans(monkeypatch, world, split):
+    # the plan lists the gradient all-reduces' buckets (explain shows them) and exec fuses the traced backward's
+    # reductions by the same rule: the buckets fused are the plan's, and a plan whose buckets differ is refused.
+    # On a 2 x 2 mesh some gradients are reduced over both dims, one after the other: the last is bucketed
+    import dataclasses
+
+    from shardfn.exec.passes import check_buckets
+    from tests.models import GPTStack
+
+    monkeypatch.setenv("SHARDFN_BUCKET_MB", "0.01")  # several buckets of a small model's gradients
+    fused = []
+    original = check_buckets
+
+    def recording(plan, buckets):
+        fused.append(buckets)
+        return original(plan, buckets)
+
+    monkeypatch.setattr("shardfn.exec.passes.check_buckets", recording)
+    with simulated_world(world, local_tensors=False):
+        model = sf.shard(GPTStack(2, 32, 4), in_strategy=(split,),
+                         **({"dataset_strategy": "data_parallel"} if world == 2 else {}))
+        model(torch.randn(4, 8, 32)).square().mean().backward()
+        (compiled,) = sf.engine_of(model).programs.values()
+    planned: dict = {}
+    for c in compiled.plan.collectives:
+        if c.bucket is not None and c.kind == "all_reduce":
+            planned.setdefault(c.bucket, []).append(c.nbytes)
+    (buckets,) = fused
+    assert len(buckets) >= 2 and sorted(buckets) == sorted(sorted(b) for b in planned.values())
+    # a plan whose buckets were altered (one gradient moved out of its bucket): exec raises
+    collectives = list(compiled.plan.collectives)
+    k = next(i for i, c in enumerate(collectives) if c.bucket is not None)
+    collectives[k] = dataclasses.replace(collectives[k], bucket=None)
+    with pytest.raises(ValueError, match="no bucket of its plan holds"):
+        check_buckets(dataclasses.replace(compiled.plan, collectives=tuple(collectives)), buckets)
