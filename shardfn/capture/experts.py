@@ -1,12 +1,12 @@
 """Mixture-of-experts layers captured in a form that splits over experts exactly.
 
 transformers' experts modules (``grouped_mm``, ``batched_mm`` and ``eager`` implementations, gated, without biases:
-Mixtral, Qwen2-MoE, ...) are captured as one call of :class:`MoEExperts` (the tokens, their top-k experts and weights, the
-experts' global ids, the two expert weights): it runs transformers' own implementation on the experts a rank holds,
-tokens routed elsewhere turned into transformers' expert-parallel sentinels (no compute, no contribution). Tokens
-are independent (a token split needs nothing) and split experts give each rank its experts' share of every token
-(a pending sum), exactly and dropless. Its backward runs the same forward again under autograd (one more expert
-forward a step, for a backward that is transformers' own).
+Mixtral, Qwen2-MoE, ...) are captured as one call of :class:`MoEExperts` (the tokens, their top-k experts and
+weights, the experts' global ids, the two expert weights): it runs transformers' own implementation on the experts a
+rank holds, tokens routed elsewhere turned into transformers' expert-parallel sentinels (no compute, no
+contribution). Tokens are independent (a token split needs nothing) and split experts give each rank its experts'
+share of every token (a pending sum), exactly and dropless. Its backward runs the same forward again under autograd
+(one more expert forward a step, for a backward that is transformers' own).
 
 Other experts modules keep their traced ops; there the grouped matmul alone becomes :class:`ExpertMM`:
 

@@ -77,7 +77,7 @@ def redistribute_seconds(shape, itemsize: int, src: np.ndarray, dst: np.ndarray,
         hops, part = cm.ring_terms(kind, mesh_shape[d])
         seconds = launch + 2 * copied / profile.mem_bytes_per_s + hops * alpha + part * nbytes * beta
         total = np.where(mask, total + seconds, total)
-        if d in gathers_on and (kind == "all_gather" or (kind == "all_to_all" and profile.split_moves_gather)):
+        if d in gathers_on and kind in profile.gathering_kinds:
             gathers[mask] = True
 
     for d in range(len(mesh_shape)):  # pending sums first, in mesh-dim order

@@ -117,6 +117,12 @@ class DeviceProfile:
     # parallelism then counts it as a gather of the batch
     split_moves_gather: bool = False
 
+    @property
+    def gathering_kinds(self) -> tuple[str, ...]:
+        """The collectives that hold a whole value on each rank of their mesh dim: a gather of what was to stay
+        split (data parallelism's batch)."""
+        return ("all_gather", "all_to_all") if self.split_moves_gather else ("all_gather",)
+
     def __post_init__(self):
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
                 or self.devices_per_node < 0:

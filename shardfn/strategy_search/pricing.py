@@ -255,7 +255,7 @@ class Pricing:
         src_keys, src_idx = _distinct(srcs)
         dst_keys, dst_idx = _distinct(dsts)
         bad = np.array([[float(_gathers(self.comm(val, s, t, (), False, False)[0], keep_split,
-                                        self.profile.split_moves_gather)) for t in dst_keys]
+                                        self.profile.gathering_kinds)) for t in dst_keys]
                         for s in src_keys])
         return bad[np.ix_(src_idx, dst_idx)]
 
@@ -345,10 +345,10 @@ def _distinct(keys: list) -> tuple[list, np.ndarray]:
     return list(pos), idx
 
 
-def _gathers(ops, dims, split_moves_gather: bool) -> bool:
+def _gathers(ops, dims, kinds: tuple[str, ...]) -> bool:
     # an all_to_all moves the split to another dim (a transpose of the batch, a scan over it): the value stays
-    # split, each rank's bytes as they were, so it is no gather, except where the backend runs it as one (gloo)
-    kinds = ("all_gather", "all_to_all") if split_moves_gather else ("all_gather",)
+    # split, each rank's bytes as they were, so it is no gather, except where the backend runs it as one (gloo:
+    # DeviceProfile.gathering_kinds)
     return any(o.kind in kinds and o.mesh_dim in dims for o in ops)
 
 
