@@ -31,7 +31,7 @@ from ._dtensor_internals import layout_of, local_as, local_of
 from ._graph_internals import in_region, keep_linalg_error_checks, release_saved
 from .direct_calls import direct_calls
 from .interpret import Interpreter
-from .pieces import as_dtensor, from_local, gradient_placements, redistribute
+from .pieces import as_dtensor, from_local, gradient_placements, redistribute, redistributed
 from .precision import Casts
 from .run import LocalsOf, global_stride
 from .traced import direct_graphs, traced_program, use_inductor
@@ -293,7 +293,7 @@ class _Enter(torch.autograd.Function):
             target = tuple(g if g.is_partial() and p.is_replicate() else p for g, p in zip(grad.placements, target))
             ctx.record[ctx.i] = target
         if tuple(grad.placements) != target:
-            grad = grad.redistribute(ctx.mesh, target)
+            grad = redistributed(grad, target)
         return grad.to_local().to(ctx.dtype), None, None, None, None, None
 
 

@@ -22,10 +22,11 @@ from torch._prims_common import make_contiguous_strides_for
 
 from ._dtensor_internals import layout_for, layout_of, local_as, local_of
 from .run import global_stride
+from .split_moves import move_piece, split_move
 
 __all__ = ["GradAsDTensor", "GradSettled", "VIEW_CALLS", "as_dtensor", "conform", "contiguous", "from_local",
            "gradient_placements", "local_piece", "map_leaves", "piece_shape", "placed", "redistribute",
-           "settled", "view_of_piece"]
+           "redistributed", "settled", "view_of_piece"]
 
 aten = torch.ops.aten
 
@@ -61,8 +62,47 @@ def placed(x: Any, placements: tuple[Placement, ...], mesh: DeviceMesh):
 
 def redistribute(x: DTensor, placements) -> DTensor:
     """``x`` in ``placements``. A collective's result is contiguous but keeps its input's global strides: from a
-    contiguous input (and, going back, a contiguous gradient) the DTensor's strides and its local tensor's agree."""
+    contiguous input (and, going back, a contiguous gradient) the DTensor's strides and its local tensor's agree.
+    A split moved between dims is one all_to_all also where DTensor would gather (exec.split_moves)."""
+    placements = tuple(placements)
+    move = split_move(x, placements)
+    if move is not None:
+        return _SplitMoved.apply(x, placements, *move)
     return GradAsDTensor.apply(contiguous(x).redistribute(x.device_mesh, placements))
+
+
+def redistributed(x: DTensor, placements) -> DTensor:
+    """``x`` in ``placements`` with no autograd node of its own (a gradient in backward), contiguous; a split
+    moved between dims by one all_to_all as in :func:`redistribute`."""
+    placements = tuple(placements)
+    move = split_move(x, placements)
+    if move is None:
+        return contiguous(contiguous(x).redistribute(x.device_mesh, placements))
+    return _moved(x, placements, *move)
+
+
+def _moved(x: DTensor, placements: tuple, m: int, i: int, j: int) -> DTensor:
+    return DTensor.from_local(move_piece(local_of(x), x.shape, x.device_mesh, m, i, j), x.device_mesh, placements,
+                              run_check=False, shape=x.shape, stride=make_contiguous_strides_for(x.shape))
+
+
+class _SplitMoved(torch.autograd.Function):
+    """A split moved from dim ``i`` to dim ``j`` over mesh dim ``m`` by one all_to_all (exec.split_moves); its
+    gradient moves back by one."""
+
+    @staticmethod
+    def forward(ctx, x, placements, m, i, j):
+        ctx.mesh, ctx.held, ctx.move = x.device_mesh, gradient_placements(x.placements), (m, i, j)
+        return _moved(x, placements, m, i, j)
+
+    @staticmethod
+    def backward(ctx, grad):
+        m, i, j = ctx.move
+        target = tuple(Shard(j) if k == m else p for k, p in enumerate(ctx.held))
+        grad = as_dtensor(grad, ctx.mesh, target)
+        if tuple(grad.placements) != target:
+            grad = redistributed(grad, target)
+        return _moved(grad, ctx.held, m, j, i), None, None, None, None
 
 
 class GradAsDTensor(torch.autograd.Function):
@@ -91,8 +131,7 @@ class GradSettled(GradAsDTensor):
     @staticmethod
     def backward(ctx, grad):
         grad = GradAsDTensor.backward(ctx, grad)
-        return grad if tuple(grad.placements) == ctx.placements else \
-            contiguous(grad.redistribute(ctx.mesh, ctx.placements))
+        return grad if tuple(grad.placements) == ctx.placements else redistributed(grad, ctx.placements)
 
 
 def settled(x: Any) -> Any:
@@ -167,7 +206,7 @@ class _FromPiece(torch.autograd.Function):
         target = gradient_placements(spec.placements)
         grad = as_dtensor(grad, spec.mesh, target)
         if tuple(grad.placements) != target:
-            grad = contiguous(grad).redistribute(spec.mesh, target)
+            grad = redistributed(grad, target)
         return local_of(grad), None
 
 
@@ -282,7 +321,7 @@ class _ViewOfPiece(torch.autograd.Function):
         for _, g, want in got:
             target = tuple(first[m] if m in pending else want[m] for m in range(n))
             if tuple(g.placements) != target:
-                g = contiguous(g).redistribute(mesh, target)
+                g = redistributed(g, target)
             pieces.append(local_of(g))
         (grad,) = torch.autograd.grad([o for o, _, _ in got], [held.piece], pieces)
         placements = tuple(first[m] if m in pending else p for m, p in enumerate(held.x_grad))

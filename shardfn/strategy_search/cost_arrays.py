@@ -60,7 +60,7 @@ def redistribute_seconds(shape, itemsize: int, src: np.ndarray, dst: np.ndarray,
     """Seconds of redistributing each row of ``src`` to the same row of ``dst`` (coded layouts, one row a pair),
     as the sum of :func:`cost_model.collective_seconds` over :func:`cost_model.redistribute_collectives`; and
     whether each runs an all_gather on a mesh dim of ``gathers_on`` (an all_to_all keeps a value split, its dim
-    moved: each rank holds as much as before; where the profile's split moves gather, it counts as one).
+    moved: each rank holds as much as before).
     ``share(kind, nbytes)``: the latency share of each collective (None: 1)."""
     cur = src.copy()
     total = np.zeros(len(src))
@@ -77,7 +77,7 @@ def redistribute_seconds(shape, itemsize: int, src: np.ndarray, dst: np.ndarray,
         hops, part = cm.ring_terms(kind, mesh_shape[d])
         seconds = launch + 2 * copied / profile.mem_bytes_per_s + hops * alpha + part * nbytes * beta
         total = np.where(mask, total + seconds, total)
-        if d in gathers_on and kind in profile.gathering_kinds:
+        if d in gathers_on and kind == "all_gather":
             gathers[mask] = True
 
     for d in range(len(mesh_shape)):  # pending sums first, in mesh-dim order

@@ -112,16 +112,6 @@ class DeviceProfile:
     # True: memory_bytes is the device's own and a plan over it is refused; False (a CPU rank: a share of its
     # host's memory, which other ranks and processes use too): a plan over it is returned with a warning
     memory_is_hard: bool = True
-    # True: a split moved from one dim to another (Shard(i) -> Shard(j)) runs as an all_gather and a chunk, the
-    # whole value held for a moment, not as an all_to_all (DTensor on CPU: gloo's process groups); data
-    # parallelism then counts it as a gather of the batch
-    split_moves_gather: bool = False
-
-    @property
-    def gathering_kinds(self) -> tuple[str, ...]:
-        """The collectives that hold a whole value on each rank of their mesh dim: a gather of what was to stay
-        split (data parallelism's batch)."""
-        return ("all_gather", "all_to_all") if self.split_moves_gather else ("all_gather",)
 
     def __post_init__(self):
         if isinstance(self.devices_per_node, bool) or not isinstance(self.devices_per_node, int) \
@@ -160,8 +150,7 @@ class DeviceProfile:
 #   measured small-message times (tens of microseconds for 8 GPUs) exceed; a collective's launch ~5 us.
 # A CPU world runs on one machine (devices_per_node 0); its network link is 10 Gb Ethernet with TCP's latency.
 CPU = DeviceProfile("cpu", 5e10, 2e10, 16e9, intra_node=Link(5e-5, 1 / 2e9, 2e-5),
-                    inter_node=Link(1e-4, 1 / 1.25e9, 2e-5), devices_per_node=0, memory_is_hard=False,
-                    split_moves_gather=True)
+                    inter_node=Link(1e-4, 1 / 1.25e9, 2e-5), devices_per_node=0, memory_is_hard=False)
 H100 = DeviceProfile("h100", 6e13, 3e12, 80e9, intra_node=Link(3e-6, 1 / 4.5e11, 5e-6),
                      inter_node=Link(1e-5, 1 / 5e10, 5e-6), devices_per_node=8, half_flops_per_s=8e14,
                      tf32_flops_per_s=4e14)

@@ -254,8 +254,7 @@ class Pricing:
                                             self.links, gathers_on=keep_split)[1].astype(float)
         src_keys, src_idx = _distinct(srcs)
         dst_keys, dst_idx = _distinct(dsts)
-        bad = np.array([[float(_gathers(self.comm(val, s, t, (), False, False)[0], keep_split,
-                                        self.profile.gathering_kinds)) for t in dst_keys]
+        bad = np.array([[float(_gathers(self.comm(val, s, t, (), False, False)[0], keep_split)) for t in dst_keys]
                         for s in src_keys])
         return bad[np.ix_(src_idx, dst_idx)]
 
@@ -345,11 +344,11 @@ def _distinct(keys: list) -> tuple[list, np.ndarray]:
     return list(pos), idx
 
 
-def _gathers(ops, dims, kinds: tuple[str, ...]) -> bool:
+def _gathers(ops, dims) -> bool:
     # an all_to_all moves the split to another dim (a transpose of the batch, a scan over it): the value stays
-    # split, each rank's bytes as they were, so it is no gather, except where the backend runs it as one (gloo:
-    # DeviceProfile.gathering_kinds)
-    return any(o.kind in kinds and o.mesh_dim in dims for o in ops)
+    # split, each rank's bytes as they were, so it is no gather (exec runs it as one all_to_all on every backend:
+    # exec.split_moves)
+    return any(o.kind == "all_gather" and o.mesh_dim in dims for o in ops)
 
 
 def gathered_at(decisions, choice, found) -> list[str]:

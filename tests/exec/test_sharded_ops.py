@@ -351,6 +351,7 @@ def _data_parallel_over_the_batch(fn, rows: int, real: bool = False):
         rows_r = slice(starts[r], starts[r] + cut[r])
         torch.testing.assert_close(on_rank(out, r), on_rank(want, r)[rows_r], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(on_rank(x.grad, r), on_rank(ref.grad, r)[rows_r], rtol=1e-5, atol=1e-5)
+    return sharded
 
 
 @pytest.mark.parametrize("fn", [_batch_scan, _batch_transposed], ids=["scan", "flip"])
@@ -362,11 +363,29 @@ def test_data_parallel_op_over_the_batch_trains_like_eager(fn, rows):
 
 @pytest.mark.parametrize("fn", [_batch_scan, _batch_transposed], ids=["scan", "flip"])
 def test_data_parallel_op_over_the_batch_moves_its_split_where_an_all_to_all_is_one(fn):
-    # On CUDA (NCCL) a split moved between dims is one all_to_all: each rank holds as much as before, so the plan
-    # moves the batch's split and back instead of gathering the batch (an all_to_all was counted as a gather of
-    # the batch). DTensor on CPU (gloo) runs that move as an all_gather and a chunk: a gather, counted as one
+    # A split moved between dims is one all_to_all (NCCL's through DTensor, gloo's through exec.split_moves): each
+    # rank holds as much as before, so the plan moves the batch's split and back instead of gathering the batch
     x = torch.empty(256, 1024, device="meta", requires_grad=True)  # each rank's slice
-    kinds = {p: {(c.phase, c.kind) for c in sf.explain(fn, x, world_size=4, dataset_strategy="data_parallel",
-                                                       device=p).collectives} for p in ("cuda", "cpu")}
-    assert ("forward", "all_to_all") in kinds["cuda"] and ("forward", "all_gather") not in kinds["cuda"], kinds
-    assert ("forward", "all_to_all") not in kinds["cpu"], kinds
+    for device in ("cuda", "cpu"):
+        kinds = {(c.phase, c.kind) for c in sf.explain(fn, x, world_size=4, dataset_strategy="data_parallel",
+                                                       device=device).collectives}
+        assert ("forward", "all_to_all") in kinds and ("forward", "all_gather") not in kinds, (device, kinds)
+
+
+def _split_moves_traced(rows):
+    """On real ranks: a data-parallel transpose and a scan of the batch, ``rows`` over 4 ranks, each as eager;
+    the collectives of their traced per-rank graphs."""
+    found = []
+    for fn in (_batch_scan, _batch_transposed):
+        (compiled,) = sf.engine_of(_data_parallel_over_the_batch(fn, rows, real=True)).programs.values()
+        found.append({str(n.target).split(".")[1] for g in compiled.program.graphs.values() for n in g.graph.nodes
+                      if getattr(n.target, "namespace", None) == "_c10d_functional"})
+    return found
+
+
+def test_split_moves_are_all_to_alls_on_gloo(gloo4):
+    # DTensor on gloo runs Shard(i) -> Shard(j) as an all_gather of the whole value and a chunk; exec runs the
+    # all_to_all the plan priced, forward and backward, even and uneven (6 rows: one rank holds none)
+    for rows in (8, 6):
+        for kinds in gloo4.run(_split_moves_traced, rows)[0]:
+            assert "all_to_all_single" in kinds and "all_gather_into_tensor" not in kinds, (rows, kinds)

@@ -38,9 +38,7 @@ def test_every_pair_priced_as_the_scalar_walk_prices_it(shape, mesh_shape, profi
             ops = cm.redistribute_collectives(shape, 4, s, t, mesh_shape)
             want = sum(cm.collective_seconds(op, mesh_shape, profile, share(op), links) for op in ops)
             assert got[i, j] == want, (s, t, ops)
-            # (a split moved between dims is a gather where the profile's backend runs it as one: gloo's)
-            kinds = ("all_gather", "all_to_all") if profile.split_moves_gather else ("all_gather",)
-            assert gathers[i, j] == any(o.kind in kinds and o.mesh_dim in keep for o in ops)
+            assert gathers[i, j] == any(o.kind == "all_gather" and o.mesh_dim in keep for o in ops)
 
 
 def test_an_edge_is_the_forward_and_its_backward_dual():
