@@ -90,7 +90,9 @@ def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, 
             if not request.policy.solves_again_lower or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes \
                     or not request.profile.memory_is_hard:
                 raise  # (outputs returned whole that alone exceed the memory: no plan can fit)
-            budget -= 1.05 * (e.peak - request.profile.memory_bytes) + 2**20
+            # (the walk exceeds the estimate by about as much in the next plan: lowered by that excess)
+            budget = min(budget - 1.05 * (e.peak - request.profile.memory_bytes),
+                         request.profile.memory_bytes - 1.05 * (e.peak - terms.memory_of(solution.choice))) - 2**20
         except ValueError:
             if over is None:
                 raise

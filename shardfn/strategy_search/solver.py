@@ -36,9 +36,12 @@ candidate, then elimination again, until nothing is left), so it always holds a 
 limit with the best plan found and its gap to the best bound (:attr:`Solution.gap`); it never ends without one.
 
 A budget (``_with_budget``) is kept by Lagrangian relaxation: ``min f(x) + mu (w(x) - B)`` is an unconstrained
-problem, solved exactly as above for each ``mu`` of a bisection; the best plan within the budget is returned
-with its gap to the best Lagrangian bound. Only where that gap is not closed does the integer program run on
-the whole problem (with the budget row, from that plan), within the time limit.
+problem, solved exactly as above for each ``mu`` of a bisection. One ``mu`` prices identical layers alike, so
+its plans switch every layer at once and the budget often lies between two of them: the bisection's last plan
+over the budget and its best within are mixed, the parts where they differ switched by least cost per byte
+until the plan fits (``_mixed``). The best plan within the budget is returned with its gap to the best
+Lagrangian bound. Only where that gap is not closed does the integer program run on the whole problem (with the
+budget row, from that plan), within the time limit.
 """
 
 from __future__ import annotations
@@ -490,16 +493,18 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     first = at(0.0)
     if weight(first) <= limit:
         return first
-    best, bound = None, first.bound
+    best, bound, over = None, first.bound, first
 
     def take(mu: float, sol: Solution) -> bool:
-        nonlocal best, bound
+        nonlocal best, bound, over
         w = weight(sol)
         bound = max(bound, sol.bound - mu * limit)  # (a Lagrangian bound from the inner solve's own bound)
         if w <= limit:
             f = objective(problem, sol.choice)
             if best is None or f < best.objective:
                 best = Solution(sol.choice, f, False, "", sol.stats, timed_out=sol.timed_out)
+        else:
+            over = sol
         return w <= limit
 
     # the multiplier's scale: a millionth of the plan's cost per unit of the budget, then up by 8x until a plan
@@ -517,6 +522,9 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
         else:
             lo = mid
         rounds += 1
+    mixed = _mixed(problem, weights, limit, over.choice, best.choice)
+    if mixed is not None and mixed.objective < best.objective:
+        best = mixed
     gap = max(best.objective - bound, 0.0) / max(abs(best.objective), 1e-30)
     best.stats = {**best.stats, "lagrangian_rounds": rounds}
     if gap <= _GAP:
@@ -543,6 +551,78 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     gap = 0.0 if optimal else min(gap, ilp_gap)
     return Solution(ordered, f, optimal, message, {**best.stats, "ilp_decisions": len(alive)}, gap,
                     timed_out=not optimal)
+
+
+def _mixed(problem: Problem, weights: list[np.ndarray], limit: float, over: list[int],
+           within: list[int]) -> Solution | None:
+    """Between the bisection's last plan over the budget (``over``) and its best within (``within``): the plan
+    that keeps ``over`` where it can and takes ``within``'s choices in just enough of the places they differ.
+
+    One multiplier prices every identical layer alike, so the Lagrangian plans switch all of them at once and
+    the budget often lies between two of them (the duality gap): the best plan keeps some layers as ``over`` has
+    them. The decisions where the two differ fall into parts no edge joins (one a layer, where the values between
+    layers agree); switching a part changes the objective and the weight by its own amounts, edges to the rest
+    included, whatever the other parts do. Parts switch in order of the least cost per byte saved until the plan
+    fits (a greedy knapsack), then parts switched early that are no longer needed switch back."""
+    differ = {v for v, (a, b) in enumerate(zip(over, within)) if a != b}
+    if not differ:
+        return None
+    neighbours: dict[int, list[int]] = {v: [] for v in differ}
+    touching: dict[int, list[int]] = {v: [] for v in differ}
+    for e, (u, v, _) in enumerate(problem.edges):
+        for a, b in ((u, v), (v, u)):
+            if a in differ:
+                touching[a].append(e)
+                if b in differ:
+                    neighbours[a].append(b)
+    parts, seen = [], set()
+    for v in sorted(differ):  # the parts: connected through edges among the differing decisions
+        if v in seen:
+            continue
+        part, stack = [], [v]
+        seen.add(v)
+        while stack:
+            a = stack.pop()
+            part.append(a)
+            for b in neighbours[a]:
+                if b not in seen:
+                    seen.add(b)
+                    stack.append(b)
+        parts.append(part)
+
+    def change(part: list[int]) -> tuple[float, float]:  # (objective, weight) of switching ``part`` to within
+        inside = set(part)
+        df = sum(float(problem.costs[v][within[v]] - problem.costs[v][over[v]]) for v in part)
+        dw = sum(float(weights[v][within[v]] - weights[v][over[v]]) for v in part)
+        for e in {e for v in part for e in touching[v]}:
+            u, v, m = problem.edges[e]
+            new_u, new_v = (within[u] if u in inside else over[u]), (within[v] if v in inside else over[v])
+            df += float(m[new_u, new_v] - m[over[u], over[v]])
+        return df, dw
+
+    changes = [change(part) for part in parts]
+    excess = sum(float(w[k]) for w, k in zip(weights, over)) - limit
+    order = sorted((i for i, (_, dw) in enumerate(changes) if dw < 0),
+                   key=lambda i: changes[i][0] / -changes[i][1])
+    switched, saved = [], 0.0
+    for i in order:
+        if saved >= excess:
+            break
+        switched.append(i)
+        saved -= changes[i][1]
+    if saved < excess:
+        return None
+    for i in sorted(switched, key=lambda i: changes[i][0], reverse=True):  # the costliest no longer needed back
+        if saved + changes[i][1] >= excess and changes[i][0] > 0:
+            switched.remove(i)
+            saved += changes[i][1]
+    choice = list(over)
+    for i in switched:
+        for v in parts[i]:
+            choice[v] = within[v]
+    if sum(float(w[k]) for w, k in zip(weights, choice)) > limit * (1 + 1e-12):
+        return None
+    return Solution(choice, objective(problem, choice), False, "", {"mixed_parts": len(switched)})
 
 
 def solve(problem: Problem, time_limit_s: float = 60.0) -> Solution:

@@ -154,3 +154,30 @@ def test_a_budget_on_a_deep_chain_is_kept_by_lagrangian_rounds_of_exact_eliminat
     assert sum(w[c] for w, c in zip(weights, sol.choice)) <= limit
     assert sol.stats["lagrangian_rounds"] > 0 and sol.stats["ilp_decisions"] == 0
     assert sol.gap < 0.01 and not sol.timed_out
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["apart", "a chain of layers"])
+def test_identical_layers_under_a_budget_mix_their_choices(monkeypatch, joined):
+    # One multiplier prices identical layers alike: every Lagrangian plan has all layers fast (over the budget)
+    # or all lean, and the budget lies between. The best plan keeps some layers fast: found without the integer
+    # program (which is made to fail here), equal to brute force.
+    import shardfn.strategy_search.solver as solver
+
+    def no_program(*args, **kwargs):
+        raise AssertionError("the integer program ran")
+
+    monkeypatch.setattr(solver, "_program", no_program)
+    layers = 8
+    costs, weights, edges = [], [], []
+    for layer in range(layers):  # a layer: a value (fast: 1 s, 3 bytes; lean: 2 s, 1 byte) and its link onward
+        costs += [np.array([1.0, 2.0]), np.array([0.0])]
+        weights += [np.array([3.0, 1.0]), np.array([0.0])]
+        edges.append((2 * layer, 2 * layer + 1, np.array([[0.0], [0.25]])))  # lean costs a little more onward
+        if joined and layer:  # the values between layers agree in both plans: layers stay apart
+            edges.append((2 * layer - 1, 2 * layer, np.array([[0.5, 0.5]])))
+    limit = 3.0 * 3 + 1.0 * 5  # three layers fast, five lean
+    problem = Problem(costs, edges, (weights, limit))
+    sol = solve(problem)
+    assert sum(w[c] for w, c in zip(weights, sol.choice)) <= limit
+    assert sol.objective == pytest.approx(_brute_force(problem))
+    assert sol.stats["mixed_parts"] == 5 and sol.gap < 1e-2 and not sol.timed_out
