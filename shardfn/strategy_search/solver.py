@@ -65,6 +65,8 @@ log = logging.getLogger("shardfn")
 _GAP = 1e-9
 # A budgeted plan within this relative gap of the Lagrangian bound is taken without the integer program
 _BUDGET_GAP = 1e-2
+# The bisection stops once its plans, mixed (``_mixed``), are within this relative gap of its bound
+_MIXED_GAP = 1e-3
 
 
 @dataclass
@@ -514,18 +516,24 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     while not take(hi, at(hi)):  # (past the deadline, bigger steps to a plan within the budget)
         lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
-    while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and \
-            best.objective - bound > _GAP * max(abs(best.objective), 1e-30):
+
+    def mix() -> float:  # the gap left once the last plans over and within are mixed
+        nonlocal best
+        mixed = _mixed(problem, weights, limit, over.choice, best.choice)
+        if mixed is not None and mixed.objective < best.objective:
+            best = Solution(mixed.choice, mixed.objective, False, "", {**best.stats, **mixed.stats},
+                            timed_out=best.timed_out)
+        return max(best.objective - bound, 0.0) / max(abs(best.objective), 1e-30)
+
+    gap = mix()
+    while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and gap > _MIXED_GAP:
         mid = (lo * hi) ** 0.5 if lo > 0 else hi / 8
         if take(mid, at(mid)):
             hi = mid
         else:
             lo = mid
         rounds += 1
-    mixed = _mixed(problem, weights, limit, over.choice, best.choice)
-    if mixed is not None and mixed.objective < best.objective:
-        best = mixed
-    gap = max(best.objective - bound, 0.0) / max(abs(best.objective), 1e-30)
+        gap = mix()
     best.stats = {**best.stats, "lagrangian_rounds": rounds}
     if gap <= _GAP:
         best.optimal, best.gap, best.message = True, 0.0, "memory limit binding"
