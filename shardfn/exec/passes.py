@@ -615,6 +615,12 @@ def _parameters_where_read(graph: torch.fx.Graph, n_params: int) -> None:
     (:func:`_prefetch_one_ahead`), as FSDP gathers a block's parameters as the block starts."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     of_params = set(placeholders[:n_params])
+    for node in graph.nodes:  # (a parameter the graph writes into is read where it was: before or after)
+        if node.op == "call_function" and is_in_place(node.target) and node.args:
+            root = node.args[0]
+            while isinstance(root, torch.fx.Node) and root.op == "call_function" and root.args:
+                root = root.args[0]
+            of_params.discard(root)
     for node in graph.nodes:
         if node.op == "call_function" and node.all_input_nodes and _pure(node) \
                 and all(a in of_params for a in node.all_input_nodes):

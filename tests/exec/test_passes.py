@@ -534,3 +534,18 @@ def test_backward_buckets_are_the_plans(monkeypatch, world, split):
     collectives[k] = dataclasses.replace(collectives[k], bucket=None)
     with pytest.raises(ValueError, match="no bucket of its plan holds"):
         check_buckets(dataclasses.replace(compiled.plan, collectives=tuple(collectives)), buckets)
+
+
+def test_ops_on_a_parameter_the_graph_writes_into_stay_where_they_read_it():
+    # ops on parameters alone move to their first reader (simplify(n_params=)), but not past a write into one
+    g = torch.fx.Graph()
+    w, x = g.placeholder("w"), g.placeholder("x")
+    w.meta["val"] = x.meta["val"] = torch.empty(4, 4)
+    doubled = _node(g, aten.mul.Tensor, (w, 2), torch.empty(4, 4))
+    written = _node(g, aten.copy_.default, (w, x), torch.empty(4, 4))
+    g.output((_node(g, aten.mm.default, (x, doubled), torch.empty(4, 4)), written))
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g), n_params=1)
+    pos = list(g.nodes).index
+    assert pos(doubled) < pos(written)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(gm(a.clone(), b)[0], b @ (a * 2))
