@@ -195,18 +195,26 @@ def _one_in_flight(graph: torch.fx.Graph) -> None:
 
 
 def _of_an_input(node: torch.fx.Node) -> bool:
-    """Does collective ``node`` move a graph input (through ops on it alone: views, copies, casts)?"""
-    arg = node.args[0]
+    """Does collective ``node`` move graph inputs (through ops on one alone: views, copies, casts), or their
+    concatenation (a bucket of split parameters gathered at once: :func:`_fuse_gather`)?"""
+    return _from_inputs(node.args[0])
+
+
+def _from_inputs(arg) -> bool:
     while isinstance(arg, torch.fx.Node) and arg.op == "call_function" and len(arg.all_input_nodes) == 1:
         arg = arg.all_input_nodes[0]
+    if isinstance(arg, torch.fx.Node) and arg.target is aten.cat.default:
+        return all(_from_inputs(a) for a in arg.args[0])
     return isinstance(arg, torch.fx.Node) and arg.op == "placeholder"
 
 
 def _prefetch_one_ahead(graph: torch.fx.Graph) -> None:
     """Collectives of graph inputs (a split parameter's all-gather) could all start at the top of the graph, and
     every whole result would then be held from there to its reader: all the whole parameters at once. Each
-    starts instead just before the previous one's wait, as FSDP prefetches: one in flight while the previous
-    result is read, so communication still overlaps compute and at most two whole results are held early."""
+    all-gather starts instead once the previous one is waited for and taken apart (:func:`_taken_apart`), its
+    input's ops with it (:func:`_own_inputs`), as FSDP prefetches: one in flight while the previous result is
+    read, so communication still overlaps compute and at most two whole results are held early (another
+    collective of an input starts just before the previous one's wait)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     waited = []
     for node in graph.nodes:
@@ -217,7 +225,40 @@ def _prefetch_one_ahead(graph: torch.fx.Graph) -> None:
     waited.sort(key=lambda cw: order[cw[1]])
     for (_, previous_wait), (node, wait) in zip(waited, waited[1:]):
         if order[node] < order[previous_wait] < order[wait]:
-            previous_wait.prepend(node)
+            if node.target is not _c10d.all_gather_into_tensor.default:  # (no whole result: before the wait)
+                previous_wait.prepend(node)
+                continue
+            start = _taken_apart(previous_wait).next
+            for a in sorted(_own_inputs(node), key=order.__getitem__):
+                start.prepend(a)
+            start.prepend(node)
+
+
+def _taken_apart(wait: torch.fx.Node) -> torch.fx.Node:
+    """The last of the ops right after ``wait`` that only take its result apart (a bucket's rows split, each
+    parameter copied out of them; a gathered parameter's views): the next gather starts after them, so that its
+    buffer is not made while this one's whole buffer and its copies are both held."""
+    apart, last = {wait}, wait
+    while (n := last.next).op == "call_function" and n.all_input_nodes and not _is_collective(n) \
+            and n.target is not _c10d.wait_tensor.default and _pure(n) and all(a in apart for a in n.all_input_nodes):
+        apart.add(n)
+        last = n
+    return last
+
+
+def _own_inputs(node: torch.fx.Node) -> set[torch.fx.Node]:
+    """The movable ops that compute ``node``'s input for it alone (a bucket's concatenation of its pieces, their
+    flat views, a contiguous copy): started later, a collective takes them along, so that its input buffer is
+    not made at the graph's top and held there until the collective starts."""
+    own: set = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        a = stack.pop()
+        if a in own or not _movable(a) or not all(u is node or u in own for u in a.users):
+            continue
+        own.add(a)
+        stack.extend(a.all_input_nodes)
+    return own
 
 
 _TAIL_LIMIT = 8  # ops after a reduction that may wait for its bucket (a few: a loss's division, an embedding's
@@ -532,13 +573,17 @@ def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool,
 
 
 def simplify(gm: torch.fx.GraphModule, in_place: bool = True, one_in_flight: bool = False,
-             plan=None) -> torch.fx.GraphModule:
+             plan=None, n_params: int = 0) -> torch.fx.GraphModule:
     """All the clean-ups; ``in_place=False`` keeps the graph functional (for Inductor, which plans its own
     buffers); ``one_in_flight``: no collective starts before the previous one is waited for (gloo, see
     :func:`_one_in_flight`). ``plan``: a backward graph's program's plan, against whose gradient buckets its
-    fused reductions are checked (:func:`check_buckets`; a disagreement is said on the ``shardfn`` logger)."""
+    fused reductions are checked (:func:`check_buckets`; a disagreement is said on the ``shardfn`` logger).
+    ``n_params``: a forward graph's first inputs that are parameters, whose ops are put by their readers
+    (:func:`_parameters_where_read`)."""
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
+    if n_params:
+        _parameters_where_read(graph, n_params)
     _drop_identities(graph, set(out.all_input_nodes))
     fused = _fuse_reductions(graph, bucket_bytes(), in_place) if bucket_bytes() > 0 else []
     if plan is not None:
@@ -559,6 +604,49 @@ def simplify(gm: torch.fx.GraphModule, in_place: bool = True, one_in_flight: boo
     graph.lint()
     gm.recompile()
     return gm
+
+
+def _parameters_where_read(graph: torch.fx.Graph, n_params: int) -> None:
+    """Each op computed from parameters alone (the first ``n_params`` inputs: a split parameter's all-gather, its
+    wait, the transpose a linear reads) moved down to just before its first reader. The captured graph's
+    canonical order (capture.order) puts such ops, ready from the start, near its top: traced there, every
+    parameter would be gathered whole as the forward starts and held until its reader, all of them at once.
+    By their readers, the gathers are bucketed in the order the forward reads them and started one ahead
+    (:func:`_prefetch_one_ahead`), as FSDP gathers a block's parameters as the block starts."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    of_params = set(placeholders[:n_params])
+    for node in graph.nodes:  # (a parameter the graph writes into is read where it was: before or after)
+        if node.op == "call_function" and is_in_place(node.target) and node.args:
+            root = node.args[0]
+            while isinstance(root, torch.fx.Node) and root.op == "call_function" and root.args:
+                root = root.args[0]
+            of_params.discard(root)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and _pure(node) \
+                and all(a in of_params for a in node.all_input_nodes):
+            of_params.add(node)
+    later = {n for n in of_params if n.op == "call_function"}
+    placed: list[torch.fx.Node] = []
+    done: set = set()
+
+    def place(node: torch.fx.Node) -> None:  # its inputs still to place, then itself
+        if node in done:
+            return
+        done.add(node)
+        for a in node.all_input_nodes:
+            if a in later:
+                place(a)
+        placed.append(node)
+
+    for node in list(graph.nodes):
+        if node.op == "output":  # (ops nothing reads: before it, as they stood)
+            for n in [n for n in graph.nodes if n in later]:
+                place(n)
+        if node not in later:
+            place(node)
+    for before, node in zip(placed, placed[1:]):  # (one pass over the graph)
+        if before.next is not node:
+            before.append(node)
 
 
 def _pure(node: torch.fx.Node) -> bool:

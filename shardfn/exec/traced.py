@@ -88,7 +88,8 @@ def traced_program(program, step: Callable) -> Callable:
             planned = name == "backward" and getattr(program.captured, "dynamic", None) is None
             program.graphs[name] = simplify(gm, in_place=not inductor,
                                          one_in_flight=program.mesh.device_type == "cpu",
-                                         plan=program.plan if planned else None)
+                                         plan=program.plan if planned else None,
+                                         n_params=program.n_params if name == "forward" else 0)
             if not inductor:
                 if name == "forward":  # a cached call's agreement may still be in flight up to here (exec.gate)
                     program.graphs[name], program.gated = gate(program.graphs[name]), True

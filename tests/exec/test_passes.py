@@ -267,20 +267,24 @@ def _identity_collectives(g):
     return g
 
 
-def _gathered_chain(n_params: int = 3):
-    """x @ w0 @ w1 @ ... with each w gathered from this rank's (2, 4) piece: graph, gathers, waits."""
+def _gathered_chain(n_params: int = 3, gathered_first: bool = False):
+    """x @ w0 @ w1 @ ... with each w gathered from this rank's (2, 4) piece: graph, gathers, waits.
+    ``gathered_first``: the parameters first (their pieces before x, as a forward's parameters come first), and
+    every gather and wait before the first product (as the captured graph's canonical order can put them)."""
     g = torch.fx.Graph()
+    shards = [g.placeholder(f"w{k}") for k in range(n_params)] if gathered_first else []
     x = g.placeholder("x")
     x.meta["val"] = torch.empty(4, 4)
-    shards = [g.placeholder(f"w{k}") for k in range(n_params)]
+    shards = shards or [g.placeholder(f"w{k}") for k in range(n_params)]
     h, gathers, waits = x, [], []
     for w in shards:
         w.meta["val"] = torch.empty(2, 4)
-        gathered = _node(g, c10d.all_gather_into_tensor.default, (w, 2, "0"), torch.empty(4, 4))
-        waited = _node(g, c10d.wait_tensor.default, (gathered,), torch.empty(4, 4))
+        gathers.append(_node(g, c10d.all_gather_into_tensor.default, (w, 2, "0"), torch.empty(4, 4)))
+        waits.append(_node(g, c10d.wait_tensor.default, (gathers[-1],), torch.empty(4, 4)))
+        if not gathered_first:
+            h = _node(g, aten.mm.default, (h, waits[-1]), torch.empty(4, 4))
+    for waited in waits if gathered_first else []:
         h = _node(g, aten.mm.default, (h, waited), torch.empty(4, 4))
-        gathers.append(gathered)
-        waits.append(waited)
     g.output((h,))
     return g, gathers, waits
 
@@ -336,17 +340,52 @@ def test_gradient_reduce_scatters_fuse_into_buckets():
         torch.testing.assert_close(got, t[:2] * 2)
 
 
-def test_gathers_of_inputs_start_one_ahead_of_their_readers(monkeypatch):
-    # a split parameter's all-gather reads a graph input and could start at the top of the graph; then every whole
-    # parameter would be held from there. Each starts just before the previous one's wait instead (buckets off:
-    # each parameter gathered alone).
-    monkeypatch.setenv("SHARDFN_BUCKET_MB", "0")
-    g, gathers, waits = _gathered_chain()
-    simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+def _one_ahead(g, gathers, waits, readers):
+    """Does each gather start once the previous one is waited for, and before that one's result is read (by
+    ``readers[k - 1]``)?"""
     pos = list(g.nodes).index
-    assert pos(gathers[0]) < pos(gathers[1]) < pos(waits[0])  # the next is in flight while the first is read
-    assert pos(waits[0]) < pos(gathers[2]) < pos(waits[1])  # not before: two whole results at most
-    assert pos(gathers[2]) < pos(waits[1]) < pos(waits[2])
+    for k in range(1, len(gathers)):  # in flight while the previous result is read
+        assert pos(waits[k - 1]) < pos(gathers[k]) < pos(readers[k - 1]) < pos(waits[k]), k
+
+
+@pytest.mark.parametrize("gathered_first", [False, True], ids=["by_readers", "gathered_first"])
+def test_gathers_of_inputs_start_one_ahead_of_their_readers(monkeypatch, gathered_first):
+    # a split parameter's all-gather reads a graph input and could start at the top of the graph; then every whole
+    # parameter would be held from there. Each starts once the previous one is waited for instead, and is in
+    # flight while that one is read: two whole results at most (buckets off: each parameter gathered alone). A
+    # graph whose gathers all come first (the captured graph's canonical order puts ops on parameters alone near
+    # its top) gets the same order once its parameters' ops are put by their readers (n_params).
+    monkeypatch.setenv("SHARDFN_BUCKET_MB", "0")
+    g, gathers, waits = _gathered_chain(gathered_first=gathered_first)
+    simplify(torch.fx.GraphModule(torch.nn.Module(), g), n_params=3 if gathered_first else 0)
+    _one_ahead(g, gathers, waits, [next(iter(w.users)) for w in waits])
+
+
+def test_buckets_of_gathers_start_one_ahead_with_their_inputs(monkeypatch):
+    # buckets of two parameters' gathers (two buckets of four, 128 bytes each whole), every gather first in the
+    # graph: each bucket's gather, and the concatenation of its pieces it reads, start once the previous bucket
+    # is waited for and its parameters are copied out of it (its whole buffer then freed), before they are read
+    monkeypatch.setenv("SHARDFN_BUCKET_MB", str(130 / 2**20))
+    g, _, _ = _gathered_chain(4, gathered_first=True)
+    x, ws = torch.randn(4, 4), [torch.randn(2, 4) for _ in range(4)]
+    want = x
+    for w in ws:
+        want = want @ torch.cat([w, w])
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g), n_params=4)
+    gathers = [n for n in g.nodes if n.target is c10d.all_gather_into_tensor.default]
+    waits = [next(iter(n.users)) for n in gathers]
+    assert len(gathers) == 2 and all(n.args[0].target is aten.cat.default for n in gathers)
+    products = [n for n in g.nodes if n.target is aten.mm.default]
+    _one_ahead(g, gathers, waits, products[::2])
+    pos = list(g.nodes).index
+    copied = [n for n in g.nodes if n.target is aten.reshape.default and n.args[0].target is operator.getitem]
+    assert pos(waits[0]) < pos(gathers[1].args[0])  # its pieces concatenated only then
+    assert max(pos(n) for n in copied[:2]) < pos(gathers[1]) < pos(products[0])
+    for n in gathers:  # two ranks holding the same pieces
+        n.target, n.args = aten.repeat.default, (n.args[0], [2])
+    _identity_collectives(g)
+    gm.recompile()
+    torch.testing.assert_close(gm(*ws, x)[0], want)
 
 
 def _in_flight_at_once(g) -> int:
@@ -383,10 +422,11 @@ def test_one_collective_in_flight_on_gloo(monkeypatch):
     # CPU each one is waited for before the next starts, and compute still runs while one is in flight
     monkeypatch.setenv("SHARDFN_BUCKET_MB", "0")
     x = torch.randn(4, 4)
-    for build in (_gathers_graph, lambda: _gradient_graph([4, 8, 2])[0]):
+    # (gathers of inputs start one at a time already, each once the previous one is waited for and taken apart)
+    for build, overlapped in ((_gathers_graph, 1), (lambda: _gradient_graph([4, 8, 2])[0], 2)):
         g = build()
         simplify(torch.fx.GraphModule(torch.nn.Module(), g))
-        assert _in_flight_at_once(g) > 1  # overlapped: the pass below has something to do
+        assert _in_flight_at_once(g) >= overlapped  # overlapped: the pass below has something to do
         g = build()
         want = torch.fx.GraphModule(torch.nn.Module(), _as_one_rank(build()))
         simplify(torch.fx.GraphModule(torch.nn.Module(), g), one_in_flight=True)
@@ -445,8 +485,6 @@ def test_a_region_is_computed_again_just_before_its_backward_not_hoisted():
     # overlap hoists a collective's inputs as early as they can run: a gradient bucket's all-reduce reads every
     # layer's gradient, and hoisting the layers' recomputed forward with them would hold every region's values at
     # once; each region is computed again where the partitioner put it, the last layer's first
-    import copy
-
     from shardfn.capture.graph import checkpoint_region
     from tests.models import GPTStack
 
@@ -496,3 +534,18 @@ def test_backward_buckets_are_the_plans(monkeypatch, world, split):
     collectives[k] = dataclasses.replace(collectives[k], bucket=None)
     with pytest.raises(ValueError, match="no bucket of its plan holds"):
         check_buckets(dataclasses.replace(compiled.plan, collectives=tuple(collectives)), buckets)
+
+
+def test_ops_on_a_parameter_the_graph_writes_into_stay_where_they_read_it():
+    # ops on parameters alone move to their first reader (simplify(n_params=)), but not past a write into one
+    g = torch.fx.Graph()
+    w, x = g.placeholder("w"), g.placeholder("x")
+    w.meta["val"] = x.meta["val"] = torch.empty(4, 4)
+    doubled = _node(g, aten.mul.Tensor, (w, 2), torch.empty(4, 4))
+    written = _node(g, aten.copy_.default, (w, x), torch.empty(4, 4))
+    g.output((_node(g, aten.mm.default, (x, doubled), torch.empty(4, 4)), written))
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g), n_params=1)
+    pos = list(g.nodes).index
+    assert pos(doubled) < pos(written)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(gm(a.clone(), b)[0], b @ (a * 2))
