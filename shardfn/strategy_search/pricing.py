@@ -380,10 +380,25 @@ class _BucketShare:
         return np.minimum(1.0, np.maximum(nbytes / self.limit, 1 / max(self.grads, 1)))
 
 
+# a number added to or taken from a tensor: the tensor's gradient is the result's, unchanged
+_ADDS_A_NUMBER = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.add.Scalar,
+                  torch.ops.aten.sub.Scalar)
+
+
+def _passes_gradient(node: torch.fx.Node) -> bool:
+    """Is ``node``'s gradient, reduced, its first input's (reshaped, or unchanged)? A reshape's is; so is a
+    number added to its input (Gemma 3's norms scale by ``1 + weight``): its backward is nothing at all, so exec
+    finds the reduction of the result's gradient handed back as the input's."""
+    if REGISTRY.reshapes_gradient(node.target):
+        return True
+    return node.target in _ADDS_A_NUMBER and len(node.args) >= 2 and isinstance(node.args[0], torch.fx.Node) \
+        and isinstance(node.args[1], (int, float, bool))
+
+
 def gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:
     """The graph input whose gradient, as it leaves the program (no other reader adds to it), is what is
     reduced where ``node`` is read; else None. Exec fuses those reductions into buckets."""
-    while node.op == "call_function" and REGISTRY.reshapes_gradient(node.target) and len(node.users) == 1:
+    while node.op == "call_function" and _passes_gradient(node) and len(node.users) == 1:
         node = node.args[0]
     return node if node.op == "placeholder" and len(node.users) == 1 else None
 
