@@ -351,10 +351,16 @@ def backward_collectives(
 
 
 def accumulated_collectives(shape: Sequence[int], itemsize: int, src: Sequence[Placement],
-                            mesh_shape: Sequence[int]) -> list[CommOp]:
-    """The one reduction that resolves an accumulated gradient (see :func:`accumulator_placement`)."""
-    return redistribute_collectives(shape, itemsize, accumulator_placement(src), gradient_placement(src),
-                                    mesh_shape)
+                            mesh_shape: Sequence[int], summed: Sequence[int] | None = None) -> list[CommOp]:
+    """The one reduction that resolves an accumulated gradient (see :func:`accumulator_placement`). ``summed``:
+    the mesh dims where some contribution arrives as a pending sum (None: every dim the accumulator may hold
+    one). Autograd adds the contributions as DTensors, and a sum of a pending sum and a replicated value is
+    pending, of replicated values replicated: the total is pending only where a contribution was."""
+    held = accumulator_placement(src)
+    if summed is not None:
+        held = [p if not p.is_partial() or d in summed else g
+                for d, (p, g) in enumerate(zip(held, gradient_placement(src)))]
+    return redistribute_collectives(shape, itemsize, held, gradient_placement(src), mesh_shape)
 
 
 # per op and shapes: identical layers count each op once (a memo the registry owns, emptied by its clear())

@@ -404,15 +404,17 @@ def gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def node_collectives(d: Decision, c: Candidate, held, grad: bool, mesh_shape,
-                     grad_dtype: torch.dtype | None = None) -> tuple[list, list]:
+                     grad_dtype: torch.dtype | None = None, summed=None) -> tuple[list, list]:
     """(forward, backward) collectives that belong to one node rather than an edge (its gradient's in
-    ``grad_dtype``, if given)."""
+    ``grad_dtype``, if given). ``summed``: where its readers' gradients accumulate, the mesh dims where some
+    arrives as a pending sum (the read-out knows them from the chosen readers; None: wherever one may)."""
     if d.node is None:
         return [], []
     fwd, bwd = [], []
     if c.accumulate and not passes_on(d, c):  # a view's sum is resolved where its input's is
         val = _first_output(d.node)
-        bwd += cm.accumulated_collectives(val.shape, _grad_item(val, grad_dtype), c.outputs[0], mesh_shape)
+        bwd += cm.accumulated_collectives(val.shape, _grad_item(val, grad_dtype), c.outputs[0], mesh_shape,
+                                          summed)
     if held is not None and held != c.outputs[0]:
         val = d.node.meta["val"]
         fwd += cm.redistribute_collectives(val.shape, val.element_size(), held, c.outputs[0], mesh_shape)

@@ -144,6 +144,7 @@ class _Collectives:
 
     def all(self) -> tuple[list[Collective], list[Collective], list[Collective]]:
         """(forward, backward, backward's gathers again), each in buckets."""
+        self.summed = self._summed()
         for d, c in zip(self.problem.decisions, self.chosen):
             for slot, source in enumerate(d.sources):
                 self._edge(d, c, slot, *source)
@@ -154,6 +155,20 @@ class _Collectives:
         fwd, first = _gathers_in_buckets(self.fwd, self.gathered, first)
         regathers, _ = _gathers_in_buckets(self.regathers, self.regathered, first)
         return fwd, bwd + regathers, regathers
+
+    def _summed(self) -> dict[int, set[int]]:
+        """Per decision, the mesh dims where some reader's gradient contribution arrives as a pending sum (a
+        view that passes its readers' sums on passes on those it got): where a chosen candidate accumulates,
+        only these are reduced, as autograd's sum of DTensors is pending only where a contribution was (GPT-2's
+        tied embedding on a data x tensor-parallel mesh: summed over the data dim alone)."""
+        decisions, summed = self.problem.decisions, collections.defaultdict(set)
+        for i in reversed(range(len(decisions))):  # (readers after the values they read)
+            d, c = decisions[i], self.chosen[i]
+            on = passes_on(d, c)
+            for slot, (u, _, _) in enumerate(d.sources):
+                dims = {k for k, p in enumerate(pending(c, slot, on)) if p}
+                summed[u] |= dims & summed[i] if on else dims
+        return summed
 
     def _priced(self, o: cm.CommOp, phase: str, where: str, handed_back: bool = False) -> Collective:
         # as the search priced it: a gradient handed back bears its share of its bucket's latency
@@ -206,7 +221,8 @@ class _Collectives:
         summing of its readers' gradients."""
         held = self.held.get(i)
         needs = d.node in self.problem.needs_grad if d.node is not None else False
-        fwd, bwd = node_collectives(d, c, held, needs, self.problem.mesh_shape, self.terms.grad_dtypes.get(d.node))
+        fwd, bwd = node_collectives(d, c, held, needs, self.problem.mesh_shape, self.terms.grad_dtypes.get(d.node),
+                                    self.summed[i])
         bwd = self._synced(bwd, d.node)
         entry = held is not None and held != c.outputs[0]  # else its readers' gradients summed
         what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
