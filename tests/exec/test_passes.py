@@ -445,8 +445,6 @@ def test_a_region_is_computed_again_just_before_its_backward_not_hoisted():
     # overlap hoists a collective's inputs as early as they can run: a gradient bucket's all-reduce reads every
     # layer's gradient, and hoisting the layers' recomputed forward with them would hold every region's values at
     # once; each region is computed again where the partitioner put it, the last layer's first
-    import copy
-
     from shardfn.capture.graph import checkpoint_region
     from tests.models import GPTStack
 
