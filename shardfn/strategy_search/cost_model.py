@@ -341,12 +341,15 @@ def backward_collectives(
 
     ``pending[d]``: the consumer left this gradient as a pending sum on mesh dim ``d`` (it read the tensor
     replicated there while splitting its work there). A producer that was Partial receives a replicated gradient.
-    With ``accumulate`` the contribution only joins the producer's pending accumulator.
+    With ``accumulate`` the contribution only joins the producer's pending accumulator, where the edge moves
+    nothing (``src == dst``): the backward of a redistribution (DTensor's) takes the gradient to ``src``'s own
+    placements, pending sums resolved there, whole (a weight gathered for its reader is reduced whole, then this
+    rank's piece cut).
     """
     grad_at_consumer = [Partial() if pend else p for p, pend in zip(dst, pending)]
     grad_at_consumer = [Replicate() if (p.is_partial() and not pend) else p
                         for p, pend in zip(grad_at_consumer, pending)]
-    target = accumulator_placement(src) if accumulate else gradient_placement(src)
+    target = accumulator_placement(src) if accumulate and tuple(src) == tuple(dst) else gradient_placement(src)
     return redistribute_collectives(shape, itemsize, grad_at_consumer, target, mesh_shape)
 
 

@@ -524,12 +524,28 @@ def _gpt2_megatron_data_parallel():
     return model
 
 
-@pytest.mark.parametrize("make", [_gemma3_norms_data_parallel, _gpt2_megatron_data_parallel])
+def _weight_gathered_for_its_reader():
+    # a weight split over "tp" that its reader takes whole (transposed first): DTensor reduces its gradient whole
+    # over "dp" in the backward of that gather, and then cuts this rank's piece; the plan prices that, not a
+    # reduction of the piece
+    from tests.call.test_uneven_batch import _Net
+
+    mesh = sf.Layout((2, 2), ("dp", "tp"))
+    model = sf.shard(_Net(), in_strategy=(mesh("dp", "None"), mesh("dp", "None")),
+                     parameter_plan={"up.weight": mesh("tp", "None"), "up.bias": mesh("tp"),
+                                     "down.weight": mesh("None", "tp")}, dataset_strategy="data_parallel")
+    model(torch.randn(4, 6), torch.randn(4, 3))[1].backward()
+    return model
+
+
+@pytest.mark.parametrize("make", [_gemma3_norms_data_parallel, _gpt2_megatron_data_parallel,
+                                  _weight_gathered_for_its_reader])
 def test_backward_buckets_are_the_plans_where_they_once_disagreed(monkeypatch, make):
     # issue 36: check_buckets was only said on the logger, since these plans' buckets and exec's differed (Gemma
     # 3's norm weights unbucketed in the plan; GPT-2's tied embedding planned reduced over both mesh dims, and its
-    # gathered tensor-parallel weights, reduced whole then cut, not counted by exec). Now simplify raises where
-    # they differ, and the buckets a backward fuses are the plan's
+    # gathered tensor-parallel weights, reduced whole then cut, not counted by exec; a weight gathered through a
+    # view priced as its piece reduced). Now simplify raises where they differ, and the buckets a backward fuses
+    # are the plan's
     from shardfn.exec.passes import check_buckets
 
     fused = []
