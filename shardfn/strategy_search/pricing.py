@@ -210,8 +210,7 @@ class Pricing:
                     dst_keys, dst_idx = _distinct([(c.inputs[slot], pd) for c, pd in zip(d.candidates, pend)])
                     small = self._edge_seconds(val, src_keys, dst_keys, grad, handed_back, grad_dtype)
                     return (small[np.ix_(src_idx, dst_idx)],
-                            _left_to_view(src_cands, pend, self.mesh_shape, [sc.outputs[out_idx] for sc in src_cands],
-                                          [c.inputs[slot] for c in d.candidates]) if from_view else None)
+                            _left_to_view(src_cands, pend, self.mesh_shape) if from_view else None)
 
                 matrix, forbidden = _per_candidate_lists(self._edges, key, src_cands, d.candidates, build)
                 edges.append((u, v, matrix))
@@ -328,19 +327,18 @@ def passes_on(d: Decision, c: Candidate) -> bool:
     return c.accumulate and d.node is not None and cm.is_view_op(d.node)
 
 
-def _left_to_view(view_cands: list[Candidate], pend: list[tuple[bool, ...]], mesh_shape, made: list,
-                  read: list) -> np.ndarray | None:
+def _left_to_view(view_cands: list[Candidate], pend: list[tuple[bool, ...]], mesh_shape) -> np.ndarray | None:
     """1 where a reader leaves a pending gradient sum (over more than one rank) to a view that does not pass it
     on: exec never resolves a sum at a view (it hands it to the value viewed), so such a pair of choices prices
     a reduction no program runs; the view's passing variant prices the one that does. None if there is none.
-    ``made``: each view candidate's output layout, ``read``: each reader candidate's input layout; where they
-    differ the edge's redistribution resolves the sum itself (its backward), and the pair is fine."""
+    (Where the edge moves the value its backward resolves the sum itself, and the pair would do; it stays
+    refused: let through, level 1 chose to gather GPT blocks' weights after their transposes, which exec's
+    backward regathers cannot fuse into the plan's one bucket.)"""
     keeps = np.array([not c.accumulate for c in view_cands], dtype=float)
     leaves = np.array([any(p and n > 1 for p, n in zip(pd, mesh_shape)) for pd in pend], dtype=float)
     if not (keeps.any() and leaves.any()) or not any(c.accumulate for c in view_cands):
         return None  # a view without the passing variant (several outputs): priced where it is read, as before
-    stays = np.array([[a == b for b in read] for a in made], dtype=float)
-    return np.outer(keeps, leaves) * stays
+    return np.outer(keeps, leaves)
 
 
 def _distinct(keys: list) -> tuple[list, np.ndarray]:
