@@ -31,7 +31,7 @@ from ._dtensor_internals import layout_of, local_as, local_of
 from ._graph_internals import in_region, keep_linalg_error_checks, release_saved
 from .direct_calls import direct_calls
 from .interpret import Interpreter
-from .pieces import as_dtensor, from_local, gradient_placements, redistribute, redistributed
+from .pieces import as_dtensor, from_local, gradient_placements, redistribute, redistributed, settled
 from .precision import Casts
 from .run import LocalsOf, global_stride
 from .traced import direct_graphs, traced_program, use_inductor
@@ -104,7 +104,10 @@ class ParallelProgram:
             d = _Enter.apply(x, self.mesh, e.held, self._global_shape(i, e), record, i)
             if e.kind != "param" or not self.casts.casts(d, e.kind):
                 d = self.casts.used(d, e.kind)
-            inputs.append(d if e.held == e.planned else redistribute(d, e.planned))
+            # an input entering in another layout: its gradient is settled in the planned one (pending sums
+            # reduced there, on the pieces) before the entry's backward takes it to the held one, as the plan
+            # prices it; left to DTensor, one redistribution would gather first and reduce the whole
+            inputs.append(d if e.held == e.planned else settled(redistribute(d, e.planned)))
         outs = [self.casts.returned(_Exit.apply(o))
                 for o in self.interpreter.run(inputs, list(locals_[len(self.entries):]))]
         for k in self._written_elsewhere:  # updated in place in another layout than the caller's: written back

@@ -13,8 +13,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..strategy_search._dtensor_adapter import local_pieces
+from .plan_page import write_page  # (importing it registers Plan.to_html's page writer: the search imports no show)
 
-__all__ = ["show"]
+__all__ = ["show", "write_page"]
 
 
 def show(tensor: torch.Tensor, file=None) -> str:

@@ -24,6 +24,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from ..call.reshard import region
 from ..strategy_search._summary import (collective_module, experts_lines, folded_layers, layer_of, mesh_text,
                                         placements_text, recompute_lines)
+from ..strategy_search.plan import set_page_writer
 from ..strategy_search.policy import level_policy
 
 __all__ = ["render_page", "write_page"]
@@ -42,6 +43,9 @@ def write_page(plan, path: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write(render_page(plan))
     return str(path)
+
+
+set_page_writer(write_page)  # (Plan.to_html draws its page with it: the plan's stage does not import this one)
 
 
 def render_page(plan) -> str:

@@ -147,7 +147,12 @@ def edge_seconds(shape, itemsize: int, grad_itemsize: int, src_keys: list, dst_k
     fwd, _ = pair_seconds(shape, itemsize, src, dst, mesh_shape, profile, links)
     if not grad:
         return fwd
-    back, _ = pair_seconds(shape, grad_itemsize, [_gradient_arriving(c, pd) for c, (_, pd) in zip(dst, dst_keys)],
-                           [_gradient_target(c, acc) for c, (_, acc) in zip(src, src_keys)], mesh_shape, profile,
-                           links, share)
+    arriving = [_gradient_arriving(c, pd) for c, (_, pd) in zip(dst, dst_keys)]
+    back, _ = pair_seconds(shape, grad_itemsize, arriving, [_gradient_target(c, acc) for c, (_, acc) in
+                                                            zip(src, src_keys)], mesh_shape, profile, links, share)
+    if any(acc for _, acc in src_keys):  # an edge that moves the value resolves its gradient's pending sums
+        resolved, _ = pair_seconds(shape, grad_itemsize, arriving, [_gradient_target(c, False) for c in src],
+                                   mesh_shape, profile, links, share)
+        stays = np.array([[acc and s == t for s, (_, acc) in zip(src, src_keys)] for t in dst], dtype=bool)
+        back = np.where(stays, back, resolved)
     return fwd + back.T

@@ -330,20 +330,29 @@ def backward_collectives(
 
     ``pending[d]``: the consumer left this gradient as a pending sum on mesh dim ``d`` (it read the tensor
     replicated there while splitting its work there). A producer that was Partial receives a replicated gradient.
-    With ``accumulate`` the contribution only joins the producer's pending accumulator.
+    With ``accumulate`` the contribution only joins the producer's pending accumulator, where the edge moves
+    nothing (``src == dst``): the backward of a redistribution (DTensor's) takes the gradient to ``src``'s own
+    placements, pending sums resolved there, whole (a weight gathered for its reader is reduced whole, then this
+    rank's piece cut).
     """
     grad_at_consumer = [Partial() if pend else p for p, pend in zip(dst, pending)]
     grad_at_consumer = [Replicate() if (p.is_partial() and not pend) else p
                         for p, pend in zip(grad_at_consumer, pending)]
-    target = accumulator_placement(src) if accumulate else gradient_placement(src)
+    target = accumulator_placement(src) if accumulate and tuple(src) == tuple(dst) else gradient_placement(src)
     return redistribute_collectives(shape, itemsize, grad_at_consumer, target, mesh_shape)
 
 
 def accumulated_collectives(shape: Sequence[int], itemsize: int, src: Sequence[Placement],
-                            mesh_shape: Sequence[int]) -> list[CommOp]:
-    """The one reduction that resolves an accumulated gradient (see :func:`accumulator_placement`)."""
-    return redistribute_collectives(shape, itemsize, accumulator_placement(src), gradient_placement(src),
-                                    mesh_shape)
+                            mesh_shape: Sequence[int], summed: Sequence[int] | None = None) -> list[CommOp]:
+    """The one reduction that resolves an accumulated gradient (see :func:`accumulator_placement`). ``summed``:
+    the mesh dims where some contribution arrives as a pending sum (None: every dim the accumulator may hold
+    one). Autograd adds the contributions as DTensors, and a sum of a pending sum and a replicated value is
+    pending, of replicated values replicated: the total is pending only where a contribution was."""
+    held = accumulator_placement(src)
+    if summed is not None:
+        held = [p if not p.is_partial() or d in summed else g
+                for d, (p, g) in enumerate(zip(held, gradient_placement(src)))]
+    return redistribute_collectives(shape, itemsize, held, gradient_placement(src), mesh_shape)
 
 
 # per op and shapes: identical layers count each op once (a memo the registry owns, emptied by its clear())

@@ -8,7 +8,7 @@ import math
 import re
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
@@ -21,6 +21,16 @@ __all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan",
            "parse_placement", "placements_text"]
 
 Placements = tuple[Placement, ...]
+
+# how to_html draws a plan as a page: set by the presentation (shardfn.show.plan_page) with set_page_writer
+_PAGE_WRITER: Callable[[Any, str], str] | None = None
+
+
+def set_page_writer(write: Callable[[Any, str], str]) -> None:
+    """Register ``write(plan, path) -> path``, what :meth:`Plan.to_html` calls (shardfn.show.plan_page registers
+    its ``write_page`` as it is imported): the page belongs to a later layer, which this one does not import."""
+    global _PAGE_WRITER
+    _PAGE_WRITER = write
 
 # The version of to_json's layout; from_json reads this one only (a file of another version is refused by name,
 # never half read). Raise it whenever a field changes meaning or goes away.
@@ -221,10 +231,13 @@ class Plan:
     def to_html(self, path: str) -> str:
         """Write the plan as one self-contained HTML page (no network needed to view it) and return ``path``: the
         module tree with repeated layers folded, every tensor's pieces on the device mesh, the collectives, the
-        costs per layer. ``python -m shardfn.show plan.json`` writes the same page from a saved plan."""
-        from ..show.plan_page import write_page  # (presentation, above every stage: imported when asked)
-
-        return write_page(self, path)
+        costs per layer. ``python -m shardfn.show plan.json`` writes the same page from a saved plan. The page is
+        drawn by the presentation (shardfn.show.plan_page), which registers its writer here as it is imported
+        (with the package): this stage never imports a later one."""
+        if _PAGE_WRITER is None:
+            raise RuntimeError("Plan.to_html: no page writer is registered (import shardfn.show.plan_page, which "
+                               "the shardfn package imports)")
+        return _PAGE_WRITER(self, path)
 
     @classmethod
     def load(cls, path: str) -> Plan:

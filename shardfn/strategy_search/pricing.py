@@ -329,7 +329,10 @@ def passes_on(d: Decision, c: Candidate) -> bool:
 def _left_to_view(view_cands: list[Candidate], pend: list[tuple[bool, ...]], mesh_shape) -> np.ndarray | None:
     """1 where a reader leaves a pending gradient sum (over more than one rank) to a view that does not pass it
     on: exec never resolves a sum at a view (it hands it to the value viewed), so such a pair of choices prices
-    a reduction no program runs; the view's passing variant prices the one that does. None if there is none."""
+    a reduction no program runs; the view's passing variant prices the one that does. None if there is none.
+    (Where the edge moves the value its backward resolves the sum itself, and the pair would do; it stays
+    refused: let through, level 1 chose to gather GPT blocks' weights after their transposes, which exec's
+    backward regathers cannot fuse into the plan's one bucket.)"""
     keeps = np.array([not c.accumulate for c in view_cands], dtype=float)
     leaves = np.array([any(p and n > 1 for p, n in zip(pd, mesh_shape)) for pd in pend], dtype=float)
     if not (keeps.any() and leaves.any()) or not any(c.accumulate for c in view_cands):
@@ -379,24 +382,41 @@ class _BucketShare:
         return np.minimum(1.0, np.maximum(nbytes / self.limit, 1 / max(self.grads, 1)))
 
 
+# a number added to or taken from a tensor: the tensor's gradient is the result's, unchanged
+_ADDS_A_NUMBER = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.ops.aten.add.Scalar,
+                  torch.ops.aten.sub.Scalar)
+
+
+def _passes_gradient(node: torch.fx.Node) -> bool:
+    """Is ``node``'s gradient, reduced, its first input's (reshaped, or unchanged)? A reshape's is; so is a
+    number added to its input (Gemma 3's norms scale by ``1 + weight``): its backward is nothing at all, so exec
+    finds the reduction of the result's gradient handed back as the input's."""
+    if REGISTRY.reshapes_gradient(node.target):
+        return True
+    return node.target in _ADDS_A_NUMBER and len(node.args) >= 2 and isinstance(node.args[0], torch.fx.Node) \
+        and isinstance(node.args[1], (int, float, bool))
+
+
 def gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:
     """The graph input whose gradient, as it leaves the program (no other reader adds to it), is what is
     reduced where ``node`` is read; else None. Exec fuses those reductions into buckets."""
-    while node.op == "call_function" and REGISTRY.reshapes_gradient(node.target) and len(node.users) == 1:
+    while node.op == "call_function" and _passes_gradient(node) and len(node.users) == 1:
         node = node.args[0]
     return node if node.op == "placeholder" and len(node.users) == 1 else None
 
 
 def node_collectives(d: Decision, c: Candidate, held, grad: bool, mesh_shape,
-                     grad_dtype: torch.dtype | None = None) -> tuple[list, list]:
+                     grad_dtype: torch.dtype | None = None, summed=None) -> tuple[list, list]:
     """(forward, backward) collectives that belong to one node rather than an edge (its gradient's in
-    ``grad_dtype``, if given)."""
+    ``grad_dtype``, if given). ``summed``: where its readers' gradients accumulate, the mesh dims where some
+    arrives as a pending sum (the read-out knows them from the chosen readers; None: wherever one may)."""
     if d.node is None:
         return [], []
     fwd, bwd = [], []
     if c.accumulate and not passes_on(d, c):  # a view's sum is resolved where its input's is
         val = _first_output(d.node)
-        bwd += cm.accumulated_collectives(val.shape, _grad_item(val, grad_dtype), c.outputs[0], mesh_shape)
+        bwd += cm.accumulated_collectives(val.shape, _grad_item(val, grad_dtype), c.outputs[0], mesh_shape,
+                                          summed)
     if held is not None and held != c.outputs[0]:
         val = d.node.meta["val"]
         fwd += cm.redistribute_collectives(val.shape, val.element_size(), held, c.outputs[0], mesh_shape)

@@ -144,9 +144,10 @@ class _Collectives:
 
     def all(self) -> tuple[list[Collective], list[Collective], list[Collective]]:
         """(forward, backward, backward's gathers again), each in buckets."""
-        for d, c in zip(self.problem.decisions, self.chosen):
+        self._sum_pending()
+        for i, (d, c) in enumerate(zip(self.problem.decisions, self.chosen)):
             for slot, source in enumerate(d.sources):
-                self._edge(d, c, slot, *source)
+                self._edge(i, d, c, slot, *source)
         for i, (d, c) in enumerate(zip(self.problem.decisions, self.chosen)):
             self._node(i, d, c)
         bwd = _with_buckets(self.bwd, self.gradients)
@@ -154,6 +155,28 @@ class _Collectives:
         fwd, first = _gathers_in_buckets(self.fwd, self.gathered, first)
         regathers, _ = _gathers_in_buckets(self.regathers, self.regathered, first)
         return fwd, bwd + regathers, regathers
+
+    def _sum_pending(self) -> None:
+        """``self.summed``: per decision, the mesh dims where some reader's gradient contribution arrives as a
+        pending sum (a view that passes its readers' sums on passes on those it got; an edge that moves the value
+        resolves them in its backward): where a chosen candidate accumulates, only these are reduced, as
+        autograd's sum of DTensors is pending only where a contribution was (GPT-2's tied embedding on a data x
+        tensor-parallel mesh: summed over the data dim alone)."""
+        decisions = self.problem.decisions
+        self.summed: dict[int, set[int]] = collections.defaultdict(set)
+        for i in reversed(range(len(decisions))):  # (readers after the values they read)
+            d, c = decisions[i], self.chosen[i]
+            for slot, (u, out_idx, _) in enumerate(d.sources):
+                if self.chosen[u].outputs[out_idx] == c.inputs[slot]:
+                    self.summed[u] |= {k for k, p in enumerate(self._pending(i, slot)) if p}
+
+    def _pending(self, i: int, slot: int) -> tuple[bool, ...]:
+        """Where decision ``i`` leaves the gradient of its input ``slot`` pending; a view passing its readers' sums
+        on passes those it got (``self.summed``, filled from the last reader back)."""
+        d, c = self.problem.decisions[i], self.chosen[i]
+        on = passes_on(d, c)
+        pend = pending(c, slot, on)
+        return tuple(p and k in self.summed[i] for k, p in enumerate(pend)) if on else pend
 
     def _priced(self, o: cm.CommOp, phase: str, where: str, handed_back: bool = False) -> Collective:
         # as the search priced it: a gradient handed back bears its share of its bucket's latency
@@ -172,13 +195,13 @@ class _Collectives:
             return [dataclasses.replace(o, kind="reduce_scatter") if o.kind == "all_reduce" else o for o in ops]
         return ops
 
-    def _edge(self, d, c, slot: int, u: int, out_idx: int, value_node: torch.fx.Node) -> None:
-        """The collectives between a value's producer (decision ``u``) and its reader ``d``'s input ``slot``."""
+    def _edge(self, i: int, d, c, slot: int, u: int, out_idx: int, value_node: torch.fx.Node) -> None:
+        """The collectives between a value's producer (decision ``u``) and its reader ``d`` (decision ``i``)'s
+        input ``slot``."""
         val, terms = value_node.meta["val"], self.terms
         grad_dtype = terms.grad_dtypes.get(value_node)
-        fwd, bwd = terms.comm_ops(val, self.chosen[u].outputs[out_idx], c.inputs[slot],
-                                  pending(c, slot, passes_on(d, c)), value_node in self.problem.needs_grad,
-                                  self.chosen[u].accumulate, grad_dtype)
+        fwd, bwd = terms.comm_ops(val, self.chosen[u].outputs[out_idx], c.inputs[slot], self._pending(i, slot),
+                                  value_node in self.problem.needs_grad, self.chosen[u].accumulate, grad_dtype)
         decisions = self.problem.decisions
         where = f"{decisions[u].name if value_node.op == 'placeholder' else value_node.name} -> {d.name}"
         handed_back = gradient_handed_back(value_node)
@@ -206,7 +229,8 @@ class _Collectives:
         summing of its readers' gradients."""
         held = self.held.get(i)
         needs = d.node in self.problem.needs_grad if d.node is not None else False
-        fwd, bwd = node_collectives(d, c, held, needs, self.problem.mesh_shape, self.terms.grad_dtypes.get(d.node))
+        fwd, bwd = node_collectives(d, c, held, needs, self.problem.mesh_shape, self.terms.grad_dtypes.get(d.node),
+                                    self.summed[i])
         bwd = self._synced(bwd, d.node)
         entry = held is not None and held != c.outputs[0]  # else its readers' gradients summed
         what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"

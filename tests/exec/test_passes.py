@@ -549,3 +549,74 @@ def test_ops_on_a_parameter_the_graph_writes_into_stay_where_they_read_it():
     assert pos(doubled) < pos(written)
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     torch.testing.assert_close(gm(a.clone(), b)[0], b @ (a * 2))
+
+
+def _gemma3_norms_data_parallel():
+    # Gemma 3's RMSNorm scales by 1 + weight: the reduction of that sum's gradient is the weight's, handed back
+    from tests.transformers_models import MODELS, batch, shard
+
+    spec = MODELS["gemma3"]
+    torch.manual_seed(0)
+    model = shard(spec.make(), spec, "dp", 4)
+    (ids,), kwargs = batch(spec, seed=0, n=2)  # this rank's rows
+    model(ids, **kwargs).loss.backward()
+    return model
+
+
+def _gpt2_megatron_data_parallel():
+    # Megatron weights over "tp" and the batch over "dp" on a 2 x 2 mesh: the tied embedding's gradient, summed
+    # from its two readers, is pending over "dp" alone; the weights the plan gathers whole are reduced whole over
+    # "dp" and then cut to this rank's piece
+    from tests.scripts.resume import gpt2, megatron_plan
+
+    model = gpt2()
+    layout = sf.Layout((2, 2), ("dp", "tp"))
+    rows = layout("dp", "None")
+    model = sf.shard(model, in_strategy={"input_ids": rows, "labels": rows}, dataset_strategy="data_parallel",
+                     parameter_plan=megatron_plan(model, layout))
+    ids = torch.randint(64, (4, 8))
+    model(ids, labels=ids).loss.backward()
+    return model
+
+
+def _weight_gathered_for_its_reader():
+    # a weight split over "tp" that its reader takes whole (transposed first): DTensor reduces its gradient whole
+    # over "dp" in the backward of that gather, and then cuts this rank's piece; the plan prices that, not a
+    # reduction of the piece
+    from tests.call.test_uneven_batch import _Net
+
+    mesh = sf.Layout((2, 2), ("dp", "tp"))
+    model = sf.shard(_Net(), in_strategy=(mesh("dp", "None"), mesh("dp", "None")),
+                     parameter_plan={"up.weight": mesh("tp", "None"), "up.bias": mesh("tp"),
+                                     "down.weight": mesh("None", "tp")}, dataset_strategy="data_parallel")
+    model(torch.randn(4, 6), torch.randn(4, 3))[1].backward()
+    return model
+
+
+@pytest.mark.parametrize("make", [_gemma3_norms_data_parallel, _gpt2_megatron_data_parallel,
+                                  _weight_gathered_for_its_reader])
+def test_backward_buckets_are_the_plans_where_they_once_disagreed(monkeypatch, make):
+    # issue 36: check_buckets was only said on the logger, since these plans' buckets and exec's differed (Gemma
+    # 3's norm weights unbucketed in the plan; GPT-2's tied embedding planned reduced over both mesh dims, and its
+    # gathered tensor-parallel weights, reduced whole then cut, not counted by exec; a weight gathered through a
+    # view priced as its piece reduced). Now simplify raises where they differ, and the buckets a backward fuses
+    # are the plan's
+    from shardfn.exec.passes import check_buckets
+
+    fused = []
+    original = check_buckets
+
+    def recording(plan, buckets):
+        fused.append(buckets)
+        return original(plan, buckets)
+
+    monkeypatch.setattr("shardfn.exec.passes.check_buckets", recording)
+    with simulated_world(4, local_tensors=False):
+        model = make()
+        (compiled,) = sf.engine_of(model).programs.values()
+    planned: dict = {}
+    for c in compiled.plan.collectives:
+        if c.bucket is not None and c.kind == "all_reduce" and c.phase == "backward":
+            planned.setdefault(c.bucket, []).append(c.nbytes)
+    (buckets,) = fused
+    assert buckets and sorted(buckets) == sorted(sorted(b) for b in planned.values())

@@ -374,3 +374,28 @@ def test_a_file_that_is_not_a_plan_is_named(tmp_path, capsys, content, message):
     assert show_main([str(path)]) == 1
     assert capsys.readouterr().err == f"python -m shardfn.show: {raised.value}\n"
     assert not (tmp_path / "bad.html").exists()
+
+
+def test_the_plans_stage_imports_no_presentation():
+    # Plan.to_html draws with the writer show.plan_page registers (strategy_search.plan.set_page_writer): no module
+    # of the search imports show, not even inside a function
+    import ast
+
+    import shardfn.strategy_search as search
+    from shardfn.strategy_search import plan as plan_module
+
+    folder = Path(search.__file__).parent
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")] + [a.name for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            if any(n.split(".")[-1] == "show" or ".show" in n or n.startswith("show") for n in names):
+                found.append(f"{path.name}:{node.lineno}")
+    assert not found, found
+    from shardfn.show.plan_page import write_page
+    assert plan_module._PAGE_WRITER is write_page
