@@ -83,8 +83,7 @@ class ParallelProgram:
         self._checkpointed = bool(self._regions)
         self.interpreter = Interpreter(captured, plan, mesh, self.casts, self._regions, self._at_sizes)
         self.node_plans = self.interpreter.node_plans  # each op's decisions
-        # one rank holds everything: the captured graph itself runs, with nothing to lay out
-        step = self.whole_step if mesh.size() == 1 else self.local_step
+        step = self.whole_step if mesh.size() == 1 else self.local_step  # (one rank: nothing to lay out)
         # a world of one runs the captured graph itself: untraced, with its ops called through torch's bindings
         self._whole_graph = captured.gm if traced or mesh.size() > 1 else direct_calls(captured.gm)
         if traced:  # traced into forward/backward graphs; whether a call can run them directly: after the first
@@ -104,9 +103,7 @@ class ParallelProgram:
             d = _Enter.apply(x, self.mesh, e.held, self._global_shape(i, e), record, i)
             if e.kind != "param" or not self.casts.casts(d, e.kind):
                 d = self.casts.used(d, e.kind)
-            # an input entering in another layout: its gradient is settled in the planned one (pending sums
-            # reduced there, on the pieces) before the entry's backward takes it to the held one, as the plan
-            # prices it; left to DTensor, one redistribution would gather first and reduce the whole
+            # entering in another layout: the gradient's pending sums reduced in the planned one, as priced
             inputs.append(d if e.held == e.planned else settled(redistribute(d, e.planned)))
         outs = [self.casts.returned(_Exit.apply(o))
                 for o in self.interpreter.run(inputs, list(locals_[len(self.entries):]))]

@@ -516,16 +516,7 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     while not take(hi, at(hi)):  # (past the deadline, bigger steps to a plan within the budget)
         lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
-
-    def mix() -> float:  # the gap left once the last plans over and within are mixed
-        nonlocal best
-        mixed = _mixed(problem, weights, limit, over.choice, best.choice)
-        if mixed is not None and mixed.objective < best.objective:
-            best = Solution(mixed.choice, mixed.objective, False, "", {**best.stats, **mixed.stats},
-                            timed_out=best.timed_out)
-        return max(best.objective - bound, 0.0) / max(abs(best.objective), 1e-30)
-
-    gap = mix()
+    best, gap = _mixed_in(problem, weights, limit, over, best, bound)
     while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and gap > _MIXED_GAP:
         mid = (lo * hi) ** 0.5 if lo > 0 else hi / 8
         if take(mid, at(mid)):
@@ -533,7 +524,7 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
         else:
             lo = mid
         rounds += 1
-        gap = mix()
+        best, gap = _mixed_in(problem, weights, limit, over, best, bound)
     best.stats = {**best.stats, "lagrangian_rounds": rounds}
     if gap <= _GAP:
         best.optimal, best.gap, best.message = True, 0.0, "memory limit binding"
@@ -559,6 +550,16 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     gap = 0.0 if optimal else min(gap, ilp_gap)
     return Solution(ordered, f, optimal, message, {**best.stats, "ilp_decisions": len(alive)}, gap,
                     timed_out=not optimal)
+
+
+def _mixed_in(problem: Problem, weights: list[np.ndarray], limit: float, over: Solution, best: Solution,
+              bound: float) -> tuple[Solution, float]:
+    """The better of ``best`` and its mix with ``over`` (:func:`_mixed`), and its gap to ``bound``."""
+    mixed = _mixed(problem, weights, limit, over.choice, best.choice)
+    if mixed is not None and mixed.objective < best.objective:
+        best = Solution(mixed.choice, mixed.objective, False, "", {**best.stats, **mixed.stats},
+                        timed_out=best.timed_out)
+    return best, max(best.objective - bound, 0.0) / max(abs(best.objective), 1e-30)
 
 
 def _mixed(problem: Problem, weights: list[np.ndarray], limit: float, over: list[int],
