@@ -498,6 +498,29 @@ def test_a_region_is_computed_again_just_before_its_backward_not_hoisted():
     assert len(firsts) == 3 and firsts == sorted(firsts, reverse=True), firsts
 
 
+def _recorded_buckets(monkeypatch) -> list:
+    """The buckets each backward graph fuses, as check_buckets is handed them (recorded, then checked)."""
+    from shardfn.exec.passes import check_buckets
+
+    fused = []
+
+    def recording(plan, buckets):
+        fused.append(buckets)
+        return check_buckets(plan, buckets)
+
+    monkeypatch.setattr("shardfn.exec.passes.check_buckets", recording)
+    return fused
+
+
+def _planned_buckets(plan) -> list:
+    """The byte counts of each backward gradient all-reduce bucket the plan lists, sorted."""
+    planned: dict = {}
+    for c in plan.collectives:
+        if c.bucket is not None and c.kind == "all_reduce" and c.phase == "backward":
+            planned.setdefault(c.bucket, []).append(c.nbytes)
+    return sorted(sorted(b) for b in planned.values())
+
+
 @pytest.mark.parametrize("world,split", [(2, (2, 1, 1)), (4, (2, 2, 1))])
 def test_backward_buckets_are_the_plans(monkeypatch, world, split):
     # the plan lists the gradient all-reduces' buckets (explain shows them) and exec fuses the traced backward's
@@ -509,25 +532,14 @@ def test_backward_buckets_are_the_plans(monkeypatch, world, split):
     from tests.models import GPTStack
 
     monkeypatch.setenv("SHARDFN_BUCKET_MB", "0.01")  # several buckets of a small model's gradients
-    fused = []
-    original = check_buckets
-
-    def recording(plan, buckets):
-        fused.append(buckets)
-        return original(plan, buckets)
-
-    monkeypatch.setattr("shardfn.exec.passes.check_buckets", recording)
+    fused = _recorded_buckets(monkeypatch)
     with simulated_world(world, local_tensors=False):
         model = sf.shard(GPTStack(2, 32, 4), in_strategy=(split,),
                          **({"dataset_strategy": "data_parallel"} if world == 2 else {}))
         model(torch.randn(4, 8, 32)).square().mean().backward()
         (compiled,) = sf.engine_of(model).programs.values()
-    planned: dict = {}
-    for c in compiled.plan.collectives:
-        if c.bucket is not None and c.kind == "all_reduce":
-            planned.setdefault(c.bucket, []).append(c.nbytes)
     (buckets,) = fused
-    assert len(buckets) >= 2 and sorted(buckets) == sorted(sorted(b) for b in planned.values())
+    assert len(buckets) >= 2 and sorted(buckets) == _planned_buckets(compiled.plan)
     # a plan whose buckets were altered (one gradient moved out of its bucket): exec raises
     collectives = list(compiled.plan.collectives)
     k = next(i for i, c in enumerate(collectives) if c.bucket is not None)
@@ -601,22 +613,9 @@ def test_backward_buckets_are_the_plans_where_they_once_disagreed(monkeypatch, m
     # gathered tensor-parallel weights, reduced whole then cut, not counted by exec; a weight gathered through a
     # view priced as its piece reduced). Now simplify raises where they differ, and the buckets a backward fuses
     # are the plan's
-    from shardfn.exec.passes import check_buckets
-
-    fused = []
-    original = check_buckets
-
-    def recording(plan, buckets):
-        fused.append(buckets)
-        return original(plan, buckets)
-
-    monkeypatch.setattr("shardfn.exec.passes.check_buckets", recording)
+    fused = _recorded_buckets(monkeypatch)
     with simulated_world(4, local_tensors=False):
         model = make()
         (compiled,) = sf.engine_of(model).programs.values()
-    planned: dict = {}
-    for c in compiled.plan.collectives:
-        if c.bucket is not None and c.kind == "all_reduce" and c.phase == "backward":
-            planned.setdefault(c.bucket, []).append(c.nbytes)
     (buckets,) = fused
-    assert buckets and sorted(buckets) == sorted(sorted(b) for b in planned.values())
+    assert buckets and sorted(buckets) == _planned_buckets(compiled.plan)
