@@ -14,10 +14,11 @@ Parts (``--parts``, in this order; each prints a table, ``--out DIR`` keeps the 
              torch.compile, both are profiled: each step split into forward, backward and optimizer (synchronized
              between), and torch.profiler's GPU time and kernel count per step, its top kernels.
 ``memory``   the plan's ``cost.peak_bytes`` against ``torch.cuda.max_memory_allocated()`` over a forward and
-             backward (optimizer states alive, gradients made from none), at levels 1 and 2 with the attention
+             backward (optimizer states alive, gradients made from none; the loss sharded with the model), at levels 1 and 2 with the attention
              kernel CUDA picks (flash) and at level 2 with the memory-efficient kernel; eager's peak beside it.
 ``generate`` bench/generate.py on the GPU (Llama 4 layers, dim 2048): per token, StaticCache and DynamicCache,
-             against the unsharded model (transformers compiles it for a static cache).
+             against the unsharded model (transformers compiles it for a static cache); with and without the
+             decoding step replayed as a CUDA graph (SHARDFN_CUDA_GRAPHS).
 
 ``--budget S`` skips the parts that would start after S seconds (a lent GPU's time is short).
 """
@@ -152,7 +153,8 @@ def _profile(model, args, loss_of, opt, autocast, device, label, out_dir, steps=
 def part_tests():
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_cuda.py"], cwd=ROOT,
                          capture_output=True, text=True)
-    print("tests/test_cuda.py:", res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-2000:])
+    lines = res.stdout.strip().splitlines()
+    print("tests/test_cuda.py:", "\n".join(lines[-1:] if res.returncode == 0 else lines[-60:]) or res.stderr[-2000:])
 
 
 def part_train(args):
@@ -214,6 +216,18 @@ def _peak_of_step(model, inputs, loss_of, device) -> int:
     return peak, base
 
 
+class _WithLoss(torch.nn.Module):
+    """The model and its loss as one module, so that the plan covers the loss's memory too (the fp32 upcast of
+    the Llama's logits: 3.9 GiB, and as much for its gradient)."""
+
+    def __init__(self, model, loss_of):
+        super().__init__()
+        self.model, self.loss_of = model, loss_of
+
+    def forward(self, *inputs):
+        return self.loss_of(self.model(*inputs))
+
+
 def part_memory(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -224,7 +238,7 @@ def part_memory(args):
     print(f"{'model':<16} {'level':>5} {'attention':<10} {'plan peak GiB':>14} {'measured GiB':>13} "
           f"{'plan/measured':>14} {'eager GiB':>10}")
     for name, make, inputs, loss_of in _models(args.small, device):
-        model = make()
+        model, loss_of = _WithLoss(make(), loss_of), lambda loss: loss
         eager_peak, _ = _peak_of_step(copy.deepcopy(model), inputs, loss_of, device)
         _empty(device)
         for level, backend in ((2, None), (1, None), (2, SDPBackend.FLASH_ATTENTION),
@@ -254,8 +268,11 @@ def part_generate(args):
     cmd = [sys.executable, os.path.join(ROOT, "bench", "generate.py"), "--device", args.device]
     cmd += ["--layers", "2", "--dim", "64", "--tokens", "8"] if args.small else \
         ["--layers", "4", "--dim", "2048", "--tokens", "32", "--prompt", "16"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    print(res.stdout.strip() if res.returncode == 0 else res.stdout[-2000:] + res.stderr[-4000:])
+    for graphs in ("0", "1") if args.device == "cuda" else ("0",):  # the decoding step replayed as a CUDA graph
+        print(f"SHARDFN_CUDA_GRAPHS={graphs}", flush=True)
+        env = dict(os.environ, SHARDFN_CUDA_GRAPHS=graphs)
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+        print(res.stdout.strip() if res.returncode == 0 else res.stdout[-2000:] + res.stderr[-4000:], flush=True)
 
 
 def main():

@@ -82,3 +82,31 @@ def test_gpt_block_trains_like_eager(autocast):
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
+
+
+def test_static_cache_decoding_is_replayed_as_a_cuda_graph(monkeypatch):
+    """generate() with a StaticCache: the decoding program's Inductor code captured once as a CUDA graph and
+    replayed for every later token (exec.replay), the same tokens as the unsharded model's."""
+    import transformers as tf
+
+    from shardfn.exec import replay
+
+    graphs = []
+
+    def counting(fn, inputs):
+        graphs.append(replay._cuda_capture(fn, inputs))
+        return graphs[-1]
+
+    monkeypatch.setattr(replay, "_cuda_capture", counting)
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+    reference = tf.LlamaForCausalLM(config).cuda().eval()
+    model = sf.shard(copy.deepcopy(reference), in_strategy={}, device="cuda")
+    ids = torch.randint(0, 256, (2, 8), device="cuda")
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids),
+                  cache_implementation="static")
+    with torch.no_grad():
+        want, got = reference.generate(ids, **kwargs), model.generate(ids, **kwargs)
+    assert torch.equal(got, want)
+    assert 1 <= len(graphs) <= 2  # (a second where a token's input came back at the first one's address)

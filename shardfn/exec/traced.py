@@ -18,6 +18,7 @@ from ._inductor_internals import decompositions as inductor_decompositions
 from .direct_calls import direct_calls
 from .gate import gate
 from .passes import recompute_checkpointed, regather_in_backward, simplify
+from .replay import replayed
 
 __all__ = ["direct_graphs", "traced_program", "use_inductor"]
 
@@ -79,7 +80,7 @@ def traced_program(program, step: Callable) -> Callable:
 
     inductor = use_inductor(program.mesh.device_type)
 
-    def keep(name):
+    def keep(name, inference=False):
         def compiler(gm: torch.fx.GraphModule, example_inputs):
             # Inductor plans its own buffers: the graph it gets stays functional (no in-place rewrites);
             # gloo runs one collective at a time (passes._one_in_flight)
@@ -99,6 +100,8 @@ def traced_program(program, step: Callable) -> Callable:
             start = time.perf_counter()
             code, cached = compile_graph(gm, example_inputs)
             boxed = _in_traced_strides(code, example_inputs)
+            if inference and program.mesh.size() == 1:  # (a world of one: no collectives to capture)
+                boxed = replayed(boxed, program.graphs[name], program.mesh.device_type)
             program.compile_s[name] = time.perf_counter() - start
             done = f"loaded the {name} graph from its cache" if cached else f"compiled the {name} graph"
             _log.info("shardfn: Inductor %s in %.1f s", done, program.compile_s[name])
@@ -133,7 +136,7 @@ def traced_program(program, step: Callable) -> Callable:
             program.interpreter.on_pieces = True
 
     return aot_function(through_dtensor, fw_compiler=keep("forward"),
-                        bw_compiler=keep("backward"), inference_compiler=keep("forward"),
+                        bw_compiler=keep("backward"), inference_compiler=keep("forward", inference=True),
                         partition_fn=partition, decompositions=decompositions)
 
 
