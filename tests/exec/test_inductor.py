@@ -108,3 +108,25 @@ def test_the_setting_is_checked(monkeypatch):
     monkeypatch.setenv("SHARDFN_COMPILE", "yes")
     with pytest.raises(ValueError, match="SHARDFN_COMPILE must be auto, 0 or 1"):
         use_inductor("cpu")
+
+
+def test_world_of_one_replays_its_inference_graph(monkeypatch):
+    # (on CUDA as a CUDA graph: here a recorder that reads the addresses it was captured on, tests/exec/test_replay)
+    from shardfn.exec import replay, traced
+    from tests.exec.test_replay import _Recorder
+
+    recorder = _Recorder()
+    monkeypatch.setattr(traced, "replayed", lambda run, gm, device: replay.replayed(run, gm, "cpu", recorder))
+    monkeypatch.setenv("SHARDFN_COMPILE", "1")
+    torch.manual_seed(0)
+    reference = BasicBlock()
+    with simulated_world(1, local_tensors=False), torch.no_grad():
+        model = sf.shard(copy.deepcopy(reference), in_strategy=(None,))
+        for step in range(5):
+            if step == 3:  # an update in place between calls: read where it lies
+                for m in (model, reference):
+                    m.dense1.weight.mul_(0.5)
+            x = torch.randn(8, 32)
+            torch.testing.assert_close(model(x), reference(x))
+    (graph,) = recorder.graphs
+    assert graph.replays == 4
