@@ -10,13 +10,15 @@ when the backward enters it; pricing counts a recomputed value's forward once mo
 Identical layers (one name but for the index, the same ops on the same shapes) decide alike: they form one group.
 The policy (``PlanRequest.recompute``): None lets the search decide: at levels 0 and 2, only where the plan does
 not fit the memory without it, groups added in order of bytes saved per second of forward computed again until
-the plan fits (level 2 keeps the fastest plan where memory allows); at level 1, every group that lowers the peak.
+the plan fits (level 2 keeps the fastest plan where memory allows), and of the last group added only as many of
+its layers (its first ones) as the memory needs (:func:`_fewest`); at level 1, every group that lowers the peak.
 True recomputes every region; False none. Regions the user checkpointed stay checkpointed in every case.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -64,12 +66,53 @@ def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing:
         return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
     if request.policy.recomputes_to_lower_peak:
         return _least_peak(problem, request, pricing, terms, groups, plan_within)
-    for k in range(1, len(groups)):  # groups by bytes saved per second computed again, until the plan fits
+    for k in range(1, len(groups) + 1):  # groups by bytes saved per second computed again, until the plan fits
         try:
-            return _planned(problem, request, pricing, terms, groups[:k], plan_within, False)
+            plan = _planned(problem, request, pricing, terms, groups[:k], plan_within, k == len(groups))
         except ValueError:
-            pass
-    return _planned(problem, request, pricing, terms, groups, plan_within, True)  # (else its error: the figures)
+            if k == len(groups):
+                raise  # (its figures: with every group recomputed)
+            continue
+        return _fewest(problem, request, pricing, terms, groups[:k - 1], groups[k - 1], plan, plan_within)
+    raise AssertionError("unreachable: the last try raises or returns")
+
+
+_PROBES = 3  # solves to find how few of a group's layers need recomputing
+
+
+def _peak_of(e: ValueError) -> float | None:
+    return e.plan.cost.peak_bytes if hasattr(e, "plan") else None
+
+
+def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within) -> Plan:
+    """``plan`` recomputes ``kept`` and every layer of ``group`` and fits: the plan recomputing the fewest of
+    ``group``'s first layers that still fits, of ``_PROBES`` solves. Each layer kept adds about as many bytes to the
+    peak: first what its recompute saves in ``plan`` (its record's), then the slope between the last two peaks
+    walked; each count tried keeps as many layers as that leaves room for (halfway, where a count tried had no
+    plan, hence no peak)."""
+    budget, lo, hi = request.profile.memory_bytes, 0, len(group)
+    names = {r.name for r in group}
+    saved = [r.saved_bytes for r in plan.recompute if r.region in names]
+    if not saved or plan.cost.peak_bytes > budget:  # (a nominal memory's plan returned over it: none fewer fits)
+        return plan
+    per_layer = sum(saved) / len(saved)
+    for _ in range(_PROBES):
+        if hi - lo <= 1:
+            break
+        m = (lo + hi + 1) // 2 if per_layer is None else hi - int((budget - plan.cost.peak_bytes) // per_layer)
+        m = min(max(m, lo + 1), hi - 1)
+        try:
+            trial = _planned(problem, request, pricing, terms, [*kept, group[:m]], plan_within, False)
+            peak = trial.cost.peak_bytes
+        except ValueError as e:  # (no peak where the solve found nothing within its estimate: halved)
+            trial, lo, peak = None, m, _peak_of(e)
+        if peak is not None and peak <= plan.cost.peak_bytes:  # (no more for more kept: the line says nothing)
+            plan, hi = (trial, m) if trial is not None else (plan, hi)
+            break
+        per_layer = None if peak is None else (peak - plan.cost.peak_bytes) / (hi - m)
+        if trial is not None:
+            plan, hi = trial, m
+    return plan
 
 
 def _least_peak(problem, request, pricing, terms, groups, plan_within) -> Plan:

@@ -28,12 +28,18 @@ def test_level_2_recomputes_only_where_memory_binds_and_then_fits():
         _explain(model, x, level=2, recompute=False)
     plan = _explain(model, x, level=2)
     assert 0 < plan.cost.peak_bytes <= 80e9
-    # identical layers decide alike: every block, chosen by the search, with what each costs
-    assert [r.region for r in plan.recompute] == [f"blocks.{i}" for i in range(16)]
+    # the first blocks, as few as the memory needs (not all 16: each computed again costs its forward), chosen
+    # by the search, with what each costs
+    k = len(plan.recompute)
+    assert 0 < k < 16 and [r.region for r in plan.recompute] == [f"blocks.{i}" for i in range(k)]
+    every = _explain(model, x, level=2, recompute=True)
+    assert len(every.recompute) == 16 and every.cost.peak_bytes < plan.cost.peak_bytes
+    assert plan.cost.compute_s < every.cost.compute_s
     assert {r.origin for r in plan.recompute} == {"search"}
     assert all(r.saved_bytes > 0 and r.extra_s > 0 for r in plan.recompute)
-    assert re.search(r"recompute blocks\.0-15 \(x16\)  \(chosen by the search\): [\d.]+ MiB a rank not kept, "
-                     r"[\d.]+ ms of forward again each", str(plan))
+    shown = r"blocks\.0" + (rf"-{k - 1} \(x{k}\)" if k > 1 else "")
+    assert re.search(rf"recompute {shown}  \(chosen by the search\): [\d.]+ MiB a rank not kept, [\d.]+ ms of forward "
+                     r"again( each)?", str(plan)), str(plan)
     # a plan that fits without recompute keeps everything (the fastest)
     with torch.device("meta"):
         small = torch.empty(4, 2048, 1024)
