@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,8 +53,9 @@ class Region:
 
 
 def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,
-                        plan_within: PlanWithin) -> Plan:
-    """The plan of the request's level with the regions it recomputes chosen by ``request.recompute``."""
+                        plan_within: PlanWithin, deadline: float = math.inf) -> Plan:
+    """The plan of the request's level with the regions it recomputes chosen by ``request.recompute``; past
+    ``deadline`` (the search's time limit, on time.perf_counter) no solve is added to recompute fewer layers."""
     if not request.grad or request.recompute is False:
         return _planned(problem, request, pricing, terms, [], plan_within, True)
     if request.recompute is None and not request.policy.recomputes_to_lower_peak:
@@ -73,7 +75,7 @@ def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing:
             if k == len(groups):
                 raise  # (its figures: with every group recomputed)
             continue
-        return _fewest(problem, request, pricing, terms, groups[:k - 1], groups[k - 1], plan, plan_within)
+        return _fewest(problem, request, pricing, terms, groups[:k - 1], groups[k - 1], plan, plan_within, deadline)
     raise AssertionError("unreachable: the last try raises or returns")
 
 
@@ -84,21 +86,22 @@ def _peak_of(e: ValueError) -> float | None:
     return e.plan.cost.peak_bytes if hasattr(e, "plan") else None
 
 
-def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within) -> Plan:
+def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, deadline) -> Plan:
     """``plan`` recomputes ``kept`` and every layer of ``group`` and fits: the plan recomputing the fewest of
     ``group``'s first layers that still fits, of ``_PROBES`` solves. Each layer kept adds about as many bytes to the
     peak: first what its recompute saves in ``plan`` (its record's), then the slope between the last two peaks
     walked; each count tried keeps as many layers as that leaves room for (halfway, where a count tried had no
-    plan, hence no peak)."""
+    plan, hence no peak). Tried only before ``deadline``, and only where a solve as long as the last fits."""
     budget, lo, hi = request.profile.memory_bytes, 0, len(group)
     names = {r.name for r in group}
     saved = [r.saved_bytes for r in plan.recompute if r.region in names]
     if not saved or plan.cost.peak_bytes > budget:  # (a nominal memory's plan returned over it: none fewer fits)
         return plan
-    per_layer = sum(saved) / len(saved)
+    per_layer, took = sum(saved) / len(saved), 0.0
     for _ in range(_PROBES):
-        if hi - lo <= 1:
+        if hi - lo <= 1 or time.perf_counter() + took > deadline:
             break
+        start = time.perf_counter()
         m = (lo + hi + 1) // 2 if per_layer is None else hi - int((budget - plan.cost.peak_bytes) // per_layer)
         m = min(max(m, lo + 1), hi - 1)
         try:
@@ -106,6 +109,7 @@ def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within) ->
             peak = trial.cost.peak_bytes
         except ValueError as e:  # (no peak where the solve found nothing within its estimate: halved)
             trial, lo, peak = None, m, _peak_of(e)
+        took = time.perf_counter() - start
         if peak is not None and peak <= plan.cost.peak_bytes:  # (no more for more kept: the line says nothing)
             plan, hi = (trial, m) if trial is not None else (plan, hi)
             break
@@ -183,7 +187,10 @@ def region_groups(problem: StrategyProblem, profile: cm.DeviceProfile) -> list[l
         if region.saved_whole > 0:
             # (by what it recomputes: a layer may also hold a value every layer reads, made once: dropout's scalar)
             groups.setdefault(_likeness(name, [n for n in nodes if n in region.recomputed]), []).append(region)
-    return sorted(groups.values(), key=lambda g: -g[0].saved_whole / max(g[0].seconds_whole, 1e-15))
+    # each group's layers in program order, by their last op (graph order may hoist a layer's first ops)
+    order = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
+    in_order = [sorted(g, key=lambda r: order[r.nodes[-1]]) for g in groups.values()]
+    return sorted(in_order, key=lambda g: -g[0].saved_whole / max(g[0].seconds_whole, 1e-15))
 
 
 def _region(problem: StrategyProblem, name: str, nodes: list[torch.fx.Node], profile: cm.DeviceProfile) -> Region:

@@ -61,7 +61,7 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
     terms = step("search pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
     # the regions backward computes again are chosen around the level's solve (recompute.py)
     within = functools.partial(_within_budget, request, mesh_spec, pricing, step, time_limit_s, deadline)
-    return plan_with_recompute(problem, request, pricing, terms, within)
+    return plan_with_recompute(problem, request, pricing, terms, within, deadline)
 
 
 def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, step, time_limit_s: float,
