@@ -614,8 +614,21 @@ def _weight_gathered_for_its_reader(stage=0):
     return model
 
 
+def _megatron_block_data_parallel(stage=0):
+    # Megatron weights and biases over "tp", the batch over "dp": a column-parallel bias read split, its gradient
+    # pending over "dp" and split over "tp" going back whole, is gathered first, then reduced whole (DTensor's
+    # order, which the cost model follows)
+    from tests.models import GPTBlock
+    from tests.test_modules import GPT_PLANS
+
+    model = _with_optimizer(sf.shard(GPTBlock(16, 4), dataset_strategy="data_parallel", **GPT_PLANS["dp_tp"]), stage)
+    row = dist.get_rank() // 2
+    model(torch.randn(8, 4, 16)[4 * row: 4 * row + 4]).square().mean().backward()
+    return model
+
+
 @pytest.mark.parametrize("make", [_gemma3_norms_data_parallel, _gpt2_megatron_data_parallel,
-                                  _weight_gathered_for_its_reader])
+                                  _weight_gathered_for_its_reader, _megatron_block_data_parallel])
 def test_backward_buckets_are_the_plans_where_they_once_disagreed(monkeypatch, make):
     # issue 36: check_buckets was only said on the logger, since these plans' buckets and exec's differed (Gemma
     # 3's norm weights unbucketed in the plan; GPT-2's tied embedding planned reduced over both mesh dims, and its
@@ -630,7 +643,8 @@ def test_backward_buckets_are_the_plans_where_they_once_disagreed(monkeypatch, m
     assert buckets and sorted(buckets) == _planned_buckets(compiled.plan)
 
 
-@pytest.mark.parametrize("make", [_gpt2_megatron_data_parallel, _weight_gathered_for_its_reader])
+@pytest.mark.parametrize("make", [_gpt2_megatron_data_parallel, _weight_gathered_for_its_reader,
+                                  _megatron_block_data_parallel])
 def test_a_stage_2_plan_names_the_reductions_exec_runs_and_those_it_leaves(monkeypatch, make):
     # a stage-2 sharded optimizer reduce-scatters the gradients the program leaves pending; those a
     # redistribution's backward resolves in the graph (a weight gathered for its reader), and those of parameters
