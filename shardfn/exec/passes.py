@@ -585,14 +585,8 @@ def simplify(gm: torch.fx.GraphModule, in_place: bool = True, one_in_flight: boo
         _parameters_where_read(graph, n_params)
     _drop_identities(graph, set(out.all_input_nodes))
     fused = _fuse_reductions(graph, bucket_bytes(), in_place) if bucket_bytes() > 0 else []
-    if plan is not None and not plan.pending_grads:
+    if plan is not None:
         check_buckets(plan, fused)
-    # (exempt: a plan whose parameters' gradients a stage-2 sharded optimizer reduce-scatters, plan.pending_grads.
-    # Its read-out lists every reduction of those gradients as the optimizer's reduce-scatter, while the program
-    # all-reduces in the graph the ones a redistribution's backward resolves (a weight or bias gathered for its
-    # reader, on a data x tensor-parallel mesh: DTensor gathers the pieces, then reduces the whole): the plan does
-    # not tell the two apart yet, and the cost model orders such a two-dim redistribution's steps otherwise than
-    # DTensor does. Issue 36, left to do.)
     if bucket_bytes() > 0:
         _fuse_gathers(graph, bucket_bytes())
         _fuse_reduce_scatters(graph, bucket_bytes())

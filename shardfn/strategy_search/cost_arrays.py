@@ -80,26 +80,33 @@ def redistribute_seconds(shape, itemsize: int, src: np.ndarray, dst: np.ndarray,
         if d in gathers_on and kind == "all_gather":
             gathers[mask] = True
 
-    for d in range(len(mesh_shape)):  # pending sums first, in mesh-dim order
-        s, t = cur[:, d].copy(), dst[:, d]
-        moving = (s <= P) & (t != s)
-        if moving.any():
+    def move(mask, d: int, t: np.ndarray) -> None:  # (cost_model.redistribute_collectives' move)
+        s = cur[:, d]
+        if mask.any():
             size = _local_bytes(shape, cur, mesh_shape, itemsize)
-            scatter = moving & (t >= 0)
-            collective(scatter, "reduce_scatter", d, size, np.where(t != 0, size, 0))
-            collective(moving & (t < 0), "all_reduce", d, size, 0)
-            cur[:, d] = np.where(scatter, t, np.where(moving, R, s))
-    for d in range(len(mesh_shape)):  # then shards, in mesh-dim order
-        s, t = src[:, d], dst[:, d]
-        moving = (s >= 0) & (t != s)
-        if moving.any():
-            swap = moving & (t >= 0)
-            collective(swap, "all_to_all", d, _local_bytes(shape, cur, mesh_shape, itemsize), 0)
+            partial, shard = mask & (s <= P), mask & (s >= 0)
+            collective(partial & (t >= 0), "reduce_scatter", d, size, np.where(t != 0, size, 0))
+            collective(partial & (t < 0), "all_reduce", d, size, 0)
+            collective(shard & (t >= 0), "all_to_all", d, size, 0)
             gathered = cur.copy()
             gathered[:, d] = R
             size = _local_bytes(shape, gathered, mesh_shape, itemsize)
-            collective(moving & (t < 0), "all_gather", d, size, np.where(s != 0, size, 0))
-            cur[:, d] = np.where(swap, t, np.where(moving, R, cur[:, d]))
+            collective(shard & (t < 0), "all_gather", d, size, np.where(s != 0, size, 0))
+            cur[:, d] = np.where(mask, t, s)
+
+    n = len(mesh_shape)
+    split = np.zeros(len(src), dtype=bool)  # DTensor's order: where a mesh dim splits, innermost out first
+    for d in range(n):
+        split |= (src[:, d] >= 0) & (mesh_shape[d] > 1)
+    for d in reversed(range(n)):
+        t = dst[:, d].copy()
+        nested = np.zeros(len(src), dtype=bool)  # a split of that tensor dim on an outer mesh dim differs
+        for i in range(d):
+            nested |= (cur[:, i] == t) != (dst[:, i] == t)
+        t = np.where((t >= 0) & nested, R, t)
+        move(split & (cur[:, d] != t), d, t)
+    for d in range(n):  # then, from the outermost in, whatever is still off
+        move(cur[:, d] != dst[:, d], d, dst[:, d])
     return total, gathers
 
 

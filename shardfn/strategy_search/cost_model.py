@@ -267,42 +267,42 @@ def redistribute_collectives(
     dst: Sequence[Placement],
     mesh_shape: Sequence[int],
 ) -> list[CommOp]:
-    """The collectives that turn ``src`` placements into ``dst``, one mesh dim at a time.
-
-    Pending sums are resolved first, then gathers, then scatters, so operand sizes are the ones DTensor moves.
-    Going to a Shard or Partial from Replicate is local (a slice, or zeros on all but one rank) and free.
+    """The collectives that turn ``src`` placements into ``dst``, one mesh dim at a time, in DTensor's order
+    (its greedy redistribute plan), so that each operand's size is the one DTensor moves: where ``src`` splits on
+    some mesh dim, first each mesh dim from the innermost out straight to its target (to Replicate instead where
+    a split of the same tensor dim on an outer mesh dim differs: nested splits are undone first), then from the
+    outermost in whatever is still off. A gradient pending over "dp" and split over "tp" that goes back to whole
+    is gathered over "tp" first, then all-reduced whole. Going to a Shard or Partial from Replicate is local (a
+    slice, or zeros on all but one rank) and free.
     """
     cur = list(src)
     ops: list[CommOp] = []
 
-    def nbytes(placements) -> int:
-        return local_numel(shape, placements, mesh_shape) * itemsize
-
-    def step(d: int, new: Placement, kind: str | None, size_from, split: Placement) -> None:
-        if kind is not None and mesh_shape[d] > 1:
-            ops.append(CommOp(kind, d, size_from, size_from if split.dim != 0 else 0))
-        cur[d] = new
-
-    order = sorted(range(len(cur)), key=lambda d: (not cur[d].is_partial(), not isinstance(cur[d], Shard)))
-    for d in order:
-        s, t = cur[d], dst[d]
-        if s == t:
-            continue
+    def move(d: int, t: Placement) -> None:
+        s, kind, split = cur[d], None, Shard(0)
         if s.is_partial():
-            if isinstance(t, Shard):
-                step(d, t, "reduce_scatter", nbytes(cur), t)
-            else:  # to Replicate
-                step(d, Replicate(), "all_reduce", nbytes(cur), Shard(0))
+            kind, split = ("reduce_scatter", t) if isinstance(t, Shard) else ("all_reduce", Shard(0))
         elif isinstance(s, Shard):
-            if isinstance(t, Shard):
-                step(d, t, "all_to_all", nbytes(cur), Shard(0))
-            else:
-                gathered = cur.copy()
-                gathered[d] = Replicate()
-                step(d, Replicate(), "all_gather", nbytes(gathered), s)
+            kind, split = ("all_to_all", Shard(0)) if isinstance(t, Shard) else ("all_gather", s)
+        operand = cur.copy()
+        if kind == "all_gather":  # (its operand counted gathered)
+            operand[d] = Replicate()
+        size = local_numel(shape, operand, mesh_shape) * itemsize
+        if kind is not None and mesh_shape[d] > 1:
+            ops.append(CommOp(kind, d, size, size if split.dim != 0 else 0))
+        cur[d] = t
+
+    if any(isinstance(p, Shard) and mesh_shape[d] > 1 for d, p in enumerate(cur)):
+        for d in reversed(range(len(cur))):
+            t = dst[d]
+            if isinstance(t, Shard) and [i for i in range(d) if cur[i] == Shard(t.dim)] != \
+                    [i for i in range(d) if dst[i] == Shard(t.dim)]:
+                t = Replicate()  # (a nested split to undo first)
+            if cur[d] != t:
+                move(d, t)
     for d in range(len(cur)):
-        if cur[d] != dst[d]:  # Replicate -> Shard / Partial: local
-            cur[d] = dst[d]
+        if cur[d] != dst[d]:
+            move(d, dst[d])
     return ops
 
 

@@ -132,11 +132,22 @@ class _Collectives:
         self.gradients: list[tuple[int, tuple, int]] = []
         self.position = {n: i for i, n in enumerate(captured.placeholders)}
         self.params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
+        # those whose gradients a stage-2 sharded optimizer takes pending (the rest are reduced in the graph)
+        self.optimizer_reduces = {n for n, gi in zip(captured.placeholders, captured.inputs)
+                                  if gi.kind == "param" and gi.name in request.pending_grads}
         # what backward computes again from the shards: ops on parameters alone
         self.from_params = set(self.params)
+        roots = {p: {p} for p in self.params}  # the parameters each of those is computed from
         for node in captured.gm.graph.nodes:
             if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= self.from_params:
                 self.from_params.add(node)
+                roots[node] = set().union(*(roots[a] for a in node.all_input_nodes))
+        # parameters a reader takes in another layout (directly or from ops on them): the backward of that
+        # redistribution resolves their gradients' pending sums in the graph
+        self.resolved = {p for d, c in zip(self.problem.decisions, self.chosen)
+                         for slot, (u, out_idx, value_node) in enumerate(d.sources)
+                         if value_node in roots and _resolves(self.chosen[u].outputs[out_idx], c.inputs[slot])
+                         for p in roots[value_node]}
         # level 1 (least memory) gathers a split parameter again in backward instead of keeping the whole copy
         # from forward to backward: one more all-gather per gathered parameter
         self.reshard = request.policy.regathers and request.grad
@@ -186,12 +197,15 @@ class _Collectives:
 
     def _synced(self, ops, placeholder):
         """A parameter's gradient reductions as the program runs them: accumulating without sync none where it
-        leaves the program; for a stage-2 sharded optimizer reduce-scattered into the optimizer's piece."""
+        leaves the program; for a stage-2 sharded optimizer reduce-scattered into the optimizer's piece where it
+        takes the gradient pending (``request.pending_grads``), but not for a parameter a reader takes in another
+        layout (``self.resolved``), whose gradient the graph reduces in that redistribution's backward."""
         if placeholder not in self.params:
             return ops
         if self.request.accumulate:
             return [o for o in ops if o.kind != "all_reduce"]
-        if self.request.optimizer_stage == 2:
+        if self.request.optimizer_stage == 2 and placeholder in self.optimizer_reduces \
+                and placeholder not in self.resolved:
             return [dataclasses.replace(o, kind="reduce_scatter") if o.kind == "all_reduce" else o for o in ops]
         return ops
 
@@ -241,6 +255,14 @@ class _Collectives:
                                 self.position[d.node]) for k in _last_reduction(bwd)]
         self.fwd = [self._priced(o, "forward", what) for o in fwd] + self.fwd
         self.bwd += [self._priced(o, "backward", what, placeholder) for o in bwd]
+
+
+def _resolves(src, dst) -> bool:
+    """Does the backward of moving a value from layout ``src`` to ``dst`` resolve its gradient's pending sums?
+    DTensor's redistribution back to ``src`` does (a gathered weight's gradient reduced whole, then cut); a value
+    taken as a pending sum (Replicate to Partial: a bias added once across a row-parallel matmul's pieces) passes
+    its gradient through as it came."""
+    return any(s != t and not t.is_partial() for s, t in zip(src, dst))
 
 
 def _shapes(node: torch.fx.Node) -> tuple[tuple[int, ...] | None, ...]:

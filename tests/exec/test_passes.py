@@ -1,5 +1,6 @@
 """Graph clean-ups: in-place all-reduce only on buffers nothing else reads; identities removed, results kept."""
 
+import collections
 import operator
 
 import pytest
@@ -575,7 +576,13 @@ def _gemma3_norms_data_parallel():
     return model
 
 
-def _gpt2_megatron_data_parallel():
+def _with_optimizer(model, stage: int):
+    if stage:  # (before the first call: its plan leaves the gradients the optimizer reduce-scatters pending)
+        sf.shard_optimizer(torch.optim.AdamW(model.parameters()), model, stage=stage)
+    return model
+
+
+def _gpt2_megatron_data_parallel(stage=0):
     # Megatron weights over "tp" and the batch over "dp" on a 2 x 2 mesh: the tied embedding's gradient, summed
     # from its two readers, is pending over "dp" alone; the weights the plan gathers whole are reduced whole over
     # "dp" and then cut to this rank's piece
@@ -586,12 +593,13 @@ def _gpt2_megatron_data_parallel():
     rows = layout("dp", "None")
     model = sf.shard(model, in_strategy={"input_ids": rows, "labels": rows}, dataset_strategy="data_parallel",
                      parameter_plan=megatron_plan(model, layout))
+    model = _with_optimizer(model, stage)
     ids = torch.randint(64, (4, 8))
     model(ids, labels=ids).loss.backward()
     return model
 
 
-def _weight_gathered_for_its_reader():
+def _weight_gathered_for_its_reader(stage=0):
     # a weight split over "tp" that its reader takes whole (transposed first): DTensor reduces its gradient whole
     # over "dp" in the backward of that gather, and then cuts this rank's piece; the plan prices that, not a
     # reduction of the piece
@@ -601,12 +609,26 @@ def _weight_gathered_for_its_reader():
     model = sf.shard(_Net(), in_strategy=(mesh("dp", "None"), mesh("dp", "None")),
                      parameter_plan={"up.weight": mesh("tp", "None"), "up.bias": mesh("tp"),
                                      "down.weight": mesh("None", "tp")}, dataset_strategy="data_parallel")
+    model = _with_optimizer(model, stage)
     model(torch.randn(4, 6), torch.randn(4, 3))[1].backward()
     return model
 
 
+def _megatron_block_data_parallel(stage=0):
+    # Megatron weights and biases over "tp", the batch over "dp": a column-parallel bias read split, its gradient
+    # pending over "dp" and split over "tp" going back whole, is gathered first, then reduced whole (DTensor's
+    # order, which the cost model follows)
+    from tests.models import GPTBlock
+    from tests.test_modules import GPT_PLANS
+
+    model = _with_optimizer(sf.shard(GPTBlock(16, 4), dataset_strategy="data_parallel", **GPT_PLANS["dp_tp"]), stage)
+    row = dist.get_rank() // 2
+    model(torch.randn(8, 4, 16)[4 * row: 4 * row + 4]).square().mean().backward()
+    return model
+
+
 @pytest.mark.parametrize("make", [_gemma3_norms_data_parallel, _gpt2_megatron_data_parallel,
-                                  _weight_gathered_for_its_reader])
+                                  _weight_gathered_for_its_reader, _megatron_block_data_parallel])
 def test_backward_buckets_are_the_plans_where_they_once_disagreed(monkeypatch, make):
     # issue 36: check_buckets was only said on the logger, since these plans' buckets and exec's differed (Gemma
     # 3's norm weights unbucketed in the plan; GPT-2's tied embedding planned reduced over both mesh dims, and its
@@ -619,3 +641,24 @@ def test_backward_buckets_are_the_plans_where_they_once_disagreed(monkeypatch, m
         (compiled,) = sf.engine_of(model).programs.values()
     (buckets,) = fused
     assert buckets and sorted(buckets) == _planned_buckets(compiled.plan)
+
+
+@pytest.mark.parametrize("make", [_gpt2_megatron_data_parallel, _weight_gathered_for_its_reader,
+                                  _megatron_block_data_parallel])
+def test_a_stage_2_plan_names_the_reductions_exec_runs_and_those_it_leaves(monkeypatch, make):
+    # a stage-2 sharded optimizer reduce-scatters the gradients the program leaves pending; those a
+    # redistribution's backward resolves in the graph (a weight gathered for its reader), and those of parameters
+    # the optimizer does not take pending, the graph all-reduces in buckets: the plan says which are which
+    fused = _recorded_buckets(monkeypatch)
+    with simulated_world(4, local_tensors=False):
+        model = make(stage=2)
+        (compiled,) = sf.engine_of(model).programs.values()
+    (buckets,) = fused
+    assert buckets and all(any(not collections.Counter(b) - collections.Counter(p)
+                               for p in _planned_buckets(compiled.plan)) for b in buckets)
+    program = compiled.program
+    left = {e.name for e, g in zip(program.entries, program.grad_placements)
+            if g is not None and any(p.is_partial() for p in g)}
+    scattered = {c.where.split(" ")[0] for c in compiled.plan.collectives
+                 if c.kind == "reduce_scatter" and c.phase == "backward"}
+    assert left and scattered == left

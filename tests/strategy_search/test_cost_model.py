@@ -52,12 +52,40 @@ def test_a_fused_reduction_bears_its_share_of_the_latency():
     ((Partial(),), (Shard(1),), ["reduce_scatter"]),
     ((Shard(0),), (Shard(1),), ["all_to_all"]),
     ((Replicate(),), (Shard(0),), []),  # a slice: free
-    ((Shard(0), Partial()), (Replicate(), Replicate()), ["all_reduce", "all_gather"]),  # sums first
+    ((Shard(0), Partial()), (Replicate(), Replicate()), ["all_reduce", "all_gather"]),  # inner dim first
+    # a gradient pending over "dp" and split over "tp", back whole: gathered first, then reduced whole (DTensor's)
+    ((Partial(), Shard(0)), (Replicate(), Replicate()), ["all_gather", "all_reduce"]),
+    ((Partial(), Partial()), (Replicate(), Replicate()), ["all_reduce", "all_reduce"]),
 ])
 def test_redistributions(src, dst, kinds):
     mesh = (4,) * len(src)
     ops = cm.redistribute_collectives((8, 8), 4, src, dst, mesh)
     assert [o.kind for o in ops] == kinds
+
+
+def test_redistributions_run_in_dtensors_order_with_its_operand_sizes():
+    # every pair of 2-D layouts: the cost model's collectives are DTensor's own greedy plan's steps, in its order
+    # (each step's operand is what one rank holds before it, gathered for an all-gather)
+    import itertools
+
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+
+    from shardfn.runtime import simulated_world
+
+    kinds = {("P", "R"): "all_reduce", ("P", "S"): "reduce_scatter", ("S", "R"): "all_gather",
+             ("S", "S"): "all_to_all", ("S", "P"): "all_gather"}
+    shape, layouts = (8, 8), [Replicate(), Partial(), Shard(0), Shard(1)]
+    meta = TensorMeta(torch.Size(shape), (8, 1), torch.float32)
+    with simulated_world(4):
+        mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2))
+        for src, dst in itertools.product(itertools.product(layouts, repeat=2), repeat=2):
+            steps = _gen_transform_infos_non_cached(DTensorSpec(mesh, src, meta), DTensorSpec(mesh, dst, meta),
+                                                    use_graph_based_transform=False)
+            want = [(i.mesh_dim, kinds[(type(a).__name__[0], type(b).__name__[0])])
+                    for i in steps for a, b in [i.src_dst_placements] if not a.is_replicate()]
+            got = [(o.mesh_dim, o.kind) for o in cm.redistribute_collectives(shape, 4, src, dst, (2, 2))]
+            assert got == want, (src, dst)
 
 
 def test_backward_of_a_replicated_read_in_split_work_reduces_the_gradient():
