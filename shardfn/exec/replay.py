@@ -50,14 +50,16 @@ def _values_bytes(gm: torch.fx.GraphModule) -> int:
 
 
 def _cuda_capture(fn: Callable, inputs: list) -> tuple[Any, list]:
-    """``fn`` run once on a side stream (lazy initialisations: cuBLAS workspaces), then captured."""
+    """``fn`` run once on a side stream (lazy initialisations: cuBLAS workspaces), then captured. A capture that
+    fails raises (torch.AcceleratorError is a RuntimeError)."""
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn(list(inputs))
     torch.cuda.current_stream().wait_stream(side)
-    with torch.cuda.graph(graph):
+    # (thread_local: other threads' CUDA calls, NCCL's watchdog polling its events, do not void the capture)
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         outputs = fn(list(inputs))
     return graph, outputs
 
