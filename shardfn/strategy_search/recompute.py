@@ -110,10 +110,11 @@ def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, de
         except ValueError as e:  # (no peak where the solve found nothing within its estimate: halved)
             trial, lo, peak = None, m, _peak_of(e)
         took = time.perf_counter() - start
-        if peak is not None and peak <= plan.cost.peak_bytes:  # (no more for more kept: the line says nothing)
-            plan, hi = (trial, m) if trial is not None else (plan, hi)
-            break
-        per_layer = None if peak is None else (peak - plan.cost.peak_bytes) / (hi - m)
+        if peak is not None and peak <= plan.cost.peak_bytes and trial is None:
+            break  # (over the memory, though no higher than a plan that fits: the walk is not what bound it)
+        # (no more for more layers kept: the line says nothing, the next count is halfway)
+        per_layer = None if peak is None or peak <= plan.cost.peak_bytes else \
+            (peak - plan.cost.peak_bytes) / (hi - m)
         if trial is not None:
             plan, hi = trial, m
     return plan
