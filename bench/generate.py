@@ -129,7 +129,7 @@ def worker(rank, args, port):
     ids = torch.randint(0, 128, (2 * (args.world // 2 if args.dp_tp else 1), args.prompt)).to(args.device)
     if args.dp_tp:  # this rank's dp row's 2 prompts
         ids = ids[2 * (rank // 2): 2 * (rank // 2) + 2]
-    rows = []
+    rows, graph_notes = [], []
     want = None
     for name, cache, sharded in (("unsharded", "static", False), ("shardfn, StaticCache", "static", True),
                                  ("unsharded", "dynamic", False), ("shardfn, DynamicCache", "dynamic", True)):
@@ -141,6 +141,9 @@ def worker(rank, args, port):
         want = out if want is None else want
         assert torch.equal(out, want), f"{name}: other tokens than the unsharded model's"
         captures = sf.engine_of(model).captures if sharded else 0
+        if sharded:  # whether a world of one's decoding graph replays as a CUDA graph (exec.replay), and why not
+            graph_notes += [f"{name}: {n}" for c in sf.engine_of(model).programs.values()
+                            for n in c.program.notes if "CUDA graph" in n]
         rows.append((f"{name}" if sharded else f"unsharded ({cache} cache)", timed.times[0],
                      statistics.median(timed.times[2:]), captures))
         if sharded and cache == "static" and args.world > 1:
@@ -162,6 +165,8 @@ def worker(rank, args, port):
         if args.world > 1:
             print(f"cached forward at one decoding shape {floor * 1e3:.2f} ms; a StaticCache token / that: "
                   f"{rows[1][2] / floor:.2f}x")
+        if graph_notes:
+            print("\n".join(graph_notes))
     dist.barrier()
 
 

@@ -151,8 +151,9 @@ def _profile(model, args, loss_of, opt, autocast, device, label, out_dir, steps=
 
 
 def part_tests():
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_cuda.py"], cwd=ROOT,
-                         capture_output=True, text=True)
+    # (a failure's reason, not the warnings: the output's tail is what comes back from a lent GPU)
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:warnings", "--tb=short", "-rf",
+                          "tests/test_cuda.py"], cwd=ROOT, capture_output=True, text=True)
     lines = res.stdout.strip().splitlines()
     print("tests/test_cuda.py:", "\n".join(lines[-1:] if res.returncode == 0 else lines[-60:]) or res.stderr[-2000:])
 

@@ -32,14 +32,15 @@ _SMALL = 2**20  # an input of at most these bytes that moved after a capture is 
 
 
 def replayed(run: Callable, gm: torch.fx.GraphModule, device: str = "cuda",
-             capture: Callable | None = None) -> Callable:
+             capture: Callable | None = None, note: Callable[[str], None] | None = None) -> Callable:
     """``run`` (a boxed inference graph's code on ``device``, the graph ``gm``) replayed as a CUDA graph where it
     can be; ``run`` itself where SHARDFN_CUDA_GRAPHS=0 or the graph's values are large. ``capture(fn, inputs) ->
-    (graph, outputs)`` records ``fn`` on ``inputs`` (tests stand a CPU recorder in for CUDA's)."""
+    (graph, outputs)`` records ``fn`` on ``inputs`` (tests stand a CPU recorder in for CUDA's); ``note`` is told
+    each capture and why capturing stopped (the program's notes, which explain() shows)."""
     if (device != "cuda" and capture is None) or os.environ.get("SHARDFN_CUDA_GRAPHS", "1") == "0" \
             or _values_bytes(gm) > _MOST_BYTES:
         return run
-    replayer = _Replayer(run, capture or _cuda_capture, device)
+    replayer = _Replayer(run, capture or _cuda_capture, device, note or (lambda line: None))
     replayer._boxed_call = True
     return replayer
 
@@ -77,8 +78,8 @@ def _storages(xs: list) -> set[int]:
 
 
 class _Replayer:
-    def __init__(self, run: Callable, capture: Callable, device: str):
-        self.run, self.capture, self.device = run, capture, device
+    def __init__(self, run: Callable, capture: Callable, device: str, note: Callable[[str], None]):
+        self.run, self.capture, self.device, self.note = run, capture, device, note
         self.last: list | None = None  # where the last call's inputs were
         self.graph = None
         self.held: dict[int, tuple] = {}  # static input -> (the tensor, where it was captured)
@@ -105,16 +106,20 @@ class _Replayer:
             return self.run(args)
         try:
             self._capture(args, [w == v and i not in self.moved for i, (w, v) in enumerate(zip(where, last))])
-        except RuntimeError:  # (an op the capture refuses, a CPU synchronisation): this runner never captures
-            self._release()
-            self.strikes = _STRIKES
-            return self.run(args)
+        except RuntimeError as e:  # (an op the capture refuses, a CPU synchronisation): this runner never captures
+            return self._stop(args, f"its capture raised {type(e).__name__}: {str(e).splitlines()[0][:200]}")
         inputs = [t for t, _ in self.held.values()] + list(self.buffers.values())
         if _storages(self.outputs) & _storages(inputs):  # an output that is an input's view: its aliasing kept
-            self._release()
-            self.strikes = _STRIKES
-            return self.run(args)
+            return self._stop(args, "an output is a view of an input")
+        self.note(f"the inference graph replays as a CUDA graph: {len(self.held)} inputs read where they lie, "
+                  f"{len(self.buffers)} copied in (capture {self.strikes + 1})")
         return self._replay(args)
+
+    def _stop(self, args: list, why: str) -> Any:
+        self.strikes = _STRIKES
+        self._release()
+        self.note(f"the inference graph is not replayed as a CUDA graph: {why}")
+        return self.run(args)
 
     def _capture(self, args: list, static: list[bool]) -> None:
         self.held = {i: (a, _where(a, self.device)) for i, (a, s) in enumerate(zip(args, static)) if s}
@@ -137,4 +142,7 @@ class _Replayer:
     def _release(self) -> None:
         if self.graph is not None and self.replays < 2:
             self.strikes += 1
+            if self.strikes == _STRIKES:
+                self.note(f"the inference graph is not replayed as a CUDA graph: {_STRIKES} captures did not "
+                          "replay twice (an input read where it lay moved each time)")
         self.graph, self.held, self.buffers, self.outputs, self.last = None, {}, {}, [], None

@@ -101,7 +101,7 @@ def traced_program(program, step: Callable) -> Callable:
             code, cached = compile_graph(gm, example_inputs)
             boxed = _in_traced_strides(code, example_inputs)
             if inference and program.mesh.size() == 1:  # (a world of one: no collectives to capture)
-                boxed = replayed(boxed, program.graphs[name], program.mesh.device_type)
+                boxed = replayed(boxed, program.graphs[name], program.mesh.device_type, note=program.notes.append)
             program.compile_s[name] = time.perf_counter() - start
             done = f"loaded the {name} graph from its cache" if cached else f"compiled the {name} graph"
             _log.info("shardfn: Inductor %s in %.1f s", done, program.compile_s[name])

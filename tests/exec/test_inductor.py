@@ -116,7 +116,8 @@ def test_world_of_one_replays_its_inference_graph(monkeypatch):
     from tests.exec.test_replay import _Recorder
 
     recorder = _Recorder()
-    monkeypatch.setattr(traced, "replayed", lambda run, gm, device: replay.replayed(run, gm, "cpu", recorder))
+    monkeypatch.setattr(traced, "replayed",
+                        lambda run, gm, device, note: replay.replayed(run, gm, "cpu", recorder, note))
     monkeypatch.setenv("SHARDFN_COMPILE", "1")
     torch.manual_seed(0)
     reference = BasicBlock()
@@ -128,5 +129,7 @@ def test_world_of_one_replays_its_inference_graph(monkeypatch):
                     m.dense1.weight.mul_(0.5)
             x = torch.randn(8, 32)
             torch.testing.assert_close(model(x), reference(x))
+        notes = sf.explain(model, x).notes  # (the program's, with the plan that ran)
     (graph,) = recorder.graphs
     assert graph.replays == 4
+    assert any(n.startswith("the inference graph replays as a CUDA graph: ") for n in notes), notes

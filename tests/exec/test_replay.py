@@ -88,13 +88,15 @@ def test_a_small_static_input_that_moved_is_copied_from_then_on():
 
 
 def test_replays_after_two_calls_and_copies_what_moves():
-    recorder = _Recorder()
-    run = replayed(_code, _graph(), "cpu", recorder)
+    recorder, notes = _Recorder(), []
+    run = replayed(_code, _graph(), "cpu", recorder, notes.append)
     w, cache = torch.randn(4, 4), torch.randn(3, 4)
     outs = _decode(run, w, cache, steps=8)
     assert len(recorder.graphs) == 1 and recorder.graphs[0].replays == 7
     graph = recorder.graphs[0]
     assert graph.inputs[0] is w and graph.inputs[1] is cache and graph.inputs[2] is not None  # token: a buffer
+    assert notes == ["the inference graph replays as a CUDA graph: 2 inputs read where they lie, 1 copied in "
+                     "(capture 1)"]
     assert all(not any(o is p for p in graph.outputs) for out in outs for o in out)
 
 
@@ -141,11 +143,12 @@ def test_an_input_made_anew_that_comes_back_at_one_address_is_learnt_once():
 
 def test_a_new_static_input_each_few_calls_stops_capturing(monkeypatch):
     monkeypatch.setattr(replay, "_SMALL", 0)  # (a weight and a cache of the sizes that are not copied)
-    recorder = _Recorder()
-    run = replayed(_code, _graph(), "cpu", recorder)
+    recorder, notes = _Recorder(), []
+    run = replayed(_code, _graph(), "cpu", recorder, notes.append)
     for _ in range(2 * replay._STRIKES + 2):  # a new cache every second call: no graph replays twice
         _decode(run, torch.randn(4, 4), torch.randn(3, 4), steps=2)
     assert len(recorder.graphs) == replay._STRIKES
+    assert notes[-1].startswith("the inference graph is not replayed as a CUDA graph: 3 captures did not replay")
 
 
 def test_left_alone_where_turned_off_large_or_aliasing(monkeypatch):
@@ -172,8 +175,11 @@ def test_a_capture_that_raises_runs_the_code(monkeypatch):
     def refusing(fn, inputs):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    run = replayed(_code, _graph(), "cpu", refusing)
+    notes = []
+    run = replayed(_code, _graph(), "cpu", refusing, notes.append)
     _decode(run, torch.randn(4, 4), torch.randn(3, 4), steps=4)
+    assert notes == ["the inference graph is not replayed as a CUDA graph: its capture raised RuntimeError: "
+                     "operation not permitted when stream is capturing"]
 
 
 def test_inputs_off_the_device_are_never_captured():
