@@ -195,17 +195,19 @@ class _Collectives:
         seconds = cm.collective_seconds(o, self.problem.mesh_shape, self.request.profile, share, self.pricing.links)
         return Collective(o.kind, phase, (o.mesh_dim,), o.nbytes, where, seconds=seconds)
 
-    def _synced(self, ops, placeholder):
+    def _synced(self, ops, placeholder, direct: bool = True):
         """A parameter's gradient reductions as the program runs them: accumulating without sync none where it
         leaves the program; for a stage-2 sharded optimizer reduce-scattered into the optimizer's piece where it
         takes the gradient pending (``request.pending_grads``), but not for a parameter a reader takes in another
-        layout (``self.resolved``), whose gradient the graph reduces in that redistribution's backward."""
+        layout (``self.resolved``), whose gradient the graph reduces in that redistribution's backward, nor where
+        the reduction is of a value computed from the parameter by more than views (``direct`` False: Gemma 3's
+        ``1 + weight``, whose backward takes its gradient whole)."""
         if placeholder not in self.params:
             return ops
         if self.request.accumulate:
             return [o for o in ops if o.kind != "all_reduce"]
         if self.request.optimizer_stage == 2 and placeholder in self.optimizer_reduces \
-                and placeholder not in self.resolved:
+                and placeholder not in self.resolved and direct:
             return [dataclasses.replace(o, kind="reduce_scatter") if o.kind == "all_reduce" else o for o in ops]
         return ops
 
@@ -232,7 +234,7 @@ class _Collectives:
             if handed_back is not None:
                 self.regathered += [(g, ("all_gather", o.mesh_dim, val.dtype)) for g, o in zip(again, gathers_again)]
             self.regather_s += sum(c.seconds for c in again)
-        bwd = self._synced(bwd, handed_back)
+        bwd = self._synced(bwd, handed_back, _through_views(value_node))
         if handed_back is not None:
             self.gradients += [(len(self.bwd) + k, (bwd[k].kind, bwd[k].mesh_dim, grad_dtype or val.dtype),
                                 self.position[handed_back]) for k in _last_reduction(bwd)]
@@ -255,6 +257,13 @@ class _Collectives:
                                 self.position[d.node]) for k in _last_reduction(bwd)]
         self.fwd = [self._priced(o, "forward", what) for o in fwd] + self.fwd
         self.bwd += [self._priced(o, "backward", what, placeholder) for o in bwd]
+
+
+def _through_views(node: torch.fx.Node) -> bool:
+    """Is ``node`` a graph input, or views of one (whose readers' pending sums pass through to it)?"""
+    while node.op == "call_function" and cm.is_view_op(node):
+        node = node.args[0]
+    return node.op == "placeholder"
 
 
 def _resolves(src, dst) -> bool:

@@ -564,21 +564,23 @@ def test_ops_on_a_parameter_the_graph_writes_into_stay_where_they_read_it():
     torch.testing.assert_close(gm(a.clone(), b)[0], b @ (a * 2))
 
 
-def _gemma3_norms_data_parallel():
+def _with_optimizer(model, stage: int):
+    if stage:  # (before the first call: its plan leaves the gradients the optimizer reduce-scatters pending)
+        sf.shard_optimizer(torch.optim.AdamW(model.parameters()), model, stage=stage)
+    return model
+
+
+def _gemma3_norms_data_parallel(stage=0):
     # Gemma 3's RMSNorm scales by 1 + weight: the reduction of that sum's gradient is the weight's, handed back
+    # (and reduced in the graph: the sum's backward takes its gradient whole, also where a stage-2 optimizer
+    # takes the other gradients pending)
     from tests.transformers_models import MODELS, batch, shard
 
     spec = MODELS["gemma3"]
     torch.manual_seed(0)
-    model = shard(spec.make(), spec, "dp", 4)
+    model = _with_optimizer(shard(spec.make(), spec, "dp", 4), stage)
     (ids,), kwargs = batch(spec, seed=0, n=2)  # this rank's rows
     model(ids, **kwargs).loss.backward()
-    return model
-
-
-def _with_optimizer(model, stage: int):
-    if stage:  # (before the first call: its plan leaves the gradients the optimizer reduce-scatters pending)
-        sf.shard_optimizer(torch.optim.AdamW(model.parameters()), model, stage=stage)
     return model
 
 
@@ -643,8 +645,8 @@ def test_backward_buckets_are_the_plans_where_they_once_disagreed(monkeypatch, m
     assert buckets and sorted(buckets) == _planned_buckets(compiled.plan)
 
 
-@pytest.mark.parametrize("make", [_gpt2_megatron_data_parallel, _weight_gathered_for_its_reader,
-                                  _megatron_block_data_parallel])
+@pytest.mark.parametrize("make", [_gemma3_norms_data_parallel, _gpt2_megatron_data_parallel,
+                                  _weight_gathered_for_its_reader, _megatron_block_data_parallel])
 def test_a_stage_2_plan_names_the_reductions_exec_runs_and_those_it_leaves(monkeypatch, make):
     # a stage-2 sharded optimizer reduce-scatters the gradients the program leaves pending; those a
     # redistribution's backward resolves in the graph (a weight gathered for its reader), and those of parameters
