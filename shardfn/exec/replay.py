@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
+from ..strategy_search.cost_model import is_view_op
+
 __all__ = ["replayed"]
 
 _MOST_BYTES = 256 * 2**20  # the graph's values together at most (its pool's size, bounded above)
@@ -37,16 +39,21 @@ def replayed(run: Callable, gm: torch.fx.GraphModule, device: str = "cuda",
     can be; ``run`` itself where SHARDFN_CUDA_GRAPHS=0 or the graph's values are large. ``capture(fn, inputs) ->
     (graph, outputs)`` records ``fn`` on ``inputs`` (tests stand a CPU recorder in for CUDA's); ``note`` is told
     each capture and why capturing stopped (the program's notes, which explain() shows)."""
-    if (device != "cuda" and capture is None) or os.environ.get("SHARDFN_CUDA_GRAPHS", "1") == "0" \
-            or _values_bytes(gm) > _MOST_BYTES:
+    note = note or (lambda line: None)
+    if (device != "cuda" and capture is None) or os.environ.get("SHARDFN_CUDA_GRAPHS", "1") == "0":
         return run
-    replayer = _Replayer(run, capture or _cuda_capture, device, note or (lambda line: None))
+    if _values_bytes(gm) > _MOST_BYTES:
+        note(f"the inference graph is not replayed as a CUDA graph: its values take {_values_bytes(gm) / 2**20:.0f} "
+             f"MiB, over {_MOST_BYTES >> 20} MiB")
+        return run
+    replayer = _Replayer(run, capture or _cuda_capture, device, note)
     replayer._boxed_call = True
     return replayer
 
 
 def _values_bytes(gm: torch.fx.GraphModule) -> int:
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "call_function"]
+    """The bytes of the values the graph makes (views, a weight's transpose among them, make none)."""
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "call_function" and not is_view_op(n)]
     return sum(v.numel() * v.element_size() for v in vals if isinstance(v, torch.Tensor))
 
 
@@ -101,8 +108,12 @@ class _Replayer:
         if self.strikes >= _STRIKES:
             return self.run(args)
         where = [_where(a, self.device) for a in args]
+        if None in where:  # (a graph would fix its value): never captured
+            i = where.index(None)
+            what = type(args[i]).__name__ if not isinstance(args[i], torch.Tensor) else f"a tensor on {args[i].device}"
+            return self._stop(args, f"its input {i} is {what}, not a tensor on {self.device}")
         last, self.last = self.last, where
-        if last is None or None in where or len(last) != len(where):
+        if last is None or len(last) != len(where):
             return self.run(args)
         try:
             self._capture(args, [w == v and i not in self.moved for i, (w, v) in enumerate(zip(where, last))])

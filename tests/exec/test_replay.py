@@ -50,11 +50,16 @@ def _code(args):
     return [token @ w + cache.sum(0), torch.cat([cache[1:], token @ w])]
 
 
-def _graph(nbytes=0):
-    gm = torch.fx.symbolic_trace(lambda x: x + 1)
-    add = next(n for n in gm.graph.nodes if n.op == "call_function")
+def _graph(nbytes=0, viewed=0):
+    """A graph whose one op makes ``nbytes``, and a view of its input of ``viewed`` bytes (which makes none)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    t = g.call_function(torch.ops.aten.t.default, (x,))
+    add = g.call_function(torch.ops.aten.add.Tensor, (t, 1))
+    g.output(add)
+    t.meta["val"] = torch.empty(viewed // 4, device="meta")
     add.meta["val"] = torch.empty(nbytes // 4, device="meta")
-    return gm
+    return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
 def _decode(run, w, cache, steps, tokens=None):
@@ -152,7 +157,11 @@ def test_a_new_static_input_each_few_calls_stops_capturing(monkeypatch):
 
 
 def test_left_alone_where_turned_off_large_or_aliasing(monkeypatch):
-    assert replayed(_code, _graph(2 * replay._MOST_BYTES), "cpu", _Recorder()) is _code
+    notes = []
+    assert replayed(_code, _graph(2 * replay._MOST_BYTES), "cpu", _Recorder(), notes.append) is _code
+    assert notes == ["the inference graph is not replayed as a CUDA graph: its values take 512 MiB, over 256 MiB"]
+    # a weight's transpose is a view: a decoding step of large weights is still small
+    assert replayed(_code, _graph(4096, viewed=2 * replay._MOST_BYTES), "cpu", _Recorder()) is not _code
     monkeypatch.setenv("SHARDFN_CUDA_GRAPHS", "0")
     assert replayed(_code, _graph(), "cpu", _Recorder()) is _code
     monkeypatch.delenv("SHARDFN_CUDA_GRAPHS")
@@ -190,9 +199,11 @@ def test_inputs_off_the_device_are_never_captured():
         args.clear()
         return [w * s]
 
-    run = replayed(code, _graph(), "cpu", recorder)
+    notes = []
+    run = replayed(code, _graph(), "cpu", recorder, notes.append)
     w = torch.randn(4)
     for s in range(4):  # an int's value would be fixed in the graph
         torch.testing.assert_close(run([w, s])[0], w * s)
     assert not recorder.graphs
+    assert notes == ["the inference graph is not replayed as a CUDA graph: its input 1 is int, not a tensor on cpu"]
     assert replay._where(torch.tensor(1.0), "cuda") is None  # nor a CPU scalar's, in a graph on the GPU
