@@ -93,6 +93,7 @@ class _Replayer:
         self.buffers: dict[int, torch.Tensor] = {}  # copied input -> the graph's buffer for it
         self.outputs: list = []
         self.replays = 0
+        self.captures = 0
         self.strikes = 0
         self.moved: set[int] = set()  # inputs that were static for a capture and moved after it: copied since
 
@@ -118,12 +119,12 @@ class _Replayer:
         try:
             self._capture(args, [w == v and i not in self.moved for i, (w, v) in enumerate(zip(where, last))])
         except RuntimeError as e:  # (an op the capture refuses, a CPU synchronisation): this runner never captures
-            return self._stop(args, f"its capture raised {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            return self._stop(args, f"its capture raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
         inputs = [t for t, _ in self.held.values()] + list(self.buffers.values())
         if _storages(self.outputs) & _storages(inputs):  # an output that is an input's view: its aliasing kept
             return self._stop(args, "an output is a view of an input")
         self.note(f"the inference graph replays as a CUDA graph: {len(self.held)} inputs read where they lie, "
-                  f"{len(self.buffers)} copied in (capture {self.strikes + 1})")
+                  f"{len(self.buffers)} copied in (capture {self.captures})")
         return self._replay(args)
 
     def _stop(self, args: list, why: str) -> Any:
@@ -140,7 +141,7 @@ class _Replayer:
         for i, b in self.buffers.items():
             b.copy_(args[i])
         self.graph, self.outputs = self.capture(self.run, inputs)
-        self.replays = 0
+        self.replays, self.captures = 0, self.captures + 1
 
     def _replay(self, args: list) -> list:
         for i, b in self.buffers.items():
