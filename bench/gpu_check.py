@@ -14,8 +14,9 @@ Parts (``--parts``, in this order; each prints a table, ``--out DIR`` keeps the 
              torch.compile, both are profiled: each step split into forward, backward and optimizer (synchronized
              between), and torch.profiler's GPU time and kernel count per step, its top kernels.
 ``memory``   the plan's ``cost.peak_bytes`` against ``torch.cuda.max_memory_allocated()`` over a forward and
-             backward (optimizer states alive, gradients made from none; the loss sharded with the model), at levels 1 and 2 with the attention
-             kernel CUDA picks (flash) and at level 2 with the memory-efficient kernel; eager's peak beside it.
+             backward (optimizer states alive, gradients made from none; the loss sharded with the model), at
+             levels 1 and 2 with the attention kernel CUDA picks (flash) and at level 2 with the memory-efficient
+             kernel; eager's peak beside it.
 ``generate`` bench/generate.py on the GPU (Llama 4 layers, dim 2048): per token, StaticCache and DynamicCache,
              against the unsharded model (transformers compiles it for a static cache); with and without the
              decoding step replayed as a CUDA graph (SHARDFN_CUDA_GRAPHS).

@@ -91,10 +91,10 @@ def test_static_cache_decoding_is_replayed_as_a_cuda_graph(monkeypatch):
 
     from shardfn.exec import replay
 
-    graphs = []
+    graphs, capture = [], replay._cuda_capture  # (the original: the patched name would call itself)
 
     def counting(fn, inputs):
-        graphs.append(replay._cuda_capture(fn, inputs))
+        graphs.append(capture(fn, inputs))
         return graphs[-1]
 
     monkeypatch.setattr(replay, "_cuda_capture", counting)

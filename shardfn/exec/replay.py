@@ -42,9 +42,10 @@ def replayed(run: Callable, gm: torch.fx.GraphModule, device: str = "cuda",
     note = note or (lambda line: None)
     if (device != "cuda" and capture is None) or os.environ.get("SHARDFN_CUDA_GRAPHS", "1") == "0":
         return run
-    if _values_bytes(gm) > _MOST_BYTES:
-        note(f"the inference graph is not replayed as a CUDA graph: its values take {_values_bytes(gm) / 2**20:.0f} "
-             f"MiB, over {_MOST_BYTES >> 20} MiB")
+    made = _values_bytes(gm)
+    if made > _MOST_BYTES:
+        note(f"the inference graph is not replayed as a CUDA graph: its values take {made / 2**20:.0f} MiB, over "
+             f"{_MOST_BYTES >> 20} MiB")
         return run
     replayer = _Replayer(run, capture or _cuda_capture, device, note)
     replayer._boxed_call = True

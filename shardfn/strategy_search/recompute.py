@@ -126,7 +126,8 @@ def _least_peak(problem, request, pricing, terms, groups, plan_within) -> Plan:
         try:
             return _planned(problem, request, pricing, terms, chosen, plan_within, False).cost.peak_bytes
         except ValueError as e:  # (over a device's memory: the plan that did not fit, for its figures)
-            return e.plan.cost.peak_bytes if hasattr(e, "plan") else float("inf")
+            peak = _peak_of(e)
+            return float("inf") if peak is None else peak
 
     kept, best = [], peak([])
     for group in groups:
