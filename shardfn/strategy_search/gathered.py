@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.fx
 
@@ -14,7 +15,7 @@ from .buckets import assign_buckets, bucket_bytes
 from .problem import StrategyProblem
 from .saved import backward_readers, reads_input
 
-__all__ = ["Gathered", "gathered_copies", "gather_events"]
+__all__ = ["Gathered", "gathered_copies", "gather_events", "held_copies"]
 
 
 @dataclasses.dataclass
@@ -29,15 +30,22 @@ class Gathered:
     bucket: int = 0
 
 
-def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], dict[int, int]]:
-    """The plan's gathered copies, in the order first read, and each bucket's flat bytes."""
-    captured, mesh = problem.captured, problem.mesh_shape
+def _from_inputs(problem: StrategyProblem) -> tuple[set, set]:
+    """The values computed from parameters alone (the parameters among them), and from graph inputs alone."""
+    captured = problem.captured
     from_params, from_inputs = ({n for n, gi in zip(captured.placeholders, captured.inputs) if kinds(gi.kind)}
                                 for kinds in (lambda k: k == "param", lambda k: True))
     for node in captured.gm.graph.nodes:
         for found in (from_params, from_inputs):
             if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= found:
                 found.add(node)
+    return from_params, from_inputs
+
+
+def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], dict[int, int]]:
+    """The plan's gathered copies, in the order first read, and each bucket's flat bytes."""
+    captured, mesh = problem.captured, problem.mesh_shape
+    from_params, from_inputs = _from_inputs(problem)
     order = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
     copies: dict[tuple, Gathered] = {}
     for d, c in zip(problem.decisions, chosen):
@@ -103,6 +111,42 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
             at(bwd_drop, min((g.backward[0] for g in read), key=order.__getitem__), flat[b])
     return fwd_add, fwd_drop, bwd_add, bwd_drop
 
+
+
+def held_copies(problem: StrategyProblem, memo: dict, reshard: bool) -> list[tuple[int, int, np.ndarray]]:
+    """The bytes of gathered copies each pair of choices keeps from forward to backward, as the liveness walk
+    (:func:`gather_events`) keeps them: for each edge carrying a value computed from graph inputs alone to a
+    reader whose backward reads it (directly or through a view), a rank holds the copy in the reader's layout
+    wherever that is larger than the value's own. The budget weighs these pairs with the decisions' own bytes
+    (a level-2 plan that gathers a layer's weights whole keeps them for backward: FSDP without resharding).
+    ``reshard`` (level 1): parameters are gathered again in backward, so only other inputs' copies are kept.
+    ``memo``: per pair of candidate lists (identical layers priced once)."""
+    if not problem.needs_grad:
+        return []
+    from_params, from_inputs = _from_inputs(problem)
+    mesh, found = problem.mesh_shape, []
+    for v, d in enumerate(problem.decisions):
+        if d.node is None or d.node.op != "call_function":
+            continue
+        view = cm.is_view_op(d.node)
+        for slot, (u, out_idx, value) in enumerate(d.sources):
+            val = value.meta["val"]
+            if value not in from_inputs or (reshard and value in from_params) or not isinstance(val, torch.Tensor):
+                continue
+            if not (backward_readers(d.node, problem.needs_grad) if view else
+                    d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad)):
+                continue
+            src_cands = problem.decisions[u].candidates
+            key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.element_size())
+            hit = memo.get(key)
+            if hit is None or hit[0] is not src_cands or hit[1] is not d.candidates:
+                own = np.array([cm.local_numel(val.shape, c.outputs[out_idx], mesh) for c in src_cands], dtype=float)
+                held = np.array([cm.local_numel(val.shape, c.inputs[slot], mesh) for c in d.candidates], dtype=float)
+                copy = np.where(held[None, :] > own[:, None], held[None, :], 0.0) * val.element_size()
+                hit = memo[key] = (src_cands, d.candidates, copy if copy.any() else None)
+            if hit[2] is not None:
+                found.append((u, v, hit[2]))
+    return found
 
 
 def _through_views(view: torch.fx.Node) -> list[torch.fx.Node]:

@@ -37,7 +37,8 @@ def solve_level(policy: LevelPolicy, t: Terms, profile: cm.DeviceProfile, time_l
     time_problem = Problem(unary_time, kept_split(t.edges, upper_time))
     if policy.objective == "time":  # (the fastest plan first: it is the answer where it fits)
         try:
-            sol = solve(Problem(time_problem.costs, time_problem.edges, (t.memory, budget)), time_limit_s)
+            sol = solve(Problem(time_problem.costs, time_problem.edges, (t.memory, budget), t.edge_memory),
+                        time_limit_s)
         except Infeasible:
             raise ValueError(
                 f"level={policy.level}: no plan fits the per-rank memory of the {profile.name} profile "
@@ -47,8 +48,9 @@ def solve_level(policy: LevelPolicy, t: Terms, profile: cm.DeviceProfile, time_l
     if policy.objective == "memory":
         eps = 1e-3 / upper_time  # all time together is worth less than a thousandth of a byte
         costs = [mem + eps * c for mem, c in zip(t.memory, unary_time)]
-        scale = sum(float(m.max()) for m in t.memory) + 1.0
-        return solve(Problem(costs, kept_split([(u, v, eps * m) for u, v, m in t.edges], scale)), time_limit_s)
+        scale = sum(float(m.max()) for m in t.memory) + sum(float(m.max()) for _, _, m in t.edge_memory) + 1.0
+        return solve(Problem(costs, kept_split([(u, v, eps * m) for u, v, m in t.edges] + t.edge_memory, scale)),
+                     time_limit_s)
     deadline = time.perf_counter() + time_limit_s
     best = _best_ratio(t, unary_time, upper_time, kept_split, deadline, None)
     if t.memory_of(best.choice) > budget:  # the best ratio does not fit: the best that does
@@ -72,7 +74,8 @@ def _best_ratio(t: Terms, unary_time, upper_time: float, kept_split, deadline: f
         costs = [-s + lam * r + eps * c for s, r, c in zip(t.savings, t.reductions, unary_time)]
         scale = sum(float(np.abs(s).max()) for s in t.savings) + (lam + 1) * upper_time
         sol = solve(Problem(costs, kept_split([(u, v, (lam + eps) * m) for u, v, m in t.edges], scale),
-                            None if budget is None else (t.memory, budget)), max(deadline - time.perf_counter(), 0.0))
+                            None if budget is None else (t.memory, budget), t.edge_memory),
+                    max(deadline - time.perf_counter(), 0.0))
         saved, comm = t.savings_of(sol.choice), t.comm_of(sol.choice)
         best = sol
         if comm <= 0 or saved - lam * comm <= 1e-9 * max(saved, 1e-12):

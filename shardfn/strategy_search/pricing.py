@@ -21,8 +21,10 @@ from . import cost_model as cm
 from .buckets import bucket_bytes
 from .candidates import Candidate
 from .expert_rules import dispatches_tokens
+from .gathered import held_copies
 from .problem import Decision, StrategyProblem
 from .registry import REGISTRY
+from .saved import saved_until
 
 __all__ = ["Pricing", "Terms", "gathered_at", "gradient_copies", "gradient_handed_back", "node_collectives",
            "parameter_copies", "passes_on", "pending"]
@@ -53,6 +55,9 @@ class Terms:
     # parameters whose gradients are reduced in another dtype than they are used in (a mixed precision policy's
     # reduce_dtype): their backward collectives are priced in it
     grad_dtypes: dict = field(default_factory=dict)
+    # edges where a pair of choices keeps a gathered copy from forward to backward: its per-rank bytes, which
+    # the memory model adds to the decisions' own (gathered.held_copies)
+    edge_memory: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
 
     def violations_of(self, choice) -> int:
         return int(sum(m[choice[u], choice[v]] for u, v, m in self.violations))
@@ -65,7 +70,8 @@ class Terms:
         return float(edges + sum(self.reductions[v][k] for v, k in enumerate(choice)))
 
     def memory_of(self, choice) -> float:
-        return float(sum(self.memory[v][k] for v, k in enumerate(choice)))
+        return float(sum(self.memory[v][k] for v, k in enumerate(choice))
+                     + sum(m[choice[u], choice[v]] for u, v, m in self.edge_memory))
 
     def savings_of(self, choice) -> float:
         return float(sum(self.savings[v][k] for v, k in enumerate(choice)))
@@ -76,8 +82,9 @@ class Pricing:
 
     def __init__(self, problem: StrategyProblem, profile: cm.DeviceProfile, held: dict[int, Placements],
                  optimizer_stage: int = 0, reduce_dtype: torch.dtype | None = None,
-                 links: tuple[str, ...] | None = None):
+                 links: tuple[str, ...] | None = None, reshard: bool = False):
         self.problem, self.profile, self.held = problem, profile, held
+        self.reshard = reshard  # parameters gathered again in backward (level 1), not kept from forward
         # each mesh dim's link ("intra"/"inter"), which prices its collectives
         self.links = links if links is not None else cm.mesh_links(problem.mesh_shape, profile)
         self.optimizer_stage = optimizer_stage
@@ -88,6 +95,10 @@ class Pricing:
         self._unaries: dict = {}
         self._violations: dict = {}
         self._comm: dict = {}
+        self._held: dict = {}
+        # values some backward reads, needing a gradient or not (a mask read by attention's backward): kept
+        self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
+            if problem.needs_grad else set()
         self.share = _BucketShare(bucket_bytes(), sum(d.node is not None and d.node.op == "placeholder"
                                                       and d.node in problem.needs_grad for d in problem.decisions))
 
@@ -139,6 +150,7 @@ class Pricing:
         terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible,
                       grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
+        terms.edge_memory = held_copies(p, self._held, self.reshard)
         return terms
 
     def _unary(self, d: Decision, held):
@@ -161,7 +173,8 @@ class Pricing:
             nbytes = 0 if cm.is_view_op(d.node) else cm.node_bytes(d.node)
             # backward's work, and a checkpointed value's forward once more
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
-            keep = 1 if grad and d.node not in p.recomputed and not cm.is_view_op(d.node) else 0
+            keep = 1 if d.node in self._saved and d.node not in p.recomputed \
+                and not cm.is_view_op(d.node) else 0
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,

@@ -58,24 +58,34 @@ def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing:
     ``deadline`` (the search's time limit, on time.perf_counter) no solve is added to recompute fewer layers."""
     if not request.grad or request.recompute is False:
         return _planned(problem, request, pricing, terms, [], plan_within, True)
+    kept = None  # the plan keeping every value, where the memory bound it (recompute may then be faster)
     if request.recompute is None and not request.policy.recomputes_to_lower_peak:
         try:  # the level's plan without recompute, where it fits (nothing more to price)
-            return _planned(problem, request, pricing, terms, [], plan_within, False)
+            kept = _planned(problem, request, pricing, terms, [], plan_within, False)
+            # the fastest plan fits (recompute would only slow it), or no time is left to try recompute
+            if "lagrangian_rounds" not in kept.search or time.perf_counter() > deadline:
+                return kept
         except ValueError:
             pass
     groups = region_groups(problem, request.profile)
+    if kept is not None and not groups:
+        return kept
     if request.recompute is True or not groups:
         return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
     if request.policy.recomputes_to_lower_peak:
         return _least_peak(problem, request, pricing, terms, groups, plan_within)
     for k in range(1, len(groups) + 1):  # groups by bytes saved per second computed again, until the plan fits
         try:
-            plan = _planned(problem, request, pricing, terms, groups[:k], plan_within, k == len(groups))
+            plan = _planned(problem, request, pricing, terms, groups[:k], plan_within, k == len(groups) and not kept)
         except ValueError:
-            if k == len(groups):
-                raise  # (its figures: with every group recomputed)
-            continue
-        return _fewest(problem, request, pricing, terms, groups[:k - 1], groups[k - 1], plan, plan_within, deadline)
+            if k < len(groups):
+                continue
+            if kept is not None:
+                return kept
+            raise  # (its figures: with every group recomputed)
+        plan = _fewest(problem, request, pricing, terms, groups[:k - 1], groups[k - 1], plan, plan_within, deadline)
+        # the faster of the two (the memory bound the plan keeping every value: it may have paid in collectives)
+        return plan if kept is None or plan.cost.total_s < kept.cost.total_s else kept
     raise AssertionError("unreachable: the last try raises or returns")
 
 
@@ -189,9 +199,11 @@ def region_groups(problem: StrategyProblem, profile: cm.DeviceProfile) -> list[l
         if region.saved_whole > 0:
             # (by what it recomputes: a layer may also hold a value every layer reads, made once: dropout's scalar)
             groups.setdefault(_likeness(name, [n for n in nodes if n in region.recomputed]), []).append(region)
-    # each group's layers in program order, by their last op (graph order may hoist a layer's first ops)
+    # each group's layers in program order, by their last op read (graph order may hoist a layer's first ops, and
+    # an unread item of a multi-output op may trail the graph), as records() orders them
     order = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
-    in_order = [sorted(g, key=lambda r: order[r.nodes[-1]]) for g in groups.values()]
+    in_order = [sorted(g, key=lambda r: order[next((n for n in reversed(r.nodes) if n.users), r.nodes[-1])])
+                for g in groups.values()]
     return sorted(in_order, key=lambda g: -g[0].saved_whole / max(g[0].seconds_whole, 1e-15))
 
 

@@ -29,7 +29,9 @@ integer program (each constraint names the code that adds it):
   With integral ``x`` the marginals force ``y`` to the product of the two indicators, so the objective is
   exact; unlike the ``z >= x + x - 1`` linearisation its relaxation is tight (the local polytope), which is
   what lets HiGHS close the gap quickly.
-* ``sum_{v,k} w_v[k] x[v, k] <= B``: the budget, when the program is asked to keep it ..... ``_Builder.budget``
+* ``sum_{v,k} w_v[k] x[v, k] + sum_{e,I,J} W_e[I, J] y'[e, I, J] <= B``: the budget, when the program is asked
+  to keep it; a pair's weight (``W_e``: a gathered copy kept for backward) on its own edge variables ``y'``, tied
+  to the choices as ``y`` is and grouped by ``W_e`` ................................. ``_Builder.budget``
 
 HiGHS starts from an incumbent (``_incumbent``: the residue's busiest decision fixed to its locally best
 candidate, then elimination again, until nothing is left), so it always holds a plan, and it stops at the time
@@ -49,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import sys
 import time
@@ -67,6 +70,8 @@ _GAP = 1e-9
 _BUDGET_GAP = 1e-2
 # The bisection stops once its plans, mixed (``_mixed``), are within this relative gap of its bound
 _MIXED_GAP = 1e-3
+# Rounds of a growing multiplier without a plan within the budget after which the least weight is found exactly
+_LEAST_WEIGHT_AFTER = 8
 
 
 @dataclass
@@ -74,6 +79,8 @@ class Problem:
     costs: list[np.ndarray]  # per decision: cost of each candidate
     edges: list[tuple[int, int, np.ndarray]]  # (u, v, C[k_u, k_v])
     budget: tuple[list[np.ndarray], float] | None = None  # (weight of each candidate per decision, limit)
+    # the budget's weights on pairs of choices: (u, v, W[k_u, k_v]), counted with the decisions' own
+    budget_edges: list[tuple[int, int, np.ndarray]] = field(default_factory=list)
 
 
 @dataclass
@@ -321,13 +328,15 @@ class _Builder:
         self.offsets[v] = first
         self._row(list(range(first, first + len(costs))), [1.0] * len(costs), 1.0, 1.0)
 
-    def edge(self, u: int, v: int, matrix: np.ndarray) -> None:
+    def edge(self, u: int, v: int, matrix: np.ndarray, weight: bool = False) -> list[tuple[int, float]]:
+        """The edge's variables, costing ``matrix``; or, a ``weight`` (the budget's on a pair), costing nothing:
+        then its variables and their weights are returned for the budget row."""
         row_groups, col_groups = _groups(matrix, 0), _groups(matrix, 1)
         first = len(self.obj)
         reps_r = [g[0] for g in row_groups]
         reps_c = [g[0] for g in col_groups]
         block = matrix[np.ix_(reps_r, reps_c)]
-        self.obj.extend(block.ravel().tolist())
+        self.obj.extend((0.0 * block if weight else block).ravel().tolist())
         self.integrality.extend([0] * block.size)
         nb = len(col_groups)
         for a, rows in enumerate(row_groups):
@@ -339,9 +348,16 @@ class _Builder:
             xs = [self.offsets[v] + int(j) for j in cols]
             self._row(ys + xs, [1.0] * len(ys) + [-1.0] * len(xs), 0.0, 0.0)
         self.edge_vars.append((u, v, row_groups, col_groups, first))
+        return list(zip(range(first, first + block.size), block.ravel().tolist())) if weight else []
 
-    def budget(self, weights: list[np.ndarray], limit: float, sizes: list[int]) -> None:
+    def budget(self, weights: list[np.ndarray], limit: float, sizes: list[int],
+               pairs: list[tuple[int, int, np.ndarray]] = ()) -> None:
         cols, vals = [], []
+        for u, v, m in pairs:
+            for col, w in self.edge(u, v, m, weight=True):
+                if w:
+                    cols.append(col)
+                    vals.append(w)
         for v, off in self.offsets.items():
             for k in range(sizes[v]):
                 if weights[v][k]:
@@ -389,7 +405,7 @@ def _c_stdout_silenced():
 
 
 def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_s: float,
-             budget: tuple[list[np.ndarray], float] | None = None) -> tuple[dict[int, int], bool, float, str]:
+             budget: tuple[list[np.ndarray], float, list] | None = None) -> tuple[dict[int, int], bool, float, str]:
     """HiGHS on the decisions ``alive`` (their costs and edges in ``red``), from the plan ``start``. Returns the
     choice of each, whether it is proven optimal, the relative gap, and HiGHS's word for how it ended (only a
     time limit keeps a feasible problem from being solved: "time limit")."""
@@ -401,8 +417,8 @@ def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_
             if u < v:
                 b.edge(u, v, m)
     if budget is not None:
-        weights, limit = budget
-        b.budget(weights, limit, [len(c) for c in red.costs])
+        weights, limit, pairs = budget
+        b.budget(weights, limit, [len(c) for c in red.costs], pairs)
     n = len(b.obj)
     order = np.lexsort((np.array(b.rows), np.array(b.cols)))  # column-wise
     cols = np.array(b.cols)[order]
@@ -480,17 +496,19 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     program with the budget row, from the best plan found."""
     weights, limit = problem.budget
     weights = [np.asarray(w, dtype=float) for w in weights]
-    if sum(float(w.min()) for w in weights) > limit * (1 + 1e-12):
+    pairs = problem.budget_edges
+    if sum(float(w.min()) for w in weights) + sum(float(m.min()) for _, _, m in pairs) > limit * (1 + 1e-12):
         raise Infeasible("no assignment satisfies the budget")
     deadline = time.perf_counter() + time_limit_s
     interned: dict = {}  # the rounds' arrays, hashed once
 
     def at(mu: float) -> Solution:
-        return _unconstrained([c + mu * w for c, w in zip(problem.costs, weights)], problem.edges,
+        return _unconstrained([c + mu * w for c, w in zip(problem.costs, weights)],
+                              problem.edges + [(u, v, mu * m) for u, v, m in pairs],
                               max(deadline - time.perf_counter(), 0.0), interned)
 
     def weight(sol: Solution) -> float:
-        return float(sum(w[k] for w, k in zip(weights, sol.choice)))
+        return _weight(weights, pairs, sol.choice)
 
     first = at(0.0)
     if weight(first) <= limit:
@@ -516,6 +534,12 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     while not take(hi, at(hi)):  # (past the deadline, bigger steps to a plan within the budget)
         lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
+        if rounds == _LEAST_WEIGHT_AFTER and pairs:  # (the pairs' weights make the least weight no sum of minima:
+            # found exactly, once the multiplier has grown this far without a plan within the budget)
+            least = _unconstrained(weights, pairs, 0.0)
+            if _weight(weights, pairs, least.choice) > limit * (1 + 1e-12):
+                raise Infeasible("no assignment satisfies the budget")
+            take(math.inf, least)  # (a plan within it: the bisection's upper end, should none come sooner)
     best, gap = _mixed_in(problem, weights, limit, over, best, bound)
     while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and gap > _MIXED_GAP:
         mid = (lo * hi) ** 0.5 if lo > 0 else hi / 8
@@ -534,14 +558,16 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
         best.timed_out = best.timed_out or time.perf_counter() > deadline
         return best
     # the integer program on the whole problem: decisions the budget does not weigh are still eliminated
-    keep = frozenset(v for v, w in enumerate(weights) if np.ptp(w) > 0)
-    offset = sum(float(w.min()) for v, w in enumerate(weights) if v not in keep)
+    varying = [(u, v, m) for u, v, m in pairs if np.ptp(m) > 0]
+    keep = frozenset(v for v, w in enumerate(weights) if np.ptp(w) > 0) | {x for u, v, _ in varying for x in (u, v)}
+    offset = sum(float(w.min()) for v, w in enumerate(weights) if v not in keep) + \
+        sum(float(m.min()) for _, _, m in pairs if np.ptp(m) == 0)
     red = _Reducer(problem.costs, problem.edges, keep=keep, interned=interned)
     alive = sorted(red.alive)
     start = dict(enumerate(best.choice))
     choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.0),
                                                  ([w if v in keep else np.zeros_like(w) for v, w in
-                                                   enumerate(weights)], limit - offset))
+                                                   enumerate(weights)], limit - offset, varying))
     red.recover(choice)
     ordered = [choice[v] for v in range(len(problem.costs))]
     f = objective(problem, ordered)
@@ -550,6 +576,11 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     gap = 0.0 if optimal else min(gap, ilp_gap)
     return Solution(ordered, f, optimal, message, {**best.stats, "ilp_decisions": len(alive)}, gap,
                     timed_out=not optimal)
+
+
+def _weight(weights: list[np.ndarray], pairs, choice) -> float:
+    """The budget's weight of ``choice``: its decisions' own and its pairs'."""
+    return float(sum(w[k] for w, k in zip(weights, choice)) + sum(m[choice[u], choice[v]] for u, v, m in pairs))
 
 
 def _mixed_in(problem: Problem, weights: list[np.ndarray], limit: float, over: Solution, best: Solution,
@@ -576,9 +607,10 @@ def _mixed(problem: Problem, weights: list[np.ndarray], limit: float, over: list
     differ = {v for v, (a, b) in enumerate(zip(over, within)) if a != b}
     if not differ:
         return None
+    edges = [(u, v, m, False) for u, v, m in problem.edges] + [(u, v, m, True) for u, v, m in problem.budget_edges]
     neighbours: dict[int, list[int]] = {v: [] for v in differ}
     touching: dict[int, list[int]] = {v: [] for v in differ}
-    for e, (u, v, _) in enumerate(problem.edges):
+    for e, (u, v, _, _) in enumerate(edges):
         for a, b in ((u, v), (v, u)):
             if a in differ:
                 touching[a].append(e)
@@ -604,13 +636,14 @@ def _mixed(problem: Problem, weights: list[np.ndarray], limit: float, over: list
         df = sum(float(problem.costs[v][within[v]] - problem.costs[v][over[v]]) for v in part)
         dw = sum(float(weights[v][within[v]] - weights[v][over[v]]) for v in part)
         for e in {e for v in part for e in touching[v]}:
-            u, v, m = problem.edges[e]
+            u, v, m, weighs = edges[e]
             new_u, new_v = (within[u] if u in inside else over[u]), (within[v] if v in inside else over[v])
-            df += float(m[new_u, new_v] - m[over[u], over[v]])
+            delta = float(m[new_u, new_v] - m[over[u], over[v]])
+            df, dw = (df, dw + delta) if weighs else (df + delta, dw)
         return df, dw
 
     changes = [change(part) for part in parts]
-    excess = sum(float(w[k]) for w, k in zip(weights, over)) - limit
+    excess = _weight(weights, problem.budget_edges, over) - limit
     order = sorted((i for i, (_, dw) in enumerate(changes) if dw < 0),
                    key=lambda i: changes[i][0] / -changes[i][1])
     switched, saved = [], 0.0
@@ -629,7 +662,7 @@ def _mixed(problem: Problem, weights: list[np.ndarray], limit: float, over: list
     for i in switched:
         for v in parts[i]:
             choice[v] = within[v]
-    if sum(float(w[k]) for w, k in zip(weights, choice)) > limit * (1 + 1e-12):
+    if _weight(weights, problem.budget_edges, choice) > limit * (1 + 1e-12):
         return None
     return Solution(choice, objective(problem, choice), False, "", {"mixed_parts": len(switched)})
 

@@ -116,7 +116,9 @@ def test_levels_differ_and_each_wins_its_own_objective():
     assert ratio[0] >= max(ratio[1], ratio[2])
     assert peak[1] <= min(peak[0], peak[2])
     assert time[2] <= min(time[0], time[1])
-    assert ratio[0] > ratio[2] and peak[1] < peak[2] and time[2] < time[1]  # strictly, where they disagree
+    # strictly, where they disagree (level 1 may find a plan as fast as level 2's with less memory: the fastest
+    # plan need not be the leanest one)
+    assert ratio[0] > ratio[2] and peak[1] < peak[2]
 
 
 def _deep_mlp(layers):
