@@ -82,9 +82,12 @@ class Pricing:
 
     def __init__(self, problem: StrategyProblem, profile: cm.DeviceProfile, held: dict[int, Placements],
                  optimizer_stage: int = 0, reduce_dtype: torch.dtype | None = None,
-                 links: tuple[str, ...] | None = None, reshard: bool = False):
+                 links: tuple[str, ...] | None = None, reshard: bool = False, every_value: bool = False):
         self.problem, self.profile, self.held = problem, profile, held
         self.reshard = reshard  # parameters gathered again in backward (level 1), not kept from forward
+        # the memory counts every value needing a gradient, not only those kept for backward: the least-memory
+        # objective (level 1) then splits the transients too (the loss's logits), which no term of its own prices
+        self.every_value = every_value
         # each mesh dim's link ("intra"/"inter"), which prices its collectives
         self.links = links if links is not None else cm.mesh_links(problem.mesh_shape, profile)
         self.optimizer_stage = optimizer_stage
@@ -173,8 +176,8 @@ class Pricing:
             nbytes = 0 if cm.is_view_op(d.node) else cm.node_bytes(d.node)
             # backward's work, and a checkpointed value's forward once more
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
-            keep = 1 if d.node in self._saved and d.node not in p.recomputed \
-                and not cm.is_view_op(d.node) else 0
+            kept = d.node in self._saved or (grad and self.every_value)
+            keep = 1 if kept and d.node not in p.recomputed and not cm.is_view_op(d.node) else 0
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,

@@ -57,7 +57,8 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
                    f"limit {time_limit_s:g} s")
     links = cm.mesh_links(problem.mesh_shape, request.profile, mesh_spec.links)  # each mesh dim's link
     pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype,
-                      links, reshard=request.policy.regathers and request.grad)
+                      links, reshard=request.policy.regathers and request.grad,
+                      every_value=request.policy.objective == "memory")
     terms = step("search pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
     # the regions backward computes again are chosen around the level's solve (recompute.py)
     within = functools.partial(_within_budget, request, mesh_spec, pricing, step, time_limit_s, deadline)
