@@ -529,9 +529,11 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
             over = sol
         return w <= limit
 
-    # the multiplier's scale: a millionth of the plan's cost per unit of the budget, then up by 8x until a plan
-    # keeps it, then bisected (geometrically) until the bracket or the gap closes
-    lo, hi = 0.0, 1e-6 * max(abs(first.objective), 1e-30) / max(limit, 1e-30)
+    # the multiplier's scale: the fastest plan's cost per byte it is over the budget (a hundredth of the budget at
+    # least), a price at which shedding the excess may cost as much as the plan, then up by 8x until a plan keeps
+    # the budget, then bisected (geometrically) until the bracket or the gap closes (the 70B's budget was kept at
+    # about twice that price; a millionth of the cost per byte of the budget took it 9 rounds to reach)
+    lo, hi = 0.0, max(abs(first.objective), 1e-30) / max(weight(first) - limit, 1e-2 * limit, 1e-30)
     rounds = 0
     while not take(hi, at(hi)):  # (past the deadline, bigger steps to a plan within the budget)
         lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)

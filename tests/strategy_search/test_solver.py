@@ -30,11 +30,16 @@ def _brute_force(problem):
     best = np.inf
     for choice in itertools.product(*[range(len(c)) for c in problem.costs]):
         if problem.budget is not None:
-            weights, limit = problem.budget
-            if sum(weights[v][k] for v, k in enumerate(choice)) > limit + 1e-9:
+            if _weight(problem, choice) > problem.budget[1] + 1e-9:
                 continue
         best = min(best, objective(problem, list(choice)))
     return best
+
+
+def _weight(problem, choice):
+    weights, _ = problem.budget
+    return sum(weights[v][k] for v, k in enumerate(choice)) + sum(m[choice[u], choice[v]]
+                                                                  for u, v, m in problem.budget_edges)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -181,3 +186,24 @@ def test_identical_layers_under_a_budget_mix_their_choices(monkeypatch, joined):
     assert sum(w[c] for w, c in zip(weights, sol.choice)) <= limit
     assert sol.objective == pytest.approx(_brute_force(problem))
     assert sol.stats["mixed_parts"] == 5 and sol.gap < 1e-2 and not sol.timed_out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_matches_brute_force_with_a_budget_weighing_pairs(seed):
+    # a gathered copy's bytes depend on two choices (the value's layout and its reader's): the budget weighs pairs
+    # too, on edges that cost something and on pairs that do not; the least weight is then no sum of minima
+    rng = np.random.default_rng(300 + seed)
+    problem = _random_problem(rng, int(rng.integers(3, 8)), density=0.4, budget=True)
+    n = len(problem.costs)
+    pairs = [(u, v) for u, v in itertools.combinations(range(n), 2) if rng.random() < 0.5] or [(0, 1)]
+    problem.budget_edges = [(u, v, rng.integers(0, 6, size=(len(problem.costs[u]), len(problem.costs[v])))
+                             .astype(float)) for u, v in pairs]
+    problem.budget = (problem.budget[0], problem.budget[1] + 1.5 * len(pairs))  # (binding in most, over in some)
+    expected = _brute_force(problem)
+    if expected == np.inf:
+        with pytest.raises(Infeasible):
+            solve(problem)
+        return
+    sol = solve(problem)
+    assert _weight(problem, sol.choice) <= problem.budget[1] + 1e-9
+    assert sol.objective == pytest.approx(expected, rel=1e-9, abs=1e-9)
