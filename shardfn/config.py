@@ -65,6 +65,20 @@ def _is_index(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def _check_recompute(recompute: Any) -> bool | None | tuple[tuple[str, bool], ...]:
+    """None, True, False, or per module a dict {layer pattern: True or False}, kept as a tuple of pairs."""
+    if isinstance(recompute, dict) and recompute and all(
+            isinstance(k, str) and k and isinstance(v, bool) for k, v in recompute.items()):
+        return tuple(recompute.items())
+    if recompute is None or isinstance(recompute, bool):
+        return recompute
+    raise ValueError(
+        f"recompute must be None (the search decides: where the plan does not fit the memory, and at level 1 "
+        f"where it lowers the peak), False (never), True (every layer), or per module a dict of layer names "
+        f"(as str(plan) shows them; a glob such as 'model.layers.*', or a module above them) to True (always) "
+        f"or False (never), the rest left to the search; got {recompute!r}")
+
+
 def _check_dynamic(dynamic: Any) -> Any:
     """None, False, or {argument (position or keyword name): dim or dims} with dims as a sorted tuple."""
     if dynamic is None or dynamic is False:
@@ -233,7 +247,8 @@ class ShardConfig:
     # dims whose size changes: None traces those that changed as symbols once a second size is seen (one
     # program for every size), False keeps one program per size; {argument: dims} names some up front
     dynamic: Any = None
-    recompute: bool | None = None  # None: the search decides; False: never; True: every layer
+    # None: the search decides; False: never; True: every layer; per module: (layer pattern, True or False) pairs
+    recompute: bool | None | tuple[tuple[str, bool], ...] = None
 
     @classmethod
     def make(cls, fn: Callable, *, module: nn.Module | None, in_strategy: Any, out_strategy: Any,
@@ -258,10 +273,7 @@ class ShardConfig:
             raise TypeError("mp_policy applies to a module's parameters; fn is a function: cast its inputs yourself "
                             "(or use torch.autocast)")
         dynamic = _check_dynamic(dynamic)
-        if recompute not in (None, True, False) or not isinstance(recompute, (bool, type(None))):
-            raise ValueError(
-                f"recompute must be None (the search decides: where the plan does not fit the memory, and at level 1 "
-                f"where it lowers the peak), False (never) or True (every layer), got {recompute!r}")
+        recompute = _check_recompute(recompute)
         config = cls(in_strategy, out_strategy, plan, level, device, dataset_strategy, precision=precision,
                      dynamic=dynamic, recompute=recompute)
         return dataclasses.replace(config, ranks=_call_ranks(config.strategies()))

@@ -164,7 +164,8 @@ def recompute_lines(plan) -> list[str]:
         first, last = run[0].region, run[-1].region
         label = _run_label(first, last, len(run))
         why = {"search": "chosen by the search", "recompute=True": "recompute=True",
-               "checkpoint": "checkpointed by hand"}.get(run[0].origin, run[0].origin)
+               "recompute=": "asked for in recompute=", "checkpoint": "checkpointed by hand"}.get(run[0].origin,
+                                                                                         run[0].origin)
         lines.append(f"recompute {label}  ({why}): {_mib(run[0].saved_bytes)} a rank not kept, "
                      f"{run[0].extra_s * 1e3:.3f} ms of forward again" + (" each" if len(run) > 1 else ""))
     return lines

@@ -114,7 +114,8 @@ class Recompute:
     """A region backward computes again instead of keeping its values from forward (activation checkpointing)."""
 
     region: str  # the layer's path (model.layers.3); "checkpoint N (layer)" for a region checkpointed by hand
-    origin: str  # "search" (to fit the memory; level 1: to lower the peak), "recompute=True", "checkpoint" (by hand)
+    origin: str  # "search" (to fit the memory; level 1: to lower the peak), "recompute=True", "recompute=" (per
+    # module, asked for), "checkpoint" (by hand)
     nodes: tuple[str, ...]  # its ops (node names), which exec marks as torch.utils.checkpoint's are (none: by hand)
     saved_bytes: int  # per-rank bytes not kept from forward to backward
     extra_s: float  # the cost model's seconds of forward computed again

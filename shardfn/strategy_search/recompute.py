@@ -18,6 +18,7 @@ True recomputes every region; False none. Regions the user checkpointed stay che
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import math
 import re
 import time
@@ -55,7 +56,56 @@ class Region:
 def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,
                         plan_within: PlanWithin, deadline: float = math.inf) -> Plan:
     """The plan of the request's level with the regions it recomputes chosen by ``request.recompute``; past
-    ``deadline`` (the search's time limit, on time.perf_counter) no solve is added to recompute fewer layers."""
+    ``deadline`` (the search's time limit, on time.perf_counter) no solve is added to recompute fewer layers.
+    Per module (pairs of a layer pattern and True or False): the layers a True names are recomputed in every
+    plan tried, those a False names never, the rest as the search decides (None)."""
+    if not isinstance(request.recompute, tuple) or not request.grad:
+        return _chosen(problem, request, pricing, terms, plan_within, deadline)
+    required, forbidden = _steered(request.recompute, region_groups(problem, request.profile))
+    if required:
+        problem = with_recompute(problem, required)
+        pricing.problem = problem
+        terms = pricing.terms(request.keep_split)
+    steered = dataclasses.replace(request, recompute=None)
+    names = {r.name for r in required}
+    try:
+        plan = _chosen(problem, steered, pricing, terms, plan_within, deadline, forbidden | names)
+    except ValueError as e:
+        if hasattr(e, "plan"):
+            e.plan = dataclasses.replace(e.plan, recompute=_origins(e.plan.recompute, names))
+        raise
+    return dataclasses.replace(plan, recompute=_origins(plan.recompute, names))
+
+
+def _steered(patterns: tuple[tuple[str, bool], ...], groups: list[list[Region]]) -> tuple[list[Region], set[str]]:
+    """(the regions ``patterns`` require recomputed, the names of those they forbid): the last pattern naming a
+    region decides it; a pattern that names no region is refused with the names there are."""
+    said: dict[str, bool] = {}
+    regions = [r for g in groups for r in g]
+    for pattern, value in patterns:
+        named = [r.name for r in regions if _names_layer(pattern, r.name)]
+        if not named:
+            shown = sorted({re.sub(r"\.\d+$", ".*", r.name) for r in regions})
+            raise ValueError(f"recompute: {pattern!r} names no layer the search may recompute; the layers are "
+                             f"named as str(plan) shows them: {', '.join(shown) or 'none here'}")
+        said.update((name, value) for name in named)
+    return [r for r in regions if said.get(r.name)], {n for n, v in said.items() if not v}
+
+
+def _names_layer(pattern: str, name: str) -> bool:
+    """A layer ``name`` (``model.layers.3``) is named by itself, a glob (``model.layers.*``) or a module above it
+    (``model.layers``)."""
+    return fnmatch.fnmatchcase(name, pattern) or name.startswith(pattern + ".")
+
+
+def _origins(records_: tuple[Recompute, ...], required: set[str]) -> tuple[Recompute, ...]:
+    """The records with the regions the user required said as such."""
+    return tuple(dataclasses.replace(r, origin="recompute=") if r.region in required else r for r in records_)
+
+
+def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: set[str] = frozenset()) -> Plan:
+    """:func:`plan_with_recompute` for a policy of None, True or False; ``left_out``: regions (by name) the
+    search does not decide (required already, or forbidden)."""
     if not request.grad or request.recompute is False:
         return _planned(problem, request, pricing, terms, [], plan_within, True)
     kept = None  # the plan keeping every value, where the memory bound it (recompute may then be faster)
@@ -67,7 +117,8 @@ def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing:
                 return kept
         except ValueError:
             pass
-    groups = region_groups(problem, request.profile)
+    groups = [g for g in ([r for r in g if r.name not in left_out] for g in region_groups(problem, request.profile))
+              if g]
     if kept is not None and not groups:
         return kept
     if request.recompute is True or not groups:

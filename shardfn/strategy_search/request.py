@@ -81,8 +81,9 @@ class PlanRequest:
     # moves of arguments that arrive from other ranks (submesh.arrival_records)
     notes: tuple[str, ...] = ()
     arrivals: tuple[Collective, ...] = ()
-    # recompute in backward (strategy_search.recompute): None the search decides, False never, True every layer
-    recompute: bool | None = None
+    # recompute in backward (strategy_search.recompute): None the search decides, False never, True every layer;
+    # per module, (layer pattern, True or False) pairs: those layers always or never, the rest as None
+    recompute: bool | None | tuple[tuple[str, bool], ...] = None
 
     @property
     def policy(self) -> LevelPolicy:

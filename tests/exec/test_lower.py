@@ -132,6 +132,13 @@ def test_recomputed_layers_keep_less_and_give_eagers_numbers_in_a_world_of_one()
     assert again < kept / 2, (again, kept)
 
 
+def test_a_layer_asked_for_in_recompute_is_recomputed_alone_with_eagers_numbers():
+    with simulated_world(1, local_tensors=False):  # a process group of one: the traced graphs run
+        (kept, _), (again, regions) = (_recompute_body(r) for r in (False, {"blocks.*": False, "blocks.1": True}))
+    assert regions == [("blocks.1", "recompute=")]
+    assert again < kept, (again, kept)
+
+
 def test_recomputed_layers_give_eagers_numbers_on_simulated_ranks():
     with simulated_world(2):  # (interpreted: every value kept; the numbers are the check)
         _, regions = _recompute_body(True)

@@ -96,9 +96,9 @@ def test_hand_checkpointed_regions_stay_checkpointed_and_are_shown():
 
 
 def test_recompute_argument_is_checked():
-    for bad in ("yes", 1, 0.5, ["blocks.0"]):
-        with pytest.raises(ValueError, match=r"recompute must be None \(the search decides.*False \(never\) or "
-                                             r"True \(every layer\), got"):
+    for bad in ("yes", 1, 0.5, ["blocks.0"], {}, {"blocks.0": 1}, {0: True}):
+        with pytest.raises(ValueError, match=r"recompute must be None \(the search decides.*False \(never\), "
+                                             r"True \(every layer\), or per module a dict.*got"):
             sf.shard(GPTStack(1, 16, 4), in_strategy=(None,), recompute=bad)
         with pytest.raises(ValueError, match="recompute must be None"):
             sf.explain(GPTStack(1, 16, 4), torch.randn(2, 4, 16), world_size=2, in_strategy=(None,), recompute=bad)
@@ -108,3 +108,27 @@ def test_a_function_without_layers_recomputes_nothing():
     w = torch.randn(8, 8, requires_grad=True)
     plan = sf.explain(lambda x, w: torch.tanh(x @ w).sum(), torch.randn(4, 8), w, world_size=2, recompute=True)
     assert plan.recompute == ()
+
+
+def test_recompute_per_module_requires_forbids_and_leaves_the_rest_to_the_search():
+    model, x = _big_stack()
+    # the search alone recomputes the first blocks (as few as the memory needs); blocks.0-1 forbidden, blocks.23
+    # required: the search recomputes others instead, blocks.23 always, said as the user's
+    free = _explain(model, x, level=2)
+    chosen = {r.region for r in free.recompute}
+    assert {"blocks.0", "blocks.1"} <= chosen and "blocks.23" not in chosen
+    steered = _explain(model, x, level=2, recompute={"blocks.0": False, "blocks.1": False, "blocks.23": True})
+    got = {r.region: r.origin for r in steered.recompute}
+    assert "blocks.0" not in got and "blocks.1" not in got and got["blocks.23"] == "recompute="
+    assert {o for r, o in got.items() if r != "blocks.23"} == {"search"} and len(got) > 1
+    assert 0 < steered.cost.peak_bytes <= 80e9
+    assert re.search(r"recompute blocks\.23  \(asked for in recompute=\)", str(steered)), str(steered)
+    # a module above the layers names them all; the last entry naming a layer decides it
+    every_but_one = _explain(model, x, level=2, recompute={"blocks": True, "blocks.5": False})
+    assert [r.region for r in every_but_one.recompute] == [f"blocks.{i}" for i in range(_LAYERS) if i != 5]
+    assert {r.origin for r in every_but_one.recompute} == {"recompute="}
+    # nothing recomputed where forbidden everywhere: refused with the figures, as recompute=False is
+    with pytest.raises(ValueError, match="level=2: no plan"):
+        _explain(model, x, level=2, recompute={"blocks.*": False})
+    with pytest.raises(ValueError, match=r"recompute: 'decoder' names no layer .* blocks\.\*"):
+        _explain(model, x, level=2, recompute={"decoder": True})
