@@ -544,6 +544,8 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
             if _weight(weights, pairs, least.choice) > limit * (1 + 1e-12):
                 raise Infeasible("no assignment satisfies the budget")
             take(math.inf, least)  # (a plan within it: the bisection's upper end, should none come sooner)
+        if best is not None and rounds >= 4 * _LEAST_WEIGHT_AFTER:  # (only the least weight's plan keeps it)
+            break
     best, gap = _mixed_in(problem, weights, limit, over, best, bound)
     while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and gap > _MIXED_GAP:
         mid = (lo * hi) ** 0.5 if lo > 0 else hi / 8
