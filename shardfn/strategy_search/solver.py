@@ -563,7 +563,14 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
         best.gap, best.message = gap, f"memory limit binding: within {gap:.2%} of the best bound"
         best.timed_out = best.timed_out or time.perf_counter() > deadline
         return best
-    # the integer program on the whole problem: decisions the budget does not weigh are still eliminated
+    return _budget_program(problem, weights, limit, best, gap, deadline, interned)
+
+
+def _budget_program(problem: Problem, weights: list[np.ndarray], limit: float, best: Solution, gap: float,
+                    deadline: float, interned: dict) -> Solution:
+    """The integer program on the whole problem with the budget row, from ``best`` (the Lagrangian rounds' plan,
+    ``gap`` from their bound): decisions the budget does not weigh are still eliminated."""
+    pairs = problem.budget_edges
     varying = [(u, v, m) for u, v, m in pairs if np.ptp(m) > 0]
     keep = frozenset(v for v, w in enumerate(weights) if np.ptp(w) > 0) | {x for u, v, _ in varying for x in (u, v)}
     offset = sum(float(w.min()) for v, w in enumerate(weights) if v not in keep) + \

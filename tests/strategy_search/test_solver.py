@@ -42,6 +42,18 @@ def _weight(problem, choice):
                                                                   for u, v, m in problem.budget_edges)
 
 
+def _solves_as_brute_force(problem):
+    """The budgeted solve's objective is brute force's, within the budget; Infeasible where nothing keeps it."""
+    expected = _brute_force(problem)
+    if expected == np.inf:
+        with pytest.raises(Infeasible):
+            solve(problem)
+        return
+    sol = solve(problem)
+    assert _weight(problem, sol.choice) <= problem.budget[1] + 1e-9
+    assert sol.objective == pytest.approx(expected, rel=1e-9, abs=1e-9)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_matches_brute_force(seed):
     rng = np.random.default_rng(seed)
@@ -56,15 +68,7 @@ def test_matches_brute_force(seed):
 def test_matches_brute_force_with_budget(seed):
     rng = np.random.default_rng(100 + seed)
     problem = _random_problem(rng, int(rng.integers(2, 9)), density=0.4, budget=True)
-    expected = _brute_force(problem)
-    if expected == np.inf:
-        with pytest.raises(Infeasible):
-            solve(problem)
-        return
-    sol = solve(problem)
-    weights, limit = problem.budget
-    assert sum(weights[v][k] for v, k in enumerate(sol.choice)) <= limit + 1e-9
-    assert sol.objective == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    _solves_as_brute_force(problem)
 
 
 def test_chains_are_eliminated_exactly():
@@ -199,11 +203,4 @@ def test_matches_brute_force_with_a_budget_weighing_pairs(seed):
     problem.budget_edges = [(u, v, rng.integers(0, 6, size=(len(problem.costs[u]), len(problem.costs[v])))
                              .astype(float)) for u, v in pairs]
     problem.budget = (problem.budget[0], problem.budget[1] + 1.5 * len(pairs))  # (binding in most, over in some)
-    expected = _brute_force(problem)
-    if expected == np.inf:
-        with pytest.raises(Infeasible):
-            solve(problem)
-        return
-    sol = solve(problem)
-    assert _weight(problem, sol.choice) <= problem.budget[1] + 1e-9
-    assert sol.objective == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    _solves_as_brute_force(problem)
