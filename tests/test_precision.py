@@ -77,6 +77,21 @@ def test_the_plan_moves_half_the_bytes_and_says_so():
                for n in mixed.notes)
 
 
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_a_cast_parameter_moves_where_it_enters_never_as_its_view(level):
+    # exec casts a parameter where it enters and sends its gradient back through reduce_dtype there: a plan that
+    # gathered a weight's transpose instead would reduce its gradient in bf16 (level 1 chose so once; the test on
+    # gloo ranks, test_mixed_precision_gathers_in_bf16_and_reduces_in_fp32, caught it)
+    block, x = GPTBlock(16, 4), torch.randn(8, 4, 16)
+    plan = sf.explain(block, x, in_strategy=(None,), level=level, world_size=4, recompute=False, mp_policy=BF16)
+    views = {name for name, n in plan.nodes.items() if n.op == "aten.t.default"}
+    moved = [c.where for c in plan.collectives if c.where.split(" -> ")[0] in views]
+    assert not moved, moved
+    if level == 1:  # (the weights are split there: their gradients reduce-scattered where they enter)
+        assert sum(c.kind == "reduce_scatter" and c.where.split(" -> ")[0].endswith("weight")
+                   for c in plan.collectives) >= 6
+
+
 def test_a_policy_dtype_that_cannot_be_used_is_a_clear_error():
     with simulated_world(2):
         with pytest.raises(ValueError, match=r"mp_policy.param_dtype is torch.int8"):

@@ -7,6 +7,7 @@ lists is priced over its distinct (placement, pending-sum) keys only, then sprea
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -232,6 +233,10 @@ class Pricing:
                 edges.append((u, v, matrix))
                 if forbidden is not None:
                     impossible.append((u, v, forbidden))
+                if grad and _views_a_cast(value_node, self.grad_dtypes):  # (moved as the parameter, not its view)
+                    moved = functools.partial(_moved, src_cands, out_idx, d.candidates, slot)
+                    impossible.append((u, v, _per_candidate_lists(self._edges, ("moved", *key), src_cands,
+                                                                  d.candidates, moved)))
         return edges, impossible
 
     def violations(self, keep_split, values) -> list[tuple[int, int, np.ndarray]]:
@@ -354,6 +359,24 @@ def _left_to_view(view_cands: list[Candidate], pend: list[tuple[bool, ...]], mes
     if not (keeps.any() and leaves.any()) or not any(c.accumulate for c in view_cands):
         return None  # a view without the passing variant (several outputs): priced where it is read, as before
     return np.outer(keeps, leaves)
+
+
+def _views_a_cast(node: torch.fx.Node, grad_dtypes: dict) -> bool:
+    """Is ``node`` a view (a transpose) of a parameter a mixed precision policy casts? Exec casts the parameter
+    where it enters and sends its gradient back through reduce_dtype there: a layout change of its view would
+    reduce the gradient in param_dtype instead (bf16), so such a value is read in its own layout, and any move is
+    the parameter's (gathered in param_dtype, reduced in reduce_dtype, as FSDP2 does)."""
+    if node.op != "call_function" or not cm.is_view_op(node):
+        return False
+    while node.op == "call_function" and cm.is_view_op(node):
+        node = node.args[0]
+    return node in grad_dtypes
+
+
+def _moved(src_cands: list[Candidate], out_idx: int, dst_cands: list[Candidate], slot: int) -> np.ndarray:
+    """1 for each pair of choices whose layouts differ (the value moves between them)."""
+    return np.array([[float(tuple(s.outputs[out_idx]) != tuple(c.inputs[slot])) for c in dst_cands]
+                     for s in src_cands])
 
 
 def _distinct(keys: list) -> tuple[list, np.ndarray]:
