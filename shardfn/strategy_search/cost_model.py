@@ -410,3 +410,10 @@ def compute_seconds(flops: int, nbytes: int, split: int, profile: DeviceProfile,
 def is_view_op(node) -> bool:
     """Ops whose result is a view of an input: they hold no memory of their own."""
     return is_view(getattr(node, "target", None))
+
+
+def view_base(node):
+    """The value ``node`` views, through any chain of views (``node`` itself if it is no view)."""
+    while node.op == "call_function" and is_view_op(node):
+        node = node.args[0]
+    return node

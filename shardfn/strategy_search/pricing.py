@@ -366,11 +366,7 @@ def _views_a_cast(node: torch.fx.Node, grad_dtypes: dict) -> bool:
     where it enters and sends its gradient back through reduce_dtype there: a layout change of its view would
     reduce the gradient in param_dtype instead (bf16), so such a value is read in its own layout, and any move is
     the parameter's (gathered in param_dtype, reduced in reduce_dtype, as FSDP2 does)."""
-    if node.op != "call_function" or not cm.is_view_op(node):
-        return False
-    while node.op == "call_function" and cm.is_view_op(node):
-        node = node.args[0]
-    return node in grad_dtypes
+    return node.op == "call_function" and cm.is_view_op(node) and cm.view_base(node) in grad_dtypes
 
 
 def _moved(src_cands: list[Candidate], out_idx: int, dst_cands: list[Candidate], slot: int) -> np.ndarray:

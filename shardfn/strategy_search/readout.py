@@ -261,9 +261,7 @@ class _Collectives:
 
 def _through_views(node: torch.fx.Node) -> bool:
     """Is ``node`` a graph input, or views of one (whose readers' pending sums pass through to it)?"""
-    while node.op == "call_function" and cm.is_view_op(node):
-        node = node.args[0]
-    return node.op == "placeholder"
+    return cm.view_base(node).op == "placeholder"
 
 
 def _resolves(src, dst) -> bool:
@@ -505,9 +503,7 @@ def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved
 
     def gradient(a) -> None:
         nonlocal live
-        base = a
-        while base.op == "call_function" and cm.is_view_op(base):  # a parameter's view: the parameter's gradient
-            base = base.args[0]
+        base = cm.view_base(a)  # a parameter's view: the parameter's gradient
         if base in trainable and base not in grads:
             grads[base] = 0 if grads_held else sizes.gradient(base)
             live += grads[base]
