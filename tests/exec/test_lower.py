@@ -139,6 +139,12 @@ def test_a_layer_asked_for_in_recompute_is_recomputed_alone_with_eagers_numbers(
     assert again < kept, (again, kept)
 
 
+def test_a_layer_asked_for_in_recompute_gives_eagers_numbers_on_simulated_ranks_split_by_batch():
+    with simulated_world(2):  # (the batch split over the 2 ranks; interpreted: the numbers are the check)
+        _, regions = _recompute_body({"blocks.*": False, "blocks.1": True})
+    assert regions == [("blocks.1", "recompute=")]
+
+
 def test_recomputed_layers_give_eagers_numbers_on_simulated_ranks():
     with simulated_world(2):  # (interpreted: every value kept; the numbers are the check)
         _, regions = _recompute_body(True)
