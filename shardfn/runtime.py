@@ -209,6 +209,7 @@ def _shutdown() -> None:
     # this one did) nobody waits for it.
     if not dist.is_initialized() or dist.get_backend() == "fake":
         return
+    _release_groups(_MESHES.values())
     _MESHES.clear()
     _GROUPS.clear()
     _PREPARED.clear()
@@ -220,6 +221,19 @@ def _shutdown() -> None:
                 dist.barrier()
     _STORE.clear()
     dist.destroy_process_group()
+
+
+def _release_groups(meshes) -> None:
+    # A DeviceMesh keeps its process groups (torch 2.13's `_pg_registry`), and the user's script holds the mesh
+    # init() returned: the groups, and gloo's worker threads, would outlive destroy_process_group into the
+    # interpreter's finalization, where a worker dropping a finished collective's tensors needs the GIL and aborts
+    # the process ("terminate called without an active exception", seen in a world of one). Dropped here, the
+    # groups end inside _shutdown, their threads joined while the interpreter still runs; the meshes are dead
+    # after destroy_process_group either way.
+    for mesh in meshes:
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 def check_ranks(ranks: tuple[int, ...] | None, what: str) -> None:
