@@ -15,7 +15,7 @@ import numpy as np
 from . import cost_model as cm
 from .policy import LevelPolicy
 from .pricing import Terms
-from .solver import Infeasible, Problem, Solution, solve
+from .solver import Infeasible, Problem, Solution, scaled_edges, solve
 
 __all__ = ["solve_level"]
 
@@ -31,8 +31,9 @@ def solve_level(policy: LevelPolicy, t: Terms, profile: cm.DeviceProfile, time_l
 
     def kept_split(edges, scale):
         # one gather of a value that must stay split, or one pair of choices no program runs, outweighs
-        # everything the objective can gain elsewhere
-        return edges + [(u, v, (10 * scale + 1) * m) for u, v, m in t.violations + t.impossible]
+        # everything the objective can gain elsewhere (each matrix scaled once: identical layers share them, and
+        # so the solver hashes and eliminates each once)
+        return edges + scaled_edges(t.violations + t.impossible, 10 * scale + 1)
 
     time_problem = Problem(unary_time, kept_split(t.edges, upper_time))
     if policy.objective == "time":  # (the fastest plan first: it is the answer where it fits)
@@ -49,7 +50,7 @@ def solve_level(policy: LevelPolicy, t: Terms, profile: cm.DeviceProfile, time_l
         eps = 1e-3 / upper_time  # all time together is worth less than a thousandth of a byte
         costs = [mem + eps * c for mem, c in zip(t.memory, unary_time)]
         scale = sum(float(m.max()) for m in t.memory) + sum(float(m.max()) for _, _, m in t.edge_memory) + 1.0
-        return solve(Problem(costs, kept_split([(u, v, eps * m) for u, v, m in t.edges] + t.edge_memory, scale)),
+        return solve(Problem(costs, kept_split(scaled_edges(t.edges, eps) + t.edge_memory, scale)),
                      time_limit_s)
     deadline = time.perf_counter() + time_limit_s
     best = _best_ratio(t, unary_time, upper_time, kept_split, deadline, None)
@@ -73,7 +74,7 @@ def _best_ratio(t: Terms, unary_time, upper_time: float, kept_split, deadline: f
     for _ in range(50):
         costs = [-s + lam * r + eps * c for s, r, c in zip(t.savings, t.reductions, unary_time)]
         scale = sum(float(np.abs(s).max()) for s in t.savings) + (lam + 1) * upper_time
-        sol = solve(Problem(costs, kept_split([(u, v, (lam + eps) * m) for u, v, m in t.edges], scale),
+        sol = solve(Problem(costs, kept_split(scaled_edges(t.edges, lam + eps), scale),
                             None if budget is None else (t.memory, budget), t.edge_memory),
                     max(deadline - time.perf_counter(), 0.0))
         saved, comm = t.savings_of(sol.choice), t.comm_of(sol.choice)

@@ -84,7 +84,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
         notes=_notes(problem, request, pricing, terms, solution),
         reshard_after_forward=bool(regathers),
         gap=solution.gap,
-        search=dict(solution.stats),
+        search={**solution.stats, **({"timed_out": True} if solution.timed_out else {})},
         output_shapes=tuple(_shapes(n)[0] for n in captured.output_nodes),
         name=request.name,
         accumulate=request.accumulate,

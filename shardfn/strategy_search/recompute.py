@@ -111,9 +111,12 @@ def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: s
     kept = None  # the plan keeping every value, where the memory bound it (recompute may then be faster)
     if request.recompute is None and not request.policy.recomputes_to_lower_peak:
         try:  # the level's plan without recompute, where it fits (nothing more to price)
+            start = time.perf_counter()
             kept = _planned(problem, request, pricing, terms, [], plan_within, False)
-            # the fastest plan fits (recompute would only slow it), or no time is left to try recompute
-            if "lagrangian_rounds" not in kept.search or time.perf_counter() > deadline:
+            # the fastest plan fits (recompute would only slow it), or no time is left for two solves as long (a
+            # try of recompute is one at least, and a second finds how few layers need it)
+            if "lagrangian_rounds" not in kept.search or time.perf_counter() + 2 * (time.perf_counter() - start) \
+                    > deadline:
                 return kept
         except ValueError:
             pass

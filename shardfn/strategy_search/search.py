@@ -61,12 +61,16 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
                       every_value=request.policy.objective == "memory")
     terms = step("search pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
     # the regions backward computes again are chosen around the level's solve (recompute.py)
-    within = functools.partial(_within_budget, request, mesh_spec, pricing, step, time_limit_s, deadline)
-    return plan_with_recompute(problem, request, pricing, terms, within, deadline)
+    within = functools.partial(_within_budget, request, mesh_spec, pricing, step, deadline)
+    plan = plan_with_recompute(problem, request, pricing, terms, within, deadline)
+    if plan.search.get("timed_out"):  # (said of the plan returned, not of a solve tried and dropped)
+        log.warning("shardfn: the strategy search stopped at its time limit (%g s, SHARDFN_SEARCH_TIME_LIMIT); "
+                    "the plan is the best found, within %.2f%% of the best bound", time_limit_s, 100 * plan.gap)
+    return plan
 
 
-def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, step, time_limit_s: float,
-                   deadline: float, problem, terms, final: bool) -> Plan:
+def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, step, deadline: float, problem,
+                   terms, final: bool) -> Plan:
     """The level's plan of ``problem`` priced by ``terms`` within the memory, the solve given what is left before
     ``deadline``; a ValueError where none fits (the figures of the closest). ``final``: a nominal memory's (a
     CPU's) over-budget plan is returned, said."""
@@ -98,7 +102,4 @@ def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, 
             if over is None:
                 raise
             raise over from None  # (nothing fits the lower budget: the figures of the plan that did not fit)
-    if solution.timed_out:
-        log.warning("shardfn: the strategy search stopped at its time limit (%g s, SHARDFN_SEARCH_TIME_LIMIT); "
-                    "the plan is the best found, within %.2f%% of the best bound", time_limit_s, 100 * solution.gap)
     return plan

@@ -10,7 +10,11 @@ Shrinking the problem, each step exact (``_Reducer``):
 * a decision with one neighbour ``u`` is eliminated: ``c_u[i] += min_j C[i, j] + c_v[j]``;
 * a decision with two neighbours ``u, w`` (a link in a chain: elementwise ops, views, norms, the followers Alpa
   merges into their producer) is eliminated into one edge ``C'[i, k] = min_j C_uv[i, j] + c_v[j] + C_vw[j, k]``
-  (computed a row of ``u`` at a time, so no cap on the candidates' product is needed).
+  (computed a row of ``u`` at a time, so no cap on the candidates' product is needed);
+* a decision of few candidates in cycles none of these opens (a MoE layer: router, experts and combine, every
+  decision with three neighbours) is decided once per candidate, its neighbourhood eliminated each time; where
+  that leaves at most two decisions changed, the least over the candidates is the block exactly, an edge between
+  those two (``_condition_all``).
 
 This is dynamic programming on the graph: chains and trees vanish, a transformer layer's residual stream and
 attention fan-out collapse, and repeated layers cost one small matrix product each, so the work grows linearly
@@ -38,9 +42,11 @@ candidate, then elimination again, until nothing is left), so it always holds a 
 limit with the best plan found and its gap to the best bound (:attr:`Solution.gap`); it never ends without one.
 
 A budget (``_with_budget``) is kept by Lagrangian relaxation: ``min f(x) + mu (w(x) - B)`` is an unconstrained
-problem, solved exactly as above for each ``mu`` of a bisection. One ``mu`` prices identical layers alike, so
-its plans switch every layer at once and the budget often lies between two of them: the bisection's last plan
-over the budget and its best within are mixed, the parts where they differ switched by least cost per byte
+problem, solved exactly as above for each ``mu``: ``mu`` grows until a plan keeps the budget, then each next
+``mu`` is where the two plans bracketing it cost alike (``_crossing``), until a solve finds no plan cheaper
+there (the dual's maximum: the best Lagrangian bound). One ``mu`` prices identical layers alike, so
+its plans switch every layer at once and the budget often lies between two of them: the last plan
+over the budget and the best within are mixed, the parts where they differ switched by least cost per byte
 until the plan fits (``_mixed``). The best plan within the budget is returned with its gap to the best
 Lagrangian bound. Only where that gap is not closed does the integer program run on the whole problem (with the
 budget row, from that plan), within the time limit.
@@ -61,18 +67,21 @@ import highspy
 import numpy as np
 import torch
 
-__all__ = ["Infeasible", "Problem", "Solution", "objective", "solve"]
+__all__ = ["Infeasible", "Problem", "Solution", "objective", "scaled_edges", "solve"]
 
 log = logging.getLogger("shardfn")
 
-# Relative gap under which a plan counts as optimal (HiGHS's own tolerance, and the budget's bisection)
+# Relative gap under which a plan counts as optimal (HiGHS's own tolerance, and the budget's multiplier)
 _GAP = 1e-9
 # A budgeted plan within this relative gap of the Lagrangian bound is taken without the integer program
 _BUDGET_GAP = 1e-2
-# The bisection stops once its plans, mixed (``_mixed``), are within this relative gap of its bound
+# The multiplier's rounds stop once their plans, mixed (``_mixed``), are within this relative gap of the bound
 _MIXED_GAP = 1e-3
 # Rounds of a growing multiplier without a plan within the budget after which the least weight is found exactly
 _LEAST_WEIGHT_AFTER = 8
+# Columns of an integer program HiGHS presolves in a second on this project's machine (2.37 M took 22 s, probing
+# past its time limit): a program larger than the time left allows is not started
+_PROGRAM_COLUMNS_PER_SECOND = 100_000
 
 
 @dataclass
@@ -104,6 +113,16 @@ def _groups(matrix: np.ndarray, axis: int) -> list[np.ndarray]:
     order = np.argsort(inverse, kind="stable")
     bounds = np.flatnonzero(np.diff(inverse[order])) + 1
     return np.split(order, bounds)
+
+
+def scaled_edges(edges, factor: float) -> list:
+    """``edges`` with each matrix times ``factor``; a matrix several edges share (identical layers') is scaled
+    once, and stays shared: the solver hashes it and eliminates through it once."""
+    done: dict[int, np.ndarray] = {}
+    for _, _, m in edges:
+        if id(m) not in done:
+            done[id(m)] = factor * m
+    return [(u, v, done[id(m)]) for u, v, m in edges]
 
 
 def _link(c_uv: np.ndarray, c_v: np.ndarray, c_vw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -190,7 +209,9 @@ class _Reducer:
         self.trail: list[tuple] = []  # eliminations, to undo in reverse
         self.alive = set(range(len(self.costs)))
         self.keep = keep
+        self.constant = 0.0  # the cost of what was decided outright (a decision fixed, or left with no edge)
         self._eliminate(self.alive)
+        _condition_all(self)
 
     def _add(self, u: int, v: int, m: np.ndarray) -> None:
         op = self.op
@@ -228,8 +249,9 @@ class _Reducer:
                     continue
                 nbrs = list(self.adj[v])
                 cv = self.costs[v]
-                if len(nbrs) == 0:
-                    self.trail.append(("free", v))
+                if len(nbrs) == 0:  # (its cost final: its best candidate taken now)
+                    self.trail.append(("fixed", v, int(np.argmin(cv))))
+                    self.constant += float(cv.min())
                     self.alive.discard(v)
                 elif len(nbrs) == 1:
                     (u,) = nbrs
@@ -254,32 +276,160 @@ class _Reducer:
         nbrs = list(self.adj[v])
         for u in nbrs:
             self.costs[u] = self.op(_plus_column, self.costs[u], self.adj[u][v], k)
+        self.constant += float(self.costs[v][k])
         self.trail.append(("fixed", v, k))
         self._drop(v)
         self._eliminate(nbrs)
 
-    def copy(self) -> "_Reducer":
+    def copy(self, trail: bool = True) -> "_Reducer":
         other = object.__new__(_Reducer)
         other.op = self.op
         other.costs = list(self.costs)  # arrays are replaced, never written in place
         other.adj = [dict(a) for a in self.adj]
-        other.trail = list(self.trail)
+        other.trail = list(self.trail) if trail else []
         other.alive = set(self.alive)
         other.keep = self.keep
+        other.constant = self.constant
+        return other
+
+    def local_copy(self, touched: set[int], keep: frozenset[int]) -> "_Reducer":
+        """A copy whose eliminations may touch only ``touched`` (the others' adjacency shared, not copied), with
+        an empty trail and ``keep`` never eliminated."""
+        other = object.__new__(_Reducer)
+        other.op, other.costs, other.trail, other.keep = self.op, list(self.costs), [], keep
+        other.adj = list(self.adj)
+        for v in touched:
+            other.adj[v] = dict(self.adj[v])
+        other.alive, other.constant = set(self.alive), self.constant
         return other
 
     def recover(self, choice: dict[int, int]) -> None:
-        for step in reversed(self.trail):
-            if step[0] == "free":
-                choice[step[1]] = int(np.argmin(self.costs[step[1]]))
-            elif step[0] == "fixed":
-                choice[step[1]] = step[2]
-            elif step[0] == "leaf":
-                _, v, u, table = step
-                choice[v] = int(table[choice[u]])
-            else:
-                _, v, u, w, table = step
-                choice[v] = int(table[choice[u], choice[w]])
+        _recover(self.trail, choice)
+
+
+def _recover(trail: list[tuple], choice: dict[int, int]) -> None:
+    """Each eliminated decision's candidate, from those of the decisions it was eliminated into (in reverse)."""
+    for step in reversed(trail):
+        if step[0] == "fixed":
+            choice[step[1]] = step[2]
+        elif step[0] == "leaf":
+            _, v, u, table = step
+            choice[v] = int(table[choice[u]])
+        elif step[0] == "link":
+            _, v, u, w, table = step
+            choice[v] = int(table[choice[u], choice[w]])
+        else:  # "conditioned": the block's trail of the candidate its boundary's choices make best
+            _, boundary, table, trails = step
+            k = int(table[tuple(choice[b] for b in boundary)])
+            _recover(trails[k], choice)
+
+
+# Conditioning: a decision of at most this many candidates, in a cycle elimination cannot open (a MoE layer's
+# router, experts and combine), is tried once per candidate, its neighbourhood (within these radii) eliminated each
+# time, where that leaves at most two decisions changed
+_CONDITION_MAX_CANDIDATES = 64
+_CONDITION_RADII = (1, 2, 3)
+
+
+def _condition_all(red: _Reducer) -> None:
+    """Exact elimination past cycles (cutset conditioning, one decision at a time). For a decision ``x`` of few
+    candidates whose neighbourhood, once ``x`` is fixed, eliminates down to at most two changed decisions ``a, b``
+    (the block's boundary): each candidate ``k`` of ``x`` gives the block's cost as a matrix over ``a x b``; their
+    least, elementwise, is the block exactly (whatever ``a`` and ``b`` pick, the best ``k`` is taken), an edge
+    ``a - b`` that elimination then takes on. The runs' eliminations are memoised as elimination's are: where
+    identical layers' blocks meet the same arrays, the work is shared (DeepSeek-V2-Lite's 26 MoE layers: the
+    first three computed, the rest found)."""
+    progress = True
+    while progress:  # (a pass conditions every block it can, then elimination runs on: until no block is left)
+        boundaries: set[int] = set()
+        for x in sorted(red.alive - red.keep, key=lambda v: (len(red.costs[v]), v)):
+            if len(red.costs[x]) > _CONDITION_MAX_CANDIDATES:
+                break
+            if x in red.alive and red.adj[x]:
+                boundaries |= _condition(red, x)
+        # (elimination waits for the pass: a block's runs then meet the arrays of the block before it, shared by
+        # identical layers, where elimination would have made new ones at the boundaries)
+        red._eliminate(boundaries & red.alive)
+        progress = bool(boundaries)
+
+
+def _condition(red: _Reducer, x: int) -> set[int]:
+    """Condition on ``x`` (:func:`_condition_all`) where some radius's block has a boundary of two at most: the
+    boundary (empty where it fails, or where the block was a whole part of the problem)."""
+    ball = {x}
+    for _ in _CONDITION_RADII:
+        ball |= {u for v in ball for u in red.adj[v]}
+        touched = ball | {u for v in ball for u in red.adj[v]}
+        # (only the ball's interior is eliminated: a decision with a neighbour outside, the separator between
+        # two layers, stays, and so does the work on its arrays)
+        keep = frozenset(red.alive - {v for v in ball if red.adj[v].keys() <= ball}) | red.keep
+        runs = []
+        for k in range(len(red.costs[x])):
+            run = red.local_copy(touched, keep)
+            run.fix(x, k)
+            runs.append(run)
+            if k == 0:
+                boundary = sorted(v for v in touched & run.alive if _changed(red, run, v))
+                if len(boundary) > 2:
+                    break
+        else:
+            if _merge_runs(red, boundary, runs):
+                return set(boundary)
+    return set()
+
+
+def _changed(red: _Reducer, run: _Reducer, v: int) -> bool:
+    mine, theirs = run.adj[v], red.adj[v]
+    return run.costs[v] is not red.costs[v] or mine.keys() != theirs.keys() or \
+        any(m is not theirs[u] for u, m in mine.items())
+
+
+def _merge_runs(red: _Reducer, boundary: list[int], runs: list[_Reducer]) -> bool:
+    """The block of ``runs`` (one per candidate of the decision conditioned on) as its least cost over
+    ``boundary``: its decisions dropped from ``red``, the least added to the boundary (an edge, a cost or a
+    constant), and the candidate that gives it kept for recovery. False (``red`` unchanged) where a cost is not
+    finite (the difference of two infinities would be no cost)."""
+    empty = np.zeros((0, 0))
+    parts = [(red.constant, *(red.costs[b] for b in boundary),
+              red.adj[boundary[0]].get(boundary[1], empty) if len(boundary) == 2 else empty)]
+    parts += [(run.constant, *(run.costs[b] for b in boundary),
+               run.adj[boundary[0]].get(boundary[1], empty) if len(boundary) == 2 else empty) for run in runs]
+    # (memoised on the arrays: identical layers' blocks give one result, whose further elimination is shared too)
+    least, table = red.op(_block_least, len(boundary), *(a for p in parts for a in p))
+    if least is None:
+        return False
+    for v in red.alive - runs[0].alive:
+        red._drop(v)
+    if len(boundary) == 2:
+        red._add(boundary[0], boundary[1], least)
+    elif len(boundary) == 1:
+        red.costs[boundary[0]] = red.costs[boundary[0]] + least
+    else:
+        red.constant += float(least)
+    red.trail.append(("conditioned", tuple(boundary), table, [run.trail for run in runs]))
+    return True
+
+
+def _block_least(n: int, *flat) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The least, over the runs, of what each run added to its ``n`` boundary decisions (their costs and the
+    edge between two), and which run gives it; ``flat``: the reducer's (constant, costs..., edge) then each
+    run's. (None, None) where a value is not finite (the difference of two infinities would be no cost)."""
+    width = n + 2
+    before, runs = flat[:width], [flat[i:i + width] for i in range(width, len(flat), width)]
+    values = []
+    for run in runs:
+        value = np.asarray(run[0] - before[0])
+        for i in range(n):
+            shape = [1] * n
+            shape[i] = -1
+            value = value + (run[1 + i] - before[1 + i]).reshape(shape)
+        if n == 2:  # (an edge the runs made, where there was none: the whole of it is theirs)
+            value = value + (run[3] - (before[3] if before[3].size else 0.0))
+        values.append(value)
+    stack = np.stack(values)
+    if not np.isfinite(stack).all():
+        return None, None
+    return stack.min(axis=0), stack.argmin(axis=0)
 
 
 def _incumbent(red: _Reducer) -> dict[int, int]:
@@ -422,6 +572,10 @@ def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_
         weights, limit, pairs = budget
         b.budget(weights, limit, [len(c) for c in red.costs], pairs)
     n = len(b.obj)
+    if n > _PROGRAM_COLUMNS_PER_SECOND * time_limit_s:  # (HiGHS's presolve alone would outlast the time left)
+        log.info("search: the integer program's %d columns are too many for %.1f s: the plan found by elimination "
+                 "and fixing is kept", n, time_limit_s)
+        return dict(start), False, float("inf"), "time limit"
     order = np.lexsort((np.array(b.rows), np.array(b.cols)))  # column-wise
     cols = np.array(b.cols)[order]
     lp = highspy.HighsLp()
@@ -494,7 +648,7 @@ def _unconstrained(costs, edges, time_limit_s: float, interned: dict | None = No
 
 
 def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
-    """The budget by Lagrangian relaxation (bisection on its multiplier), then, where a gap is left, the integer
+    """The budget by Lagrangian relaxation (its multiplier grown, then set where its bracket's plans cross), then, where a gap is left, the integer
     program with the budget row, from the best plan found."""
     weights, limit = problem.budget
     weights = [np.asarray(w, dtype=float) for w in weights]
@@ -505,8 +659,8 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     interned: dict = {}  # the rounds' arrays, hashed once
 
     def at(mu: float) -> Solution:
-        return _unconstrained([c + mu * w for c, w in zip(problem.costs, weights)],
-                              problem.edges + [(u, v, mu * m) for u, v, m in pairs],
+        return _unconstrained(_priced(problem.costs, weights, mu),
+                              problem.edges + scaled_edges(pairs, mu),
                               max(deadline - time.perf_counter(), 0.0), interned)
 
     def weight(sol: Solution) -> float:
@@ -531,11 +685,12 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
 
     # the multiplier's scale: the fastest plan's cost per byte it is over the budget (a hundredth of the budget at
     # least), a price at which shedding the excess may cost as much as the plan, then up by 8x until a plan keeps
-    # the budget, then bisected (geometrically) until the bracket or the gap closes (the 70B's budget was kept at
-    # about twice that price; a millionth of the cost per byte of the budget took it 9 rounds to reach)
+    # the budget, then set where the bracket's two plans cost alike until no cheaper plan is found there or the
+    # gap closes (the 70B's budget was kept at about twice that price; a millionth of the cost per byte of the
+    # budget took it 9 rounds to reach)
     lo, hi = 0.0, max(abs(first.objective), 1e-30) / max(weight(first) - limit, 1e-2 * limit, 1e-30)
-    rounds = 0
-    while not take(hi, at(hi)):  # (past the deadline, bigger steps to a plan within the budget)
+    rounds, top = 0, at(hi)  # ``top``: the plan at ``hi`` (within the budget); ``over``: the plan at ``lo``
+    while not take(hi, top):  # (past the deadline, bigger steps to a plan within the budget)
         lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
         if rounds == _LEAST_WEIGHT_AFTER and pairs:  # (the pairs' weights make the least weight no sum of minima:
@@ -543,18 +698,22 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
             least = _unconstrained(weights, pairs, 0.0)
             if _weight(weights, pairs, least.choice) > limit * (1 + 1e-12):
                 raise Infeasible("no assignment satisfies the budget")
-            take(math.inf, least)  # (a plan within it: the bisection's upper end, should none come sooner)
+            take(math.inf, least)  # (a plan within it: the bracket's upper end, should none come sooner)
         if best is not None and rounds >= 4 * _LEAST_WEIGHT_AFTER:  # (only the least weight's plan keeps it)
+            hi, top = math.inf, least
             break
+        top = at(hi)
     best, gap = _mixed_in(problem, weights, limit, over, best, bound)
     while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and gap > _MIXED_GAP:
-        mid = (lo * hi) ** 0.5 if lo > 0 else hi / 8
-        if take(mid, at(mid)):
-            hi = mid
-        else:
-            lo = mid
+        ends = (_line(problem, weights, pairs, over), _line(problem, weights, pairs, top))
+        mid = _crossing(lo, hi, *ends)
+        sol = at(mid)
         rounds += 1
+        within = take(mid, sol)
         best, gap = _mixed_in(problem, weights, limit, over, best, bound)
+        if any(_same_line(_line(problem, weights, pairs, sol), end) for end in ends):
+            break  # (no plan below both lines where they cross: that is the dual's maximum, its bound taken)
+        lo, hi, top = (lo, mid, sol) if within else (mid, hi, top)
     best.stats = {**best.stats, "lagrangian_rounds": rounds}
     if gap <= _GAP:
         best.optimal, best.gap, best.message = True, 0.0, "memory limit binding"
@@ -564,6 +723,36 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
         best.timed_out = best.timed_out or time.perf_counter() > deadline
         return best
     return _budget_program(problem, weights, limit, best, gap, deadline, interned)
+
+
+def _priced(costs: list[np.ndarray], weights: list[np.ndarray], mu: float) -> list[np.ndarray]:
+    """``c + mu * w`` per decision, computed once per pair of arrays (identical layers share theirs)."""
+    done: dict[tuple[int, int], np.ndarray] = {}
+    for c, w in zip(costs, weights):
+        if (id(c), id(w)) not in done:
+            done[id(c), id(w)] = c + mu * w
+    return [done[id(c), id(w)] for c, w in zip(costs, weights)]
+
+
+def _line(problem: Problem, weights, pairs, sol: Solution) -> tuple[float, float]:
+    """(objective, weight) of a plan: its Lagrangian value at ``mu`` is ``objective + mu * (weight - B)``."""
+    return objective(problem, sol.choice), _weight(weights, pairs, sol.choice)
+
+
+def _same_line(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return all(abs(x - y) <= 1e-9 * max(abs(x), abs(y), 1e-30) for x, y in zip(a, b))
+
+
+def _crossing(lo: float, hi: float, over: tuple[float, float], within: tuple[float, float]) -> float:
+    """The next multiplier: where the Lagrangian values of the plan at ``lo`` (over the budget) and the plan at
+    ``hi`` (within it) are equal, the dual's highest point were they its only pieces (Kelley's cutting planes in
+    one dimension: one new piece a round, where bisection halves a bracket whose end it cannot see). The
+    geometric midpoint where that point is not strictly inside the bracket (rounding, or an inexact solve)."""
+    (f_over, w_over), (f_within, w_within) = over, within
+    mid = (f_within - f_over) / (w_over - w_within) if w_over > w_within else math.nan
+    if lo < mid < hi:
+        return mid
+    return (lo * hi) ** 0.5 if lo > 0 and hi < math.inf else (hi / 8 if hi < math.inf else lo * 8)
 
 
 def _budget_program(problem: Problem, weights: list[np.ndarray], limit: float, best: Solution, gap: float,
@@ -608,7 +797,7 @@ def _mixed_in(problem: Problem, weights: list[np.ndarray], limit: float, over: S
 
 def _mixed(problem: Problem, weights: list[np.ndarray], limit: float, over: list[int],
            within: list[int]) -> Solution | None:
-    """Between the bisection's last plan over the budget (``over``) and its best within (``within``): the plan
+    """Between the rounds' last plan over the budget (``over``) and its best within (``within``): the plan
     that keeps ``over`` where it can and takes ``within``'s choices in just enough of the places they differ.
 
     One multiplier prices every identical layer alike, so the Lagrangian plans switch all of them at once and

@@ -135,6 +135,50 @@ def test_identical_layers_are_eliminated_once_and_exactly(monkeypatch):
     assert shared.choice == alone.choice and shared.objective == pytest.approx(alone.objective, rel=1e-12)
 
 
+# One MoE layer as DeepSeek-V2-Lite's plan leaves it to the solver: every decision with three neighbours (its
+# router, experts and combine tied in cycles), between the residual stream's decisions before and after it
+_MOE_BLOCK = [("in", "a"), ("a", "b"), ("a", "g"), ("b", "f"), ("b", "c"), ("c", "d"), ("c", "e"), ("d", "e"),
+              ("d", "h"), ("e", "f"), ("f", "g"), ("g", "h"), ("h", "out"), ("in", "out")]
+
+
+def _moe_layers(layers, k, seed=5, identical=True):
+    """A chain of ``layers`` such blocks, ``k`` candidates a decision; identical layers share their arrays."""
+    rng = np.random.default_rng(seed)
+    inner = "abcdefgh"
+
+    def layer_arrays():
+        return ({n: rng.uniform(0, 1, size=k) for n in inner + "o"},
+                {e: rng.uniform(0, 1, size=(k, k)) for e in _MOE_BLOCK})
+
+    shared = layer_arrays()
+    costs, edges = [rng.uniform(0, 1, size=k)], []
+    for _ in range(layers):
+        unary, pairwise = shared if identical else layer_arrays()
+        ids = {"in": len(costs) - 1}
+        for n in inner + "o":
+            ids["out" if n == "o" else n] = len(costs)
+            costs.append(unary[n])
+        edges += [(ids[u], ids[v], pairwise[u, v]) for u, v in _MOE_BLOCK]
+    return Problem(costs, edges)
+
+
+@pytest.mark.parametrize("identical", [True, False])
+def test_layers_elimination_cannot_open_are_solved_exactly_by_conditioning(identical, monkeypatch):
+    import shardfn.strategy_search.solver as solver
+
+    one = _moe_layers(1, 2, identical=identical)  # 10 decisions of 2 candidates: brute force
+    sol = solve(one)
+    assert sol.optimal and sol.stats["ilp_decisions"] == 0
+    assert sol.objective == pytest.approx(_brute_force(one), rel=1e-12)
+    deep = _moe_layers(3, 3, identical=identical)
+    sol = solve(deep)
+    assert sol.optimal and sol.stats["ilp_decisions"] == 0
+    monkeypatch.setattr(solver, "_CONDITION_MAX_CANDIDATES", 0)  # without it: the integer program, proven optimal
+    program = solve(deep)
+    assert program.optimal and program.stats["ilp_decisions"] > 0
+    assert sol.objective == pytest.approx(program.objective, rel=1e-9)
+
+
 def test_a_time_limit_returns_the_best_plan_found_with_its_gap():
     rng = np.random.default_rng(11)
     n, k = 40, 6  # dense: nothing eliminates, and HiGHS cannot prove the optimum in a few milliseconds
