@@ -423,7 +423,7 @@ def _block_least(n: int, *flat) -> tuple[np.ndarray | None, np.ndarray | None]:
             shape = [1] * n
             shape[i] = -1
             value = value + (run[1 + i] - before[1 + i]).reshape(shape)
-        if n == 2:  # (an edge the runs made, where there was none: the whole of it is theirs)
+        if n == 2 and run[3].size:  # (an edge the runs made, where there was none: the whole of it is theirs)
             value = value + (run[3] - (before[3] if before[3].size else 0.0))
         values.append(value)
     stack = np.stack(values)

@@ -179,6 +179,29 @@ def test_layers_elimination_cannot_open_are_solved_exactly_by_conditioning(ident
     assert sol.objective == pytest.approx(program.objective, rel=1e-9)
 
 
+def _three_neighbours_at_least(seed):
+    """Every decision with three neighbours or more: nothing eliminates without conditioning."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(7, 11))
+    costs = [rng.uniform(0, 1, size=int(rng.choice([2, 2, 3]))) for _ in range(n)]
+    pairs = set()
+    for v in range(n):
+        while sum(v in p for p in pairs) < 3:
+            u = int(rng.integers(n))
+            if u != v:
+                pairs.add(tuple(sorted((u, v))))
+    return Problem(costs, [(u, v, rng.uniform(0, 1, size=(len(costs[u]), len(costs[v])))) for u, v in sorted(pairs)])
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_cycles_of_three_neighbours_match_brute_force(seed):
+    # blocks whose boundary is two decisions with an edge between them or none (seed 2), one decision, or none
+    problem = _three_neighbours_at_least(seed)
+    sol = solve(problem)
+    assert sol.optimal
+    assert sol.objective == pytest.approx(_brute_force(problem), rel=1e-12)
+
+
 def test_a_time_limit_returns_the_best_plan_found_with_its_gap():
     rng = np.random.default_rng(11)
     n, k = 40, 6  # dense: nothing eliminates, and HiGHS cannot prove the optimum in a few milliseconds
