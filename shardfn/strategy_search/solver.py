@@ -14,7 +14,7 @@ Shrinking the problem, each step exact (``_Reducer``):
 * a decision of few candidates in cycles none of these opens (a MoE layer: router, experts and combine, every
   decision with three neighbours) is decided once per candidate, its neighbourhood eliminated each time; where
   that leaves at most two decisions changed, the least over the candidates is the block exactly, an edge between
-  those two (``_condition_all``).
+  those two (``conditioning.py``).
 
 This is dynamic programming on the graph: chains and trees vanish, a transformer layer's residual stream and
 attention fan-out collapse, and repeated layers cost one small matrix product each, so the work grows linearly
@@ -66,6 +66,8 @@ from dataclasses import dataclass, field
 import highspy
 import numpy as np
 import torch
+
+from .conditioning import CONDITION_SHARE, condition_all
 
 __all__ = ["Infeasible", "Problem", "Solution", "objective", "scaled_edges", "solve"]
 
@@ -200,20 +202,20 @@ class _Reducer:
     eliminated (those a budget weighs: eliminating them would lose their weights)."""
 
     def __init__(self, costs: list[np.ndarray], edges, keep: frozenset[int] = frozenset(),
-                 interned: dict | None = None):
+                 interned: dict | None = None, deadline: float = math.inf):
         self.op = _Shared(interned)
         self.costs = [self.op.intern(c) for c in costs]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in self.costs]  # adj[u][v]: matrix oriented u x v
         for u, v, m in edges:
-            self._add(u, v, self.op.intern(m))
+            self.add(u, v, self.op.intern(m))
         self.trail: list[tuple] = []  # eliminations, to undo in reverse
         self.alive = set(range(len(self.costs)))
         self.keep = keep
         self.constant = 0.0  # the cost of what was decided outright (a decision fixed, or left with no edge)
-        self._eliminate(self.alive)
-        _condition_all(self)
+        self.eliminate(self.alive)
+        condition_all(self, deadline)
 
-    def _add(self, u: int, v: int, m: np.ndarray) -> None:
+    def add(self, u: int, v: int, m: np.ndarray) -> None:
         op = self.op
         if u == v:
             self.costs[u] = op(_plus_diagonal, self.costs[u], m)
@@ -227,13 +229,13 @@ class _Reducer:
             self.adj[u][v] = m
             self.adj[v][u] = op(_transposed, m)
 
-    def _drop(self, v: int) -> None:
+    def drop(self, v: int) -> None:
         for u in self.adj[v]:
             del self.adj[u][v]
         self.adj[v] = {}
         self.alive.discard(v)
 
-    def _eliminate(self, start) -> None:
+    def eliminate(self, start) -> None:
         op = self.op
         queue = sorted(start, key=lambda v: (len(self.adj[v]), v))
         while queue:
@@ -258,15 +260,15 @@ class _Reducer:
                     best, table = op(_leaf, self.adj[u][v], cv)
                     self.costs[u] = op(_plus, self.costs[u], best)
                     self.trail.append(("leaf", v, u, table))
-                    self._drop(v)
+                    self.drop(v)
                     nxt.append(u)
                     touched.add(u)
                 elif len(nbrs) == 2:
                     u, w = sorted(nbrs)  # (the same orientation in every layer: the operands are the same objects)
                     best, table = op(_link, self.adj[u][v], cv, self.adj[v][w])
                     self.trail.append(("link", v, u, w, table))
-                    self._drop(v)
-                    self._add(u, w, best)
+                    self.drop(v)
+                    self.add(u, w, best)
                     nxt += [u, w]
                     touched.update((u, w))
             queue = sorted(set(nxt) & self.alive, key=lambda v: (len(self.adj[v]), v))
@@ -278,8 +280,8 @@ class _Reducer:
             self.costs[u] = self.op(_plus_column, self.costs[u], self.adj[u][v], k)
         self.constant += float(self.costs[v][k])
         self.trail.append(("fixed", v, k))
-        self._drop(v)
-        self._eliminate(nbrs)
+        self.drop(v)
+        self.eliminate(nbrs)
 
     def copy(self, trail: bool = True) -> "_Reducer":
         other = object.__new__(_Reducer)
@@ -322,114 +324,6 @@ def _recover(trail: list[tuple], choice: dict[int, int]) -> None:
             _, boundary, table, trails = step
             k = int(table[tuple(choice[b] for b in boundary)])
             _recover(trails[k], choice)
-
-
-# Conditioning: a decision of at most this many candidates, in a cycle elimination cannot open (a MoE layer's
-# router, experts and combine), is tried once per candidate, its neighbourhood (within these radii) eliminated each
-# time, where that leaves at most two decisions changed
-_CONDITION_MAX_CANDIDATES = 64
-_CONDITION_RADII = (1, 2, 3)
-
-
-def _condition_all(red: _Reducer) -> None:
-    """Exact elimination past cycles (cutset conditioning, one decision at a time). For a decision ``x`` of few
-    candidates whose neighbourhood, once ``x`` is fixed, eliminates down to at most two changed decisions ``a, b``
-    (the block's boundary): each candidate ``k`` of ``x`` gives the block's cost as a matrix over ``a x b``; their
-    least, elementwise, is the block exactly (whatever ``a`` and ``b`` pick, the best ``k`` is taken), an edge
-    ``a - b`` that elimination then takes on. The runs' eliminations are memoised as elimination's are: where
-    identical layers' blocks meet the same arrays, the work is shared (DeepSeek-V2-Lite's 26 MoE layers: the
-    first three computed, the rest found)."""
-    progress = True
-    while progress:  # (a pass conditions every block it can, then elimination runs on: until no block is left)
-        boundaries: set[int] = set()
-        for x in sorted(red.alive - red.keep, key=lambda v: (len(red.costs[v]), v)):
-            if len(red.costs[x]) > _CONDITION_MAX_CANDIDATES:
-                break
-            if x in red.alive and red.adj[x]:
-                boundaries |= _condition(red, x)
-        # (elimination waits for the pass: a block's runs then meet the arrays of the block before it, shared by
-        # identical layers, where elimination would have made new ones at the boundaries)
-        red._eliminate(boundaries & red.alive)
-        progress = bool(boundaries)
-
-
-def _condition(red: _Reducer, x: int) -> set[int]:
-    """Condition on ``x`` (:func:`_condition_all`) where some radius's block has a boundary of two at most: the
-    boundary (empty where it fails, or where the block was a whole part of the problem)."""
-    ball = {x}
-    for _ in _CONDITION_RADII:
-        ball |= {u for v in ball for u in red.adj[v]}
-        touched = ball | {u for v in ball for u in red.adj[v]}
-        # (only the ball's interior is eliminated: a decision with a neighbour outside, the separator between
-        # two layers, stays, and so does the work on its arrays)
-        keep = frozenset(red.alive - {v for v in ball if red.adj[v].keys() <= ball}) | red.keep
-        runs = []
-        for k in range(len(red.costs[x])):
-            run = red.local_copy(touched, keep)
-            run.fix(x, k)
-            runs.append(run)
-            if k == 0:
-                boundary = sorted(v for v in touched & run.alive if _changed(red, run, v))
-                if len(boundary) > 2:
-                    break
-        else:
-            if _merge_runs(red, boundary, runs):
-                return set(boundary)
-    return set()
-
-
-def _changed(red: _Reducer, run: _Reducer, v: int) -> bool:
-    mine, theirs = run.adj[v], red.adj[v]
-    return run.costs[v] is not red.costs[v] or mine.keys() != theirs.keys() or \
-        any(m is not theirs[u] for u, m in mine.items())
-
-
-def _merge_runs(red: _Reducer, boundary: list[int], runs: list[_Reducer]) -> bool:
-    """The block of ``runs`` (one per candidate of the decision conditioned on) as its least cost over
-    ``boundary``: its decisions dropped from ``red``, the least added to the boundary (an edge, a cost or a
-    constant), and the candidate that gives it kept for recovery. False (``red`` unchanged) where a cost is not
-    finite (the difference of two infinities would be no cost)."""
-    empty = np.zeros((0, 0))
-    parts = [(red.constant, *(red.costs[b] for b in boundary),
-              red.adj[boundary[0]].get(boundary[1], empty) if len(boundary) == 2 else empty)]
-    parts += [(run.constant, *(run.costs[b] for b in boundary),
-               run.adj[boundary[0]].get(boundary[1], empty) if len(boundary) == 2 else empty) for run in runs]
-    # (memoised on the arrays: identical layers' blocks give one result, whose further elimination is shared too)
-    least, table = red.op(_block_least, len(boundary), *(a for p in parts for a in p))
-    if least is None:
-        return False
-    for v in red.alive - runs[0].alive:
-        red._drop(v)
-    if len(boundary) == 2:
-        red._add(boundary[0], boundary[1], least)
-    elif len(boundary) == 1:
-        red.costs[boundary[0]] = red.costs[boundary[0]] + least
-    else:
-        red.constant += float(least)
-    red.trail.append(("conditioned", tuple(boundary), table, [run.trail for run in runs]))
-    return True
-
-
-def _block_least(n: int, *flat) -> tuple[np.ndarray | None, np.ndarray | None]:
-    """The least, over the runs, of what each run added to its ``n`` boundary decisions (their costs and the
-    edge between two), and which run gives it; ``flat``: the reducer's (constant, costs..., edge) then each
-    run's. (None, None) where a value is not finite (the difference of two infinities would be no cost)."""
-    width = n + 2
-    before, runs = flat[:width], [flat[i:i + width] for i in range(width, len(flat), width)]
-    values = []
-    for run in runs:
-        value = np.asarray(run[0] - before[0])
-        for i in range(n):
-            shape = [1] * n
-            shape[i] = -1
-            value = value + (run[1 + i] - before[1 + i]).reshape(shape)
-        if n == 2 and run[3].size:  # (an edge the runs made, where there was none: the whole of it is theirs)
-            value = value + (run[3] - (before[3] if before[3].size else 0.0))
-        values.append(value)
-    stack = np.stack(values)
-    if not np.isfinite(stack).all():
-        return None, None
-    return stack.min(axis=0), stack.argmin(axis=0)
 
 
 def _incumbent(red: _Reducer) -> dict[int, int]:
@@ -624,16 +518,18 @@ def _residue_terms(red: _Reducer, alive: list[int], choice: dict[int, int]) -> t
 
 def _unconstrained(costs, edges, time_limit_s: float, interned: dict | None = None) -> Solution:
     start = time.perf_counter()
-    red = _Reducer(costs, edges, interned=interned)
+    # (conditioning may take three quarters of the time: what it leaves, the integer program the rest)
+    red = _Reducer(costs, edges, interned=interned, deadline=start + CONDITION_SHARE * time_limit_s)
     alive = sorted(red.alive)
     choice: dict[int, int] = {}
     optimal, gap, message = True, 0.0, "optimal"
     if alive:
         choice, optimal, gap, message = _incumbent(red), False, float("inf"), "time limit"
-        if time_limit_s > 0:
+        left = start + time_limit_s - time.perf_counter()
+        if left > 0:
             log.info("search: %d decisions of %d left after exact elimination; integer program (limit %.1f s)",
-                     len(alive), len(costs), time_limit_s)
-            choice, optimal, gap, message = _program(red, alive, choice, time_limit_s)
+                     len(alive), len(costs), left)
+            choice, optimal, gap, message = _program(red, alive, choice, left)
         if not optimal:  # the gap in absolute terms: HiGHS's (relative to what it solved) or the simplest bound
             value, bound = _residue_terms(red, alive, choice)
             gap = value - max(bound, value - gap * abs(value) if gap < float("inf") else bound)
@@ -764,7 +660,8 @@ def _budget_program(problem: Problem, weights: list[np.ndarray], limit: float, b
     keep = frozenset(v for v, w in enumerate(weights) if np.ptp(w) > 0) | {x for u, v, _ in varying for x in (u, v)}
     offset = sum(float(w.min()) for v, w in enumerate(weights) if v not in keep) + \
         sum(float(m.min()) for _, _, m in pairs if np.ptp(m) == 0)
-    red = _Reducer(problem.costs, problem.edges, keep=keep, interned=interned)
+    red = _Reducer(problem.costs, problem.edges, keep=keep, interned=interned,
+                   deadline=time.perf_counter() + CONDITION_SHARE * max(deadline - time.perf_counter(), 0.0))
     alive = sorted(red.alive)
     start = dict(enumerate(best.choice))
     choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.0),
