@@ -127,7 +127,7 @@ def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: s
     if request.recompute is True or not groups:
         return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
     if request.policy.recomputes_to_lower_peak:
-        return _least_peak(problem, request, pricing, terms, groups, plan_within)
+        return _least_peak(problem, request, pricing, terms, groups, plan_within, deadline)
     for k in range(1, len(groups) + 1):  # groups by bytes saved per second computed again, until the plan fits
         try:
             plan = _planned(problem, request, pricing, terms, groups[:k], plan_within, k == len(groups) and not kept)
@@ -184,8 +184,9 @@ def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, de
     return plan
 
 
-def _least_peak(problem, request, pricing, terms, groups, plan_within) -> Plan:
-    """Level 1: every group whose recompute lowers the plan's peak (each tried on top of those kept)."""
+def _least_peak(problem, request, pricing, terms, groups, plan_within, deadline: float) -> Plan:
+    """Level 1: every group whose recompute lowers the plan's peak (each tried on top of those kept); past
+    ``deadline``, the groups not tried yet are tried once, all together."""
     def peak(chosen):
         try:
             return _planned(problem, request, pricing, terms, chosen, plan_within, False).cost.peak_bytes
@@ -194,10 +195,13 @@ def _least_peak(problem, request, pricing, terms, groups, plan_within) -> Plan:
             return float("inf") if peak is None else peak
 
     kept, best = [], peak([])
-    for group in groups:
-        trial = peak([*kept, group])
+    for i, group in enumerate(groups):
+        rest = groups[i:] if time.perf_counter() > deadline else [group]
+        trial = peak([*kept, *rest])
         if trial < best * (1 - 1e-3):
-            kept, best = [*kept, group], trial
+            kept, best = [*kept, *rest], trial
+        if len(rest) > 1:
+            break
     return _planned(problem, request, pricing, terms, kept, plan_within, True)
 
 

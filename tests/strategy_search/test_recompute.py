@@ -80,6 +80,33 @@ def test_level_1_recomputes_where_it_lowers_the_peak():
     assert chosen.recompute and chosen.cost.peak_bytes < never.cost.peak_bytes
 
 
+def test_level_1_past_its_time_tries_the_groups_left_once_together(monkeypatch):
+    # (DeepSeek-V3's level 1 had gone on for minutes past the limit: a solve per group, each tens of seconds)
+    from shardfn.strategy_search import recompute
+
+    class TwoKinds(torch.nn.Module):  # two groups of layers (identical layers group together)
+        def __init__(self):
+            super().__init__()
+            self.wide = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(),
+                                                                torch.nn.Linear(64, 16)) for _ in range(2))
+            self.narrow = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                                                  torch.nn.Linear(32, 16)) for _ in range(2))
+
+        def forward(self, x):
+            for layer in [*self.wide, *self.narrow]:
+                x = x + layer(x)
+            return x
+
+    model, x = TwoKinds(), torch.randn(8, 8, 16)
+    solves = []
+    real = recompute._planned
+    monkeypatch.setattr(recompute, "_planned", lambda *a, **k: solves.append(a[4]) or real(*a, **k))
+    monkeypatch.setenv("SHARDFN_SEARCH_TIME_LIMIT", "1e-9")
+    late = sf.explain(model, x, world_size=2, in_strategy=(None,), level=1)
+    assert [len(groups) for groups in solves] == [0, len(solves[1]), len(solves[2])] and len(solves[1]) > 1
+    assert late.recompute  # (recomputing every group lowered the peak: kept)
+
+
 def test_hand_checkpointed_regions_stay_checkpointed_and_are_shown():
     x = torch.randn(8, 16, 16)
     for recompute in (None, False, True):
