@@ -283,12 +283,12 @@ class _Reducer:
         self.drop(v)
         self.eliminate(nbrs)
 
-    def copy(self, trail: bool = True) -> "_Reducer":
+    def copy(self) -> "_Reducer":
         other = object.__new__(_Reducer)
         other.op = self.op
         other.costs = list(self.costs)  # arrays are replaced, never written in place
         other.adj = [dict(a) for a in self.adj]
-        other.trail = list(self.trail) if trail else []
+        other.trail = list(self.trail)
         other.alive = set(self.alive)
         other.keep = self.keep
         other.constant = self.constant
@@ -544,8 +544,8 @@ def _unconstrained(costs, edges, time_limit_s: float, interned: dict | None = No
 
 
 def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
-    """The budget by Lagrangian relaxation (its multiplier grown, then set where its bracket's plans cross), then, where a gap is left, the integer
-    program with the budget row, from the best plan found."""
+    """The budget by Lagrangian relaxation (its multiplier grown, then set where its bracket's plans cross),
+    then, where a gap is left, the integer program with the budget row, from the best plan found."""
     weights, limit = problem.budget
     weights = [np.asarray(w, dtype=float) for w in weights]
     pairs = problem.budget_edges
