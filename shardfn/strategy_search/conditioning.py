@@ -92,11 +92,12 @@ def _merge_runs(red: Reducer, boundary: list[int], runs: list[Reducer]) -> bool:
     constant), and the candidate that gives it kept for recovery. False (``red`` unchanged) where a cost is not
     finite (the difference of two infinities would be no cost)."""
     empty = np.zeros((0, 0))
-    parts = [(red.constant, *(red.costs[b] for b in boundary),
+    parts = [(0.0, *(red.costs[b] for b in boundary),
               red.adj[boundary[0]].get(boundary[1], empty) if len(boundary) == 2 else empty)]
     parts += [(run.constant, *(run.costs[b] for b in boundary),
                run.adj[boundary[0]].get(boundary[1], empty) if len(boundary) == 2 else empty) for run in runs]
-    # (memoised on the arrays: identical layers' blocks give one result, whose further elimination is shared too)
+    # (memoised on the arrays and the runs' own constants: identical layers' blocks give one result, whose
+    # further elimination is shared too)
     least, table = red.op(_block_least, len(boundary), *(a for p in parts for a in p))
     if least is None:
         return False
@@ -114,8 +115,8 @@ def _merge_runs(red: Reducer, boundary: list[int], runs: list[Reducer]) -> bool:
 
 def _block_least(n: int, *flat) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The least, over the runs, of what each run added to its ``n`` boundary decisions (their costs and the
-    edge between two), and which run gives it; ``flat``: the reducer's (constant, costs..., edge) then each
-    run's. (None, None) where a value is not finite (the difference of two infinities would be no cost)."""
+    edge between two) and decided itself (its constant), and which run gives it; ``flat``: the reducer's (0,
+    costs..., edge) then each run's (constant, costs..., edge). (None, None) where a value is not finite (the difference of two infinities would be no cost)."""
     width = n + 2
     before, runs = flat[:width], [flat[i:i + width] for i in range(width, len(flat), width)]
     values = []

@@ -296,13 +296,13 @@ class _Reducer:
 
     def local_copy(self, touched: set[int], keep: frozenset[int]) -> "_Reducer":
         """A copy whose eliminations may touch only ``touched`` (the others' adjacency shared, not copied), with
-        an empty trail and ``keep`` never eliminated."""
+        an empty trail, a constant of its own decisions only, and ``keep`` never eliminated."""
         other = object.__new__(_Reducer)
         other.op, other.costs, other.trail, other.keep = self.op, list(self.costs), [], keep
         other.adj = list(self.adj)
         for v in touched:
             other.adj[v] = dict(self.adj[v])
-        other.alive, other.constant = set(self.alive), self.constant
+        other.alive, other.constant = set(self.alive), 0.0
         return other
 
     def recover(self, choice: dict[int, int]) -> None:
