@@ -128,6 +128,9 @@ class Compiled:
     # a program for every size: the same, leaving parameters' gradients pending for one bucketed reduction at
     # the end of an interpreted call's backward (call.sizes); made on first use
     synced_once: ParallelProgram | None = None
+    # a program for every size on real ranks: the same traced once with its dynamic dims as symbols (made on first
+    # use; call.sizes)
+    traced: ParallelProgram | None = None
 
     @property
     def captured(self) -> CapturedGraph:

@@ -66,8 +66,14 @@ def _at_these_sizes(engine, compiled: Compiled, key: tuple, args, kwargs) -> Com
     here = compiled if alone(engine.ranks()) else \
         dataclasses.replace(compiled, agreement=call_agreement(engine, key, args, kwargs))
     mesh = compiled.program.mesh
-    if runtime.is_simulated() or (mesh.size() == 1 and not use_inductor(mesh.device_type)) \
-            or not engine.programs.trace_now(compiled, key):
+    if runtime.is_simulated() or (mesh.size() == 1 and not use_inductor(mesh.device_type)):
+        return _synced_once(engine, compiled, here)
+    if not use_inductor(mesh.device_type):  # one trace with the dims as symbols, unless it failed
+        if compiled.traced is None:
+            compiled.traced = compiled.program.traced_for_every_size()
+        if compiled.traced.trace_failed is None:
+            return dataclasses.replace(here, program=compiled.traced)
+    if not engine.programs.trace_now(compiled, key):
         return _synced_once(engine, compiled, here)
     here = dataclasses.replace(here, program=compiled.program.traced_at_these_sizes())
     engine.programs[key] = here

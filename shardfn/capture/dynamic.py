@@ -11,6 +11,7 @@ on :func:`planning_graph`: the same graph at the sizes it was traced for (the hi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -23,7 +24,12 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 from .. import _pytree_internals as pytree
 from ._fake_internals import FakeTensorMode, constant_source, functional_tensors
 
-__all__ = ["DynamicDims", "planning_graph", "symbolic_input"]
+__all__ = ["DynamicDims", "SymbolicBindings", "planning_graph", "symbolic_input"]
+
+
+class SymbolicBindings(dict):
+    """The symbols' values as the sizes of a trace (SymInts of exec's trace for every size): every size computed
+    from them stays symbolic in that trace, none read as a number."""
 
 
 @dataclass
@@ -46,8 +52,12 @@ class DynamicDims:
         return tuple(out)
 
     def bindings(self, shapes: dict[int, tuple[int, ...]]) -> dict[sympy.Symbol, int]:
-        """The symbols' values for a call whose graph inputs have the global ``shapes`` (by position)."""
-        return {symbol: int(shapes[position][d]) for position, dims in self.dims.items() for d, symbol in dims.items()}
+        """The symbols' values for a call whose graph inputs have the global ``shapes`` (by position); where those
+        are symbolic (a trace's), :class:`SymbolicBindings`."""
+        values = {symbol: shapes[position][d] for position, dims in self.dims.items() for d, symbol in dims.items()}
+        if any(isinstance(v, torch.SymInt) for v in values.values()):
+            return SymbolicBindings(values)
+        return {symbol: int(v) for symbol, v in values.items()}
 
     def rejects(self, bindings: dict[sympy.Symbol, int]) -> str | None:
         """Why the graph does not hold for these sizes (a guard fn's Python relied on, a symbol's range), or None."""
@@ -79,6 +89,8 @@ class DynamicDims:
         """A size (int or SymInt) at these bindings."""
         if isinstance(s, torch.SymInt):
             expr = s.node.expr
+            if isinstance(bindings, SymbolicBindings):
+                return _symbolic_size(expr)(bindings)
             compute = self._sizes.get(expr)
             if compute is None:  # (compiled once: an interpreted call asks for every value's shape)
                 compute = self._sizes[expr] = _size_of(expr)
@@ -94,6 +106,23 @@ class DynamicDims:
 # the integer functions torch's size expressions use, as Python computes them (sizes are never negative)
 _PYTHON = {"FloorDiv": operator.floordiv, "CleanDiv": operator.floordiv, "PythonMod": operator.mod,
            "Mod": operator.mod, "Max": max, "Min": min}
+
+
+# the same, on a trace's SymInts: a maximum or minimum stays symbolic (Python's max would guard on a comparison)
+_SYMBOLIC = {**_PYTHON, "Max": torch.sym_max, "Min": torch.sym_min}
+
+
+@functools.lru_cache(maxsize=4096)
+def _symbolic_size(expr: sympy.Basic) -> Callable[[SymbolicBindings], Any]:
+    """A size expression computed from symbolic values (a trace's SymInts), as the trace records it."""
+    if expr.is_Integer:
+        value = int(expr)
+        return lambda bindings: value
+    if expr.is_Symbol:
+        return lambda bindings: bindings[expr]
+    symbols = sorted(expr.free_symbols, key=str)
+    compiled = sympy.lambdify(symbols, expr, modules=[_SYMBOLIC, "math"])
+    return lambda bindings: compiled(*(bindings[s] for s in symbols))
 
 
 def _check_of(expr: sympy.Basic) -> Callable[[dict], bool]:

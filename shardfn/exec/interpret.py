@@ -41,6 +41,7 @@ class Interpreter:
         self.cast_where_read: set[int] = set()
         self.n_params = sum(gi.kind == "param" for gi in captured.inputs)
         self.on_pieces = True  # (off while AOTAutograd traces the per-rank graphs: exec.traced)
+        self.sizes_traced = False  # (on while it traces them with symbolic sizes)
         self.shared: dict | None = None  # (run)
         self.layouts_now: dict | None = None
         # DTensor keeps a masked sum's mask in one buffer that every equal placement shares (and compares a new mask
@@ -129,7 +130,8 @@ class Interpreter:
         # the pieces of this call's values, shared by their readers (not where the graph writes in place: a
         # value written is read afterwards through its new autograd history)
         self.shared = None if self.written or not self.on_pieces else {}
-        self.layouts_now = {} if self.on_pieces else None  # the layouts of this call's values (from_local)
+        # the layouts of this call's values (from_local); none kept in a trace of symbolic sizes (unhashable)
+        self.layouts_now = {} if self.on_pieces and not self.sizes_traced else None
         try:
             return self._run(inputs, constants)
         finally:

@@ -48,8 +48,10 @@ class ParallelProgram:
     DTensors, in the order of ``plan.inputs``); returns the flat tensor outputs: DTensors where
     ``plan.returns_dtensor`` says so, else plain local tensors (a whole value, or this rank's batch slice)."""
 
-    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, traced: bool):
+    def __init__(self, captured: CapturedGraph, plan: Plan, mesh: DeviceMesh, traced: bool, symbolic: bool = False):
         self.captured, self.plan, self.mesh, self.name = captured, plan, mesh, plan.name
+        # traced once for every size of the dynamic dims (exec.for_every_size), not at one call's sizes
+        self.symbolic = traced and symbolic
         # a mixed precision policy (config.Precision; the graph was captured in its param_dtype): exec.precision
         self.precision, self.casts = plan.precision, Casts(plan.precision)
         # gradients left pending (plan.pending: accumulation without sync, a stage-2 sharded optimizer's): a
@@ -69,7 +71,7 @@ class ParallelProgram:
         # a program for every size of some dims (capture.dynamic): the symbols' values of the running call, from
         # which every value's shape at this call's sizes follows
         self.dynamic = captured.dynamic
-        self._bindings: dict = {}
+        self.bindings: dict = {}
         # (a world of one runs the graph on whole tensors: only DTensor outputs need their sizes)
         self._reads_sizes = self.dynamic is not None and (mesh.size() > 1 or any(self.as_dtensor))
         # the graph's constant tensors (made inside fn, or read from outside it): extra inputs of the traced
@@ -87,9 +89,9 @@ class ParallelProgram:
         # a world of one runs the captured graph itself: untraced, with its ops called through torch's bindings
         self._whole_graph = captured.gm if traced or mesh.size() > 1 else direct_calls(captured.gm)
         if traced:  # traced into forward/backward graphs; whether a call can run them directly: after the first
-            self._run, self._graph_step = traced_program(self, step), None
+            self._run, self._graph_step = traced_program(self, step), False if self.symbolic else None
         else:
-            self._run, self._graph_step = (self.whole_step if mesh.size() == 1 else self._interpreted), False
+            self._run, self._graph_step = (self.whole_step if mesh.size() == 1 else self.interpreted), False
         self._locals: list[torch.Tensor] = []
         self.layouts: list = []  # the parameters' layouts as their local tensors were read (parameter_locals)
         self._locals_of: list[DTensor] = []
@@ -135,16 +137,16 @@ class ParallelProgram:
 
     def _at_sizes(self, val: Any) -> Any:
         """A node's value as at this call's sizes."""
-        return val if self.dynamic is None else self.dynamic.concrete(val, self._bindings)
+        return val if self.dynamic is None else self.dynamic.concrete(val, self.bindings)
 
     def _global_shape(self, i: int, e) -> torch.Size:
         """Input ``i``'s global shape in this call."""
         if self.dynamic is None or i not in self.dynamic.dims:
             return torch.Size(e.shape)
         symbolic = self.captured.placeholders[i].meta["val"].shape
-        return torch.Size(self.dynamic.size(s, self._bindings) for s in symbolic)
+        return torch.Size(self.dynamic.size(s, self.bindings) for s in symbolic)
 
-    def _global_shapes(self, args) -> dict[int, tuple[int, ...]]:
+    def global_shapes(self, args) -> dict[int, tuple[int, ...]]:
         """The global shapes of the inputs with dynamic dims, from the call's arguments (a DTensor's own; a
         plain tensor's held split undone)."""
         shapes = {}
@@ -164,19 +166,25 @@ class ParallelProgram:
         """Why this program does not serve a call with these argument tensors (the graph's inputs after the
         parameters and buffers), or None."""
         n_state = len(self.entries) - len(args)
-        bindings = self.dynamic.bindings(self._global_shapes([None] * n_state + list(args)))
+        bindings = self.dynamic.bindings(self.global_shapes([None] * n_state + list(args)))
         return self.dynamic.rejects(bindings)
 
     def traced_at_these_sizes(self) -> ParallelProgram:
         """This program for every size, traced into local graphs at the sizes of its first call (real ranks
-        trace a size met again: shardfn.call.programs)."""
+        trace a size met again where the trace for every size failed: shardfn.call.sizes)."""
         return ParallelProgram(self.captured, self.plan, self.mesh, traced=True)
 
+    def traced_for_every_size(self) -> ParallelProgram:
+        """This program for every size, traced once into local graphs whose dynamic dims are symbols
+        (exec.for_every_size); a call whose sizes that trace's guards reject runs interpreted."""
+        return ParallelProgram(self.captured, self.plan, self.mesh, traced=True, symbolic=True)
 
+    @property
+    def trace_failed(self) -> str | None:
+        """Why this program's trace for every size failed (every call then runs interpreted), or None."""
+        return self._run.failed if self.symbolic else None
 
-
-
-    def _interpreted(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
+    def interpreted(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
         """The program interpreted over DTensors (simulated worlds). With gradients, its backward runs inside
         this program too (:class:`_Backward`), where DTensor may take plain tensors as replicated."""
         if torch.is_grad_enabled() and any(x.requires_grad for x in locals_):
@@ -216,7 +224,7 @@ class ParallelProgram:
         # parameters (first in entries) have the layout the plan gave them: their layouts are known
         n_params = self.n_params
         if self._reads_sizes:  # the symbols' values in this call (a traced program: the ones it holds)
-            self._bindings = self.dynamic.bindings(self._global_shapes(args))
+            self.bindings = self.dynamic.bindings(self.global_shapes(args))
         if self._graph_step is None and "backward" in self.graphs:
             self._graph_step = direct_graphs(self)
         if self._graph_step and torch.is_grad_enabled() and not any(

@@ -45,6 +45,12 @@ def _node_value(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
+def _sized(val) -> bool:
+    """Whether a value's size is a number: a graph traced for every size of some dims (exec.traced.ForEverySize)
+    fuses into its buckets only what has one, a bucket being one buffer of a fixed size."""
+    return isinstance(val, torch.Tensor) and isinstance(val.numel(), int)
+
+
 def _same_shape(node: torch.fx.Node) -> bool:
     a, b = _node_value(node.args[0]), _node_value(node)
     return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape \
@@ -325,6 +331,7 @@ def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -
         return min(returned.index(x) for x in [wait, *tails[n]] if x in out.args[0])
 
     found.sort(key=lambda n: -handed_back(n))  # the input whose gradient it is, last first
+    found = [n for n in found if _sized(_node_value(n.args[0]))]
     vals = [_node_value(n.args[0]) for n in found]
     gradient = [all(t.target in _GRADIENT_TAIL for t in tails[n]) for n in found]
     numbers = _bucket_numbers([((n.args[2], v.dtype), v.numel() * v.element_size()) for n, v in zip(found, vals)],
@@ -406,7 +413,8 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int) -> None:
     FSDP2 gathers a block's parameters so, in one collective: one per parameter costs a collective's latency
     each (on gloo, milliseconds)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    found = sorted((n for n in graph.nodes if _gathered_input(n)), key=lambda n: order[next(iter(n.users))])
+    found = sorted((n for n in graph.nodes if _gathered_input(n) and _sized(_node_value(n))),
+                   key=lambda n: order[next(iter(n.users))])
     vals = [_node_value(n) for n in found]
     numbers = assign_buckets([((n.args[1], n.args[2], v.dtype), v.numel() * v.element_size())
                               for n, v in zip(found, vals)], limit)
@@ -463,7 +471,7 @@ def _fuse_reduce_scatters(graph: torch.fx.Graph, limit: int) -> None:
     the order the gradients are ready: one each, launched where the bucket's last gradient is ready, each
     gradient a view of its piece of the result (as FSDP2 reduce-scatters a block's gradients at once)."""
     out = next(n for n in graph.nodes if n.op == "output")
-    found = [n for n in graph.nodes if _scattered_for_output(n, out)]
+    found = [n for n in graph.nodes if _scattered_for_output(n, out) and _sized(_node_value(n.args[0]))]
     vals = [_node_value(n.args[0]) for n in found]
     numbers = assign_buckets([((n.args[2], n.args[3], v.dtype), v.numel() * v.element_size())
                               for n, v in zip(found, vals)], limit)

@@ -16,6 +16,7 @@ from ._graph_internals import boxed_graph, keeping_annotations
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
 from .direct_calls import direct_calls
+from .for_every_size import ForEverySize
 from .gate import gate
 from .passes import recompute_checkpointed, regather_in_backward, simplify
 from .replay import replayed
@@ -125,19 +126,29 @@ def traced_program(program, step: Callable) -> Callable:
         with keeping_annotations():
             return step(*args)
 
-    def through_dtensor(*args):
-        # the traced per-rank graphs are DTensor's dispatch as traced (their collectives and strides as
-        # proven on every release); ops on pieces are for the interpreted calls, which pay DTensor's
-        # propagation on every call
-        program.interpreter.on_pieces = False
+    def per_rank(*args):
+        # at one call's sizes the traced graphs are DTensor's dispatch as traced (their collectives and strides
+        # as proven on every release); for every size, the ops on pieces of the interpreted calls, their sizes
+        # computed inside the trace from the capture's symbols (program.bindings: the trace's sizes), where
+        # DTensor's propagation computes sizes outside it (torch then records a size made from such a size as
+        # its own input: a RecursionError)
+        interpreter, running = program.interpreter, program.bindings
+        if program.symbolic:
+            program.bindings = program.dynamic.bindings(program.global_shapes(args))
+            interpreter.sizes_traced = True
+        else:
+            interpreter.on_pieces = False
         try:
             return (traced if program._checkpointed else step)(*args)
         finally:
-            program.interpreter.on_pieces = True
+            interpreter.on_pieces, interpreter.sizes_traced, program.bindings = True, False, running
 
-    return aot_function(through_dtensor, fw_compiler=keep("forward"),
-                        bw_compiler=keep("backward"), inference_compiler=keep("forward", inference=True),
-                        partition_fn=partition, decompositions=decompositions)
+    compilers = dict(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                     inference_compiler=keep("forward", inference=True), partition_fn=partition,
+                     decompositions=decompositions)
+    if program.symbolic:
+        return ForEverySize(per_rank, program.dynamic.dims, compilers, fallback=program.interpreted)
+    return aot_function(per_rank, **compilers)
 
 
 def direct_graphs(program) -> bool:

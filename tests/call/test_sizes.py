@@ -139,24 +139,66 @@ def test_a_bad_dynamic_setting_names_the_argument(bad):
         sf.shard(lambda x: x, in_strategy=(None,), dynamic=bad)
 
 
-def _data_parallel_body():
+def _for_every_size(model):
+    """The program for every size of the model's one structure, traced on real ranks: why its trace failed
+    (None), and how many sizes' calls its graphs served."""
+    (compiled,) = sf.engine_of(model).programs.for_every_size.values()
+    traced = compiled.traced
+    return traced.trace_failed, sorted(traced.graphs), len(traced._run._verdicts)
+
+
+def _data_parallel_body(lengths):
     reference = _gpt2()
     model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), dataset_strategy="data_parallel")
     rank = dist.get_rank()
-    # 13 makes the program for every length (run interpreted); met again, its second call (SHARDFN_TRACE_AFTER=2
-    # here) runs traced from that program
-    os.environ["SHARDFN_TRACE_AFTER"] = "2"
-    try:
-        _steps(model, reference, lambda ids: ids[2 * rank: 2 * rank + 2], lambda loss: [loss.detach()],
-               lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1, LENGTHS[:2] + (13,))
-    finally:
-        del os.environ["SHARDFN_TRACE_AFTER"]
-    return _captures(model), len(sf.engine_of(model).programs)
+    _steps(model, reference, lambda ids: ids[2 * rank: 2 * rank + 2], lambda loss: [loss.detach()],
+           lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1, lengths)
+    return _captures(model), len(sf.engine_of(model).programs), _for_every_size(model)
 
 
 def test_data_parallel_steps_of_changing_length_on_real_ranks(gloo4):
-    # two captures; traced programs for the first length and for 13, met twice
-    assert gloo4.run(_data_parallel_body) == [(2, 2)] * 4
+    # the first length's program; at the second (13), the program for every length, traced once with the length
+    # as a symbol: every later length runs its graphs (no program, capture or trace of its own), as eager
+    lengths = LENGTHS + (21, 13, 40)
+    served = len(set(lengths[1:]))
+    assert gloo4.run(_data_parallel_body, lengths) == [(2, 1, (None, ["backward", "forward"], served))] * 4
+
+
+def _tensor_parallel_body(lengths):
+    spec = MODELS["llama"]
+    torch.manual_seed(0)
+    reference = spec.make()
+    plan = {k: v for i in range(2) for k, v in megatron(spec, WORLD, f"model.layers.{i}.").items()}
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=plan)
+    _steps(model, reference, lambda ids: ids, lambda loss: [loss.detach()],
+           lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g, 1, lengths)
+    return _captures(model), _for_every_size(model)[0]
+
+
+def test_tensor_parallel_steps_of_changing_length_on_real_ranks(gloo4):
+    # a Megatron plan's program for every length, traced once on real ranks, at every length as eager
+    assert gloo4.run(_tensor_parallel_body, LENGTHS) == [(2, None)] * 4
+
+
+def test_a_size_the_trace_assumed_otherwise_runs_interpreted():
+    # the trace for every size records what its sizes were assumed to be (here, an even length: a branch on it);
+    # a call of another size runs the fallback, and the verdict is kept per sizes
+    from functorch.compile import make_boxed_func
+
+    from shardfn.exec.for_every_size import ForEverySize
+
+    def fn(x):
+        return [x * 2 if x.shape[1] % 2 == 0 else x * 3]
+
+    fallen = []
+    compiler = lambda gm, example_inputs: make_boxed_func(gm.forward)  # noqa: E731
+    traced = ForEverySize(fn, {0: (1,)}, dict(fw_compiler=compiler, bw_compiler=compiler),
+                          fallback=lambda x: fallen.append(x.shape[1]) or [x * 5])
+    for length in (4, 6, 7, 8, 9):
+        x = torch.ones(2, length)
+        torch.testing.assert_close(traced(x)[0], x * (5 if length % 2 else 2))
+    assert traced.failed is None and fallen == [7, 9]
+    assert traced.rejects([torch.ones(2, 7)]) and not traced.rejects([torch.ones(2, 10)])
 
 
 def test_a_size_is_traced_at_its_sixteenth_call_by_default(monkeypatch):
