@@ -40,7 +40,7 @@ class Interpreter:
         # call's parameters as the program entered them
         self.cast_where_read: set[int] = set()
         self.n_params = sum(gi.kind == "param" for gi in captured.inputs)
-        self.on_pieces = True  # (off while AOTAutograd traces the per-rank graphs: exec.traced)
+        self.on_pieces = True  # (off while AOTAutograd traces the per-rank graphs at one size: exec.traced)
         self.sizes_traced = False  # (on while it traces them with symbolic sizes)
         self.shared: dict | None = None  # (run)
         self.layouts_now: dict | None = None

@@ -24,6 +24,7 @@ import collections
 import functools
 import logging
 import operator
+from typing import Any
 
 import torch
 import torch.fx
@@ -43,6 +44,13 @@ _DROPPABLE_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.alias.def
 
 def _node_value(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+
+
+def _nbytes(val: torch.Tensor) -> int:
+    """A value's bytes; where its size is symbolic (a graph traced for every size), at the size it was traced at:
+    buckets are assigned once, and a comparison of symbolic sizes would add to what the trace assumes."""
+    numel = val.numel()
+    return (numel if isinstance(numel, int) else numel.node.hint) * val.element_size()
 
 
 def _sized(val) -> bool:
@@ -331,17 +339,16 @@ def _fuse_reductions(graph: torch.fx.Graph, limit: int, in_place: bool = True) -
         return min(returned.index(x) for x in [wait, *tails[n]] if x in out.args[0])
 
     found.sort(key=lambda n: -handed_back(n))  # the input whose gradient it is, last first
-    found = [n for n in found if _sized(_node_value(n.args[0]))]
     vals = [_node_value(n.args[0]) for n in found]
     gradient = [all(t.target in _GRADIENT_TAIL for t in tails[n]) for n in found]
-    numbers = _bucket_numbers([((n.args[2], v.dtype), v.numel() * v.element_size()) for n, v in zip(found, vals)],
+    numbers = _bucket_numbers([((n.args[2], v.dtype), _nbytes(v)) for n, v in zip(found, vals)],
                               gradient, limit)
     order = {n: i for i, n in enumerate(graph.nodes)}
     fused = []
     for number in set(numbers):
         bucket = sorted((n for n, k in zip(found, numbers) if k == number), key=order.__getitem__)
         if len(bucket) > 1:
-            fused.append(sorted(v.numel() * v.element_size() for n, v, g, k in zip(found, vals, gradient, numbers)
+            fused.append(sorted(_nbytes(v) for n, v, g, k in zip(found, vals, gradient, numbers)
                                 if g and k == number))
             _fuse(graph, bucket, in_place, [t for n in bucket for t in tails[n]])
     return [b for b in fused if len(b) > 1]
@@ -522,23 +529,36 @@ def _meta(shape, dtype) -> torch.Tensor:
 
 
 class _KeptBuffer:
-    """A graph op with no inputs returning a flat buffer for a bucket, the same one on every call while nothing
-    else holds it (as DDP keeps its buckets): a fresh buffer of megabytes each step costs its page faults again
-    on the CPU (a 25 MB concatenation ~4x slower than into a buffer in use). The bucket's gradients leave the
-    graph as views of it, so it is free again once they are released (``zero_grad()``, or autograd consuming
-    them); while any is alive (gradients accumulated over calls, ``zero_grad(set_to_none=False)``), a call takes
-    a new buffer, and keeps that one."""
+    """A graph op returning a flat buffer of ``numel`` elements for a bucket, the same one on every call while
+    nothing else holds it and the size is the same (as DDP keeps its buckets): a fresh buffer of megabytes each
+    step costs its page faults again on the CPU (a 25 MB concatenation ~4x slower than into a buffer in use). The
+    bucket's gradients leave the graph as views of it, so it is free again once they are released
+    (``zero_grad()``, or autograd consuming them); while any is alive (gradients accumulated over calls,
+    ``zero_grad(set_to_none=False)``), a call takes a new buffer, and keeps that one. ``numel`` is the graph's to
+    give: a graph traced for every size computes a bucket's size at each call."""
 
     __name__ = "kept_buffer"  # what the graph's code calls it
 
-    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
-        self.numel, self.dtype, self.device = numel, dtype, device
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
         self.buffer: torch.Tensor | None = None
 
-    def __call__(self) -> torch.Tensor:
-        if self.buffer is None or held_elsewhere(self.buffer):
-            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+    def __call__(self, numel: int) -> torch.Tensor:
+        if self.buffer is None or self.buffer.numel() != numel or held_elsewhere(self.buffer):
+            self.buffer = torch.empty(numel, dtype=self.dtype, device=self.device)
         return self.buffer
+
+
+def _sizes_of(graph: torch.fx.Graph, node: torch.fx.Node, val: torch.Tensor) -> tuple[Any, list]:
+    """``node``'s number of elements and shape as graph arguments: numbers, or (a graph traced for every size)
+    nodes that read a symbolic size off the value at each call."""
+    def size(d):
+        n = val.shape[d]
+        return n if isinstance(n, int) else _add(graph, aten.sym_size.int, (node, d), n)
+
+    numel = val.numel()
+    return (numel if isinstance(numel, int) else _add(graph, aten.sym_numel.default, (node,), numel)), \
+        [size(d) for d in range(val.dim())]
 
 
 def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool,
@@ -546,30 +566,35 @@ def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool,
     """One all-reduce for the gradients of ``bucket``: concatenated, reduced, each gradient a view of its piece.
     ``in_place``: concatenated into a :class:`_KeptBuffer` and reduced there (functional, for Inductor: into a
     new buffer). ``tail``: ops that read the reduced values (only leading to the outputs), moved after the
-    pieces where they stood before them."""
+    pieces where they stood before them. A symbolic size (a graph traced for every size) is read at each call."""
     vals = [_node_value(n.args[0]) for n in bucket]
     dtype, group = vals[0].dtype, bucket[0].args[2]
-    sizes = [v.numel() for v in vals]
 
     add = functools.partial(_add, graph)
-
-    whole = _meta((sum(sizes),), dtype)
     with graph.inserting_before(bucket[-1]):
-        flat = [add(aten.reshape.default, (n.args[0], [-1]), _meta((k,), dtype)) for n, k in zip(bucket, sizes)]
+        sizes, shapes = zip(*(_sizes_of(graph, n.args[0], v) for n, v in zip(bucket, vals)))
+        total = sum(v.numel() for v in vals)
+        if isinstance(total, int):
+            flats, whole = [_meta((v.numel(),), dtype) for v in vals], _meta((total,), dtype)
+        else:  # (the values' own fake tensors give the symbolic sizes' descriptions)
+            flats = [v.reshape(-1) for v in vals]
+            whole = torch.cat(flats)
+            total = functools.reduce(lambda a, b: add(operator.add, (a, b), None), sizes)
+        flat = [add(aten.reshape.default, (n.args[0], [-1]), f) for n, f in zip(bucket, flats)]
         if in_place:
-            kept = add(_KeptBuffer(sum(sizes), dtype, vals[0].device), (), whole)
+            kept = add(_KeptBuffer(dtype, vals[0].device), (total,), whole)
             joined = add(aten.cat.out, (flat,), whole, {"out": kept})
             reduced = add(_c10d.all_reduce_.default, (joined, "sum", group), whole)
         else:
             joined = add(aten.cat.default, (flat,), whole)
             reduced = add(_c10d.all_reduce.default, (joined, "sum", group), whole)
         waited = add(_c10d.wait_tensor.default, (reduced,), whole)
-        parts = add(aten.split_with_sizes.default, (waited, sizes), [_meta((k,), dtype) for k in sizes])
-        for i, (n, v) in enumerate(zip(bucket, vals)):
-            piece = add(operator.getitem, (parts, i), parts.meta["val"][i])
+        parts = add(aten.split_with_sizes.default, (waited, list(sizes)), flats)
+        for i, (n, v, shape) in enumerate(zip(bucket, vals, shapes)):
+            piece = add(operator.getitem, (parts, i), flats[i])
             (old_wait,) = n.users
-            old_wait.replace_all_uses_with(add(aten.view.default, (piece, list(v.shape)), _meta(tuple(v.shape),
-                                                                                               dtype)))
+            old_wait.replace_all_uses_with(add(aten.view.default, (piece, shape),
+                                               v if not isinstance(total, int) else _meta(tuple(v.shape), dtype)))
     order = {n: i for i, n in enumerate(graph.nodes)}
     anchor = bucket[-1].prev  # the last piece's view
     end = order[anchor]

@@ -141,10 +141,12 @@ def test_a_bad_dynamic_setting_names_the_argument(bad):
 
 def _for_every_size(model):
     """The program for every size of the model's one structure, traced on real ranks: why its trace failed
-    (None), and how many sizes' calls its graphs served."""
+    (None), its graphs, how many sizes' calls they served, and its backward's all-reduces."""
     (compiled,) = sf.engine_of(model).programs.for_every_size.values()
     traced = compiled.traced
-    return traced.trace_failed, sorted(traced.graphs), len(traced._run._verdicts)
+    backward = traced.graphs.get("backward")
+    reductions = backward and sum("all_reduce" in str(n.target) for n in backward.graph.nodes)
+    return traced.trace_failed, sorted(traced.graphs), len(traced._run._verdicts), reductions
 
 
 def _data_parallel_body(lengths):
@@ -158,10 +160,11 @@ def _data_parallel_body(lengths):
 
 def test_data_parallel_steps_of_changing_length_on_real_ranks(gloo4):
     # the first length's program; at the second (13), the program for every length, traced once with the length
-    # as a symbol: every later length runs its graphs (no program, capture or trace of its own), as eager
+    # as a symbol: every later length runs its graphs (no program, capture or trace of its own), as eager; its
+    # gradients reduced in one bucket, the position embedding's rows (a length long) among them
     lengths = LENGTHS + (21, 13, 40)
     served = len(set(lengths[1:]))
-    assert gloo4.run(_data_parallel_body, lengths) == [(2, 1, (None, ["backward", "forward"], served))] * 4
+    assert gloo4.run(_data_parallel_body, lengths) == [(2, 1, (None, ["backward", "forward"], served, 1))] * 4
 
 
 def _tensor_parallel_body(lengths):
