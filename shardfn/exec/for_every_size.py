@@ -54,7 +54,9 @@ class ForEverySize:
         shape_env, code = self._guards
         if code is None or shape_env.evaluate_guards_expression(code, list(args)):
             return None
-        return f"its trace for every size assumed {code}"
+        why = f"its trace for every size assumed {code}"
+        _log.info("shardfn: calls of these sizes run interpreted: %s", why)
+        return why
 
     def __call__(self, *args) -> Any:
         if self.compiled is None and self.failed is None:

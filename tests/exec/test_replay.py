@@ -65,9 +65,11 @@ def _graph(nbytes=0, viewed=0):
 def _decode(run, w, cache, steps, tokens=None):
     """generate()'s loop: a new token every call, the weight updated in place now and then, the cache written
     back in place (as AOTAutograd writes a mutated input back); each call's outputs against the code's own."""
-    outs = []
+    outs, made = [], []
     for step in range(steps):
         token = torch.randn(1, 4) if tokens is None else tokens(step)
+        if tokens is None:  # each token at an address of its own (freed, the next may land where it lay: then it
+            made.append(token)  # reads as static, as an allocator's block does; the tests that want that say so)
         if step == 3:
             w.mul_(2)  # an optimizer's step between calls: read where it lies
         want = _code([w, cache.clone(), token])
