@@ -70,12 +70,12 @@ def _at_these_sizes(engine, compiled: Compiled, key: tuple, args, kwargs) -> Com
         return _synced_once(engine, compiled, here)
     if not use_inductor(mesh.device_type):  # one trace with the dims as symbols, unless it failed
         if compiled.traced is None:
-            compiled.traced = compiled.program.traced_for_every_size()
-        if compiled.traced.trace_failed is None:
+            compiled.traced = compiled.program.traced(for_every_size=True)
+        if compiled.traced.for_every_size.failed is None:
             return dataclasses.replace(here, program=compiled.traced)
     if not engine.programs.trace_now(compiled, key):
         return _synced_once(engine, compiled, here)
-    here = dataclasses.replace(here, program=compiled.program.traced_at_these_sizes())
+    here = dataclasses.replace(here, program=compiled.program.traced(for_every_size=False))
     engine.programs[key] = here
     return here
 

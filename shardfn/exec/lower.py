@@ -92,6 +92,8 @@ class ParallelProgram:
             self._run, self._graph_step = traced_program(self, step), False if self.symbolic else None
         else:
             self._run, self._graph_step = (self.whole_step if mesh.size() == 1 else self.interpreted), False
+        # (traced for every size: its trace, whose ``failed`` says why calls run interpreted, if they do)
+        self.for_every_size = self._run if self.symbolic else None
         self._locals: list[torch.Tensor] = []
         self.layouts: list = []  # the parameters' layouts as their local tensors were read (parameter_locals)
         self._locals_of: list[DTensor] = []
@@ -169,20 +171,11 @@ class ParallelProgram:
         bindings = self.dynamic.bindings(self.global_shapes([None] * n_state + list(args)))
         return self.dynamic.rejects(bindings)
 
-    def traced_at_these_sizes(self) -> ParallelProgram:
-        """This program for every size, traced into local graphs at the sizes of its first call (real ranks
-        trace a size met again where the trace for every size failed: shardfn.call.sizes)."""
-        return ParallelProgram(self.captured, self.plan, self.mesh, traced=True)
-
-    def traced_for_every_size(self) -> ParallelProgram:
-        """This program for every size, traced once into local graphs whose dynamic dims are symbols
-        (exec.for_every_size); a call whose sizes that trace's guards reject runs interpreted."""
-        return ParallelProgram(self.captured, self.plan, self.mesh, traced=True, symbolic=True)
-
-    @property
-    def trace_failed(self) -> str | None:
-        """Why this program's trace for every size failed (every call then runs interpreted), or None."""
-        return self._run.failed if self.symbolic else None
+    def traced(self, for_every_size: bool) -> ParallelProgram:
+        """This program for every size traced into local graphs: once, its dynamic dims as symbols
+        (exec.for_every_size; a call whose sizes that trace's guards reject runs interpreted), or at the sizes of
+        its first call (real ranks trace a size met again where the former failed: shardfn.call.sizes)."""
+        return ParallelProgram(self.captured, self.plan, self.mesh, traced=True, symbolic=for_every_size)
 
     def interpreted(self, *locals_: torch.Tensor) -> list[torch.Tensor]:
         """The program interpreted over DTensors (simulated worlds). With gradients, its backward runs inside
@@ -190,7 +183,6 @@ class ParallelProgram:
         if torch.is_grad_enabled() and any(x.requires_grad for x in locals_):
             return list(_Backward.apply(self.local_step, *locals_))
         return self.local_step(*locals_)
-
 
     def parameter_locals(self, params) -> list[torch.Tensor]:
         """The parameters' local tensors, kept between calls: a parameter updated in place (optimizer steps,
@@ -398,7 +390,7 @@ def lower(captured: CapturedGraph, plan: Plan, mesh: DeviceMesh) -> ParallelProg
     """The program that runs ``plan`` (made for ``captured``) on this rank of ``mesh``. On real process groups
     it is traced into local forward/backward graphs on its first call; in a simulated world, and for a program
     for every size (whose traced graphs would hold one size), it is interpreted over DTensors on every call
-    (``ParallelProgram.traced_at_these_sizes``: one traced at the sizes of a call)."""
+    (``ParallelProgram.traced``: one traced for every size, or at the sizes of a call)."""
     keep_linalg_error_checks()
     traced = local_tensor_mode() is None and captured.dynamic is None
     return ParallelProgram(captured, plan, mesh, traced)

@@ -146,7 +146,7 @@ def _for_every_size(model):
     traced = compiled.traced
     backward = traced.graphs.get("backward")
     reductions = backward and sum("all_reduce" in str(n.target) for n in backward.graph.nodes)
-    return traced.trace_failed, sorted(traced.graphs), len(traced._run._verdicts), reductions
+    return traced.for_every_size.failed, sorted(traced.graphs), len(traced.for_every_size._verdicts), reductions
 
 
 def _data_parallel_body(lengths):
