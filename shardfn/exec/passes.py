@@ -54,7 +54,7 @@ def _nbytes(val: torch.Tensor) -> int:
 
 
 def _sized(val) -> bool:
-    """Whether a value's size is a number: a graph traced for every size of some dims (exec.traced.ForEverySize)
+    """Whether a value's size is a number: a graph traced for every size of some dims (exec.for_every_size)
     fuses into its buckets only what has one, a bucket being one buffer of a fixed size."""
     return isinstance(val, torch.Tensor) and isinstance(val.numel(), int)
 

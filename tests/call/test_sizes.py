@@ -167,6 +167,28 @@ def test_data_parallel_steps_of_changing_length_on_real_ranks(gloo4):
     assert gloo4.run(_data_parallel_body, lengths) == [(2, 1, (None, ["backward", "forward"], served, 1))] * 4
 
 
+def _failed_trace_body():
+    # where the trace for every size fails, every call of the program for every size runs interpreted, and a
+    # size met SHARDFN_TRACE_AFTER times (2 here) is traced on its own
+    from shardfn.exec.for_every_size import ForEverySize
+
+    trace = ForEverySize._trace
+    ForEverySize._trace = lambda self, args: setattr(self, "failed", "its trace failed (forced)")
+    os.environ["SHARDFN_TRACE_AFTER"] = "2"
+    try:
+        captures, programs, (failed, *_) = _data_parallel_body(LENGTHS[:2] + (17, 13, 13))
+    finally:
+        ForEverySize._trace = trace
+        del os.environ["SHARDFN_TRACE_AFTER"]
+    return captures, programs, failed
+
+
+def test_a_failed_trace_for_every_size_runs_interpreted_then_traces_a_size_met_again(gloo4):
+    # the first length's program and 13's, traced at its second call after the failure (the call that made the
+    # program for every size, whose trace failed, counts none)
+    assert gloo4.run(_failed_trace_body) == [(2, 2, "its trace failed (forced)")] * 4
+
+
 def _tensor_parallel_body(lengths):
     spec = MODELS["llama"]
     torch.manual_seed(0)
