@@ -66,9 +66,10 @@ def _at_these_sizes(engine, compiled: Compiled, key: tuple, args, kwargs) -> Com
     here = compiled if alone(engine.ranks()) else \
         dataclasses.replace(compiled, agreement=call_agreement(engine, key, args, kwargs))
     mesh = compiled.program.mesh
-    if runtime.is_simulated() or (mesh.size() == 1 and not use_inductor(mesh.device_type)):
+    inductor = use_inductor(mesh.device_type)
+    if runtime.is_simulated() or (mesh.size() == 1 and not inductor):
         return _synced_once(engine, compiled, here)
-    if not use_inductor(mesh.device_type):  # one trace with the dims as symbols, unless it failed
+    if not inductor:  # one trace with the dims as symbols, unless it failed
         if compiled.traced is None:
             compiled.traced = compiled.program.traced(for_every_size=True)
         if compiled.traced.for_every_size.failed is None:

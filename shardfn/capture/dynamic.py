@@ -51,13 +51,13 @@ class DynamicDims:
             out[d] = self.shape_env.create_symintnode(symbol, hint=shape[d])
         return tuple(out)
 
-    def bindings(self, shapes: dict[int, tuple[int, ...]]) -> dict[sympy.Symbol, int]:
-        """The symbols' values for a call whose graph inputs have the global ``shapes`` (by position); where those
-        are symbolic (a trace's), :class:`SymbolicBindings`."""
-        values = {symbol: shapes[position][d] for position, dims in self.dims.items() for d, symbol in dims.items()}
-        if any(isinstance(v, torch.SymInt) for v in values.values()):
-            return SymbolicBindings(values)
-        return {symbol: int(v) for symbol, v in values.items()}
+    def bindings(self, shapes: dict[int, tuple[int, ...]], symbolic: bool = False) -> dict[sympy.Symbol, int]:
+        """The symbols' values for a call whose graph inputs have the global ``shapes`` (by position); ``symbolic``:
+        shapes of a trace's (SymInts), as :class:`SymbolicBindings`."""
+        if symbolic:
+            return SymbolicBindings({symbol: shapes[position][d] for position, dims in self.dims.items()
+                                     for d, symbol in dims.items()})
+        return {symbol: int(shapes[position][d]) for position, dims in self.dims.items() for d, symbol in dims.items()}
 
     def rejects(self, bindings: dict[sympy.Symbol, int]) -> str | None:
         """Why the graph does not hold for these sizes (a guard fn's Python relied on, a symbol's range), or None."""

@@ -134,7 +134,7 @@ def traced_program(program, step: Callable) -> Callable:
         # its own input: a RecursionError)
         interpreter, running = program.interpreter, program.bindings
         if program.symbolic:
-            program.bindings = program.dynamic.bindings(program.global_shapes(args))
+            program.bindings = program.dynamic.bindings(program.global_shapes(args), symbolic=True)
             interpreter.sizes_traced = True
         else:
             interpreter.on_pieces = False
