@@ -16,6 +16,11 @@ def r(*shape):
     return torch.randn(*shape)
 
 
+def described(case) -> str:
+    """A case's test id with its tensors as their shapes: the same in every collecting process (pytest-xdist)."""
+    return str(torch.utils._pytree.tree_map(lambda x: tuple(x.shape) if isinstance(x, torch.Tensor) else x, case))
+
+
 def _sdpa_cases():
     # (q shape, kv shape, mask shape or None, kwargs)
     yield (2, 4, 8, 8), (2, 4, 8, 8), None, {}
@@ -73,7 +78,7 @@ def test_attention_keeps_the_batch_split_with_a_broadcast_mask():
 @pytest.mark.parametrize("case", [
     ((r(8, 5), [0]), {"correction": 1}), ((r(8, 5), [1]), {"keepdim": True}),
     ((r(3, 1, 6), [0, 2]), {"keepdim": True}), ((r(7, 4, 5), [2]), {"correction": 0}),
-], ids=str)
+], ids=described)
 def test_var_mean_rule(case):
     args, kwargs = case
     assert failures(aten.var_mean.correction, args, kwargs) == []
@@ -84,7 +89,7 @@ def test_var_mean_rule(case):
     (r(5, 3, 4), [1, 2, 0, 1], 0.0),  # the last two dims padded
     (r(7, 6, 2), [0, 0, 2, 1], 1.5),  # a zero pair: the last dim not padded
     (r(3, 5, 6), [-1, -2], 0.0),  # negative: cropped
-], ids=str)
+], ids=described)
 def test_constant_pad_rule(case):
     assert failures(aten.constant_pad_nd.default, case, {}) == []
 
