@@ -3,6 +3,55 @@ import torch
 
 from tests.harness import RankPool
 
+# Tests that run on the README's torch release only (.ci/run passes `-m "not one_release"` on the others): the suite
+# on three releases must stay within CI's time on 2 cores. Each is either about what does not change between torch
+# releases (launchers, timeouts, signals, a browser), or one more case of a path that a quicker test runs on every
+# release (named after the prefix). Keys are test node ids or their prefixes.
+ONE_RELEASE = {
+    # launchers, ports, timeouts and killed ranks: the operating system's and Open MPI's behaviour (torchrun's
+    # launch runs on every release: tests/test_runtime.py::test_torchrun_four_ranks)
+    "tests/test_samples.py": "the samples under mpirun and torchrun",
+    "tests/test_docs.py": "the documentation's code blocks",
+    "tests/test_harness.py": "the test harness's own restarts",
+    "tests/test_runtime.py::test_mpirun_four_ranks": "Open MPI's environment",
+    "tests/test_runtime.py::test_missing_ranks": "timeouts",
+    "tests/test_runtime.py::test_a_port_another": "timeouts",
+    "tests/test_runtime.py::test_a_wrong_port": "timeouts",
+    "tests/test_runtime.py::test_an_unreachable": "timeouts",
+    "tests/test_runtime.py::test_a_collective_whose_peer_never_comes": "timeouts",
+    "tests/call/test_agreement.py::test_under_mpirun": "errors under mpirun (gloo4 ranks: test_ranks_that_disagree_*)",
+    "tests/training/test_checkpoint.py::test_a_rank_killed": "a rank killed by a signal during a save",
+    "tests/show/test_plan_page.py": "the plan page in Chromium",
+    # more models on the same path: llama and gpt2 train on real ranks on every release, and every model on
+    # simulated ranks
+    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[qwen2]": "more models",
+    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[resnet]": "more models",
+    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[bloom]": "more models",
+    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[vit]": "more models",
+    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[bert]": "more models",
+    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[gemma3]": "more models",
+    "tests/test_transformers_models.py::test_data_parallel_generate_gives_each_rank_its_rows_on_real_ranks":
+        "generate() at a new length each token: test_data_parallel_steps_of_changing_length_on_real_ranks",
+    "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_real_ranks[mixtral": "more models",
+    "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_real_ranks[qwen2_moe-eager]":
+        "more experts implementations",
+    # the trace for every size: data parallel on real ranks runs on every release
+    "tests/call/test_sizes.py::test_tensor_parallel_steps_of_changing_length_on_real_ranks": "a Megatron plan",
+    "tests/call/test_sizes.py::test_a_failed_trace_for_every_size": "the fallback's bookkeeping",
+    "tests/call/test_sizes.py::test_views_on_pieces_match_eager_on_real_ranks": "views at every length, simulated",
+    "tests/test_layout.py::test_every_tuple_strategy_matches_definition[64]": "a larger world of the same check",
+}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "one_release: runs on the README's torch release only (tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(item.nodeid.startswith(prefix) for prefix in ONE_RELEASE):
+            item.add_marker(pytest.mark.one_release)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -154,8 +154,10 @@ class RankPool:
                 c.send(None)
             except (BrokenPipeError, OSError):
                 pass
+        deadline = time.monotonic() + 3  # a rank's destroy_process_group may wait for a peer that already left
         for p in self.procs:
-            p.join(timeout=10)
+            p.join(timeout=max(deadline - time.monotonic(), 0))
             if p.is_alive():
                 p.kill()
+                p.join(timeout=10)
         shutil.rmtree(self.logs, ignore_errors=True)
