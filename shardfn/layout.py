@@ -328,7 +328,7 @@ def mesh_axes(shape: tuple[int, ...]) -> tuple[Axis, ...]:
 
 
 def common_mesh(specs: Sequence[TensorSpec], world_size: int, names: dict[Axis, str] | None = None,
-                links: dict[Axis, str] | None = None, node: int = 0) -> MeshSpec:
+                links: dict[Axis, str] | None = None, node: int = 0, cuts: Sequence[int] = ()) -> MeshSpec:
     """The coarsest row-major mesh over the world on which every spec's axes are unions of mesh dims.
 
     Every axis cuts rank space at its stride and at stride * size; those cuts must form a divisibility chain
@@ -337,9 +337,11 @@ def common_mesh(specs: Sequence[TensorSpec], world_size: int, names: dict[Axis, 
     every mesh dim within a user axis runs over that axis's link, and each such axis is a mesh dim (or several).
     ``node``: the ranks of one node (the device profile's devices_per_node; 0: one node); the mesh is cut there
     too where that nests with the other cuts, so that no mesh dim mixes ranks within a node with ranks across
-    nodes (else work could not be split within a node alone).
+    nodes (else work could not be split within a node alone). ``cuts``: more places to cut rank space (each
+    where it nests with the others: a part of a dim the program can split work over, such as attention's
+    heads); a user axis cut in parts names them ``name.0`` (outer), ``name.1``, ...
     """
-    cuts = {1, world_size}
+    extra, cuts = cuts, {1, world_size}
     for spec in specs:
         for axis in spec.axes():
             cuts.update((axis.stride, axis.span))
@@ -355,14 +357,30 @@ def common_mesh(specs: Sequence[TensorSpec], world_size: int, names: dict[Axis, 
             )
     if 1 < node < world_size and all(c % node == 0 or node % c == 0 for c in cuts):
         chain = sorted(cuts | {node})
+    for cut in extra:
+        if 1 < cut < world_size and all(c % cut == 0 or cut % c == 0 for c in chain):
+            chain = sorted(set(chain) | {cut})
     axes = tuple(Axis(hi // lo, lo) for lo, hi in reversed(list(zip(chain, chain[1:]))))
     if not axes:
         axes = (Axis(1, 1),)
-    names = names or {}
-    labels = tuple(names.get(a, f"d{i}") for i, a in enumerate(axes))
-    if len(set(labels)) != len(labels):
-        labels = tuple(f"d{i}" for i in range(len(axes)))
+    labels = _mesh_labels(axes, names or {})
     return MeshSpec(axes, labels, _mesh_links(axes, links) if links else None)
+
+
+def _mesh_labels(axes: tuple[Axis, ...], names: dict[Axis, str]) -> tuple[str, ...]:
+    """Each mesh dim's name: the user's axis it is, or ``name.k`` for the k-th part (outer first) of the user's axis
+    it lies within; ``d{i}`` where neither (all ``d{i}`` where two would share a name)."""
+    labels = []
+    for i, a in enumerate(axes):
+        within = [(n, u) for u, n in names.items() if u.stride <= a.stride and a.span <= u.span and u.size > 1]
+        if a in names:
+            labels.append(names[a])
+        elif len(within) == 1:
+            n, u = within[0]
+            labels.append(f"{n}.{sum(1 for b in axes[:i] if u.stride <= b.stride and b.span <= u.span)}")
+        else:
+            labels.append(f"d{i}")
+    return tuple(labels) if len(set(labels)) == len(labels) else tuple(f"d{i}" for i in range(len(axes)))
 
 
 def _mesh_links(axes: tuple[Axis, ...], links: dict[Axis, str]) -> tuple[str | None, ...]:

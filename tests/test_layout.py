@@ -114,6 +114,18 @@ def test_common_mesh_rejects_non_nesting_matrices():
         common_mesh([a, b], 12)
 
 
+def test_common_mesh_cuts_a_dim_in_parts_named_after_its_axis():
+    layout = sf.Layout((2, 8), ("dp", "tp"))
+    names = {Axis(2, 8): "dp", Axis(8, 1): "tp"}
+    dp = normalize_strategy(layout("dp", "None"), (8, 8), 16, "x")
+    mesh = common_mesh([dp], 16, names, cuts=(4,))
+    assert mesh.shape == (2, 2, 4) and mesh.names == ("dp", "tp.0", "tp.1")
+    assert to_placements(normalize_strategy(layout("None", "tp"), (8, 8), 16, "w"), mesh) == (
+        Replicate(), Shard(1), Shard(1))
+    assert common_mesh([dp], 16, names, cuts=(3, 16, 1)).shape == (2, 8)  # cuts that do not nest, or no part
+    assert common_mesh([dp], 16, names, cuts=(4,), node=8).shape == (2, 2, 4)  # with a node of 8
+
+
 @pytest.mark.parametrize("mesh_shape", [(8,), (2, 4), (2, 2, 2)])
 def test_placements_round_trip(mesh_shape):
     mesh_axes = tuple(Axis(s, math.prod(mesh_shape[i + 1 :])) for i, s in enumerate(mesh_shape))

@@ -18,7 +18,7 @@ from ..capture.graph import CapturedGraph
 from ..config import ShardConfig
 from ..layout import Axis, MeshSpec, TensorSpec, common_mesh, normalize_strategy
 from ..progress import Progress
-from ..strategy_search import Plan, make_plan, profile_for
+from ..strategy_search import Plan, head_cut, make_plan, profile_for
 from . import accumulation, parameters, submesh
 from .arguments import BoundCall, bind
 from .programs import Planned
@@ -37,8 +37,6 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
         call = call or bind(config, engine.fn, engine.name, args, kwargs, world)
         fixed = param_specs(engine, world)
         profile = profile_for(device)
-        mesh_spec = call_mesh(config, [*call.held, *(f for f in call.fixed if f is not None),
-                                       *fixed.values()], world, profile.devices_per_node)
         params, _ = engine.state()
         progress = Progress(sum(t.numel() for t in params.values()) + sum(math.prod(s) for s in call.shapes))
         captured = progress("capture", lambda: _capture(engine, args, kwargs, call, device, dynamic),
@@ -46,6 +44,11 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
         engine.captures += 1
         planned = captured if not dynamic else dataclasses.replace(
             captured, gm=planning_graph(captured.gm), dynamic=None)
+        layouts = [*call.held, *(f for f in call.fixed if f is not None), *fixed.values()]
+        mesh_spec = call_mesh(config, layouts, world, profile.devices_per_node)
+        cut = head_cut(planned.gm, mesh_spec)
+        if cut is not None:  # attention's heads split over a part of the innermost dim
+            mesh_spec = call_mesh(config, layouts, world, profile.devices_per_node, (cut,))
         accumulate = accumulation.accumulating_call(engine) and torch.is_grad_enabled()
         moves, moved = submesh.arrival_records(arrived, engine.name)
         request = build_request(config, engine.name, call, planned, fixed, mesh_spec, world,
@@ -84,14 +87,16 @@ def plan_accumulating(engine, planned: Planned) -> Plan:
     return plan
 
 
-def call_mesh(config: ShardConfig, layouts: list, world: int, devices_per_node: int) -> MeshSpec:
+def call_mesh(config: ShardConfig, layouts: list, world: int, devices_per_node: int,
+              cuts: tuple[int, ...] = ()) -> MeshSpec:
     """The call's mesh: the one every given layout (and out_strategy's) fits on, cut where a node ends (no mesh
-    dim mixes the ranks within a node with ranks across nodes, so work can be split within a node alone)."""
+    dim mixes the ranks within a node with ranks across nodes, so work can be split within a node alone) and at
+    ``cuts`` (:func:`shardfn.strategy_search.head_cut`)."""
     out_given = [normalize_strategy(s, None, world, f"out_strategy[{i}]")
                  for i, s in enumerate(config.out_strategy or ()) if s is not None]
     strategies = config.strategies()
     return common_mesh([*layouts, *out_given], world, _alias_names(strategies), _axis_links(strategies),
-                       devices_per_node)
+                       devices_per_node, cuts)
 
 
 def plan_stage(engine, *example_args) -> tuple[Plan, list[torch.Tensor]]:

@@ -49,6 +49,47 @@ def test_own_rule_for_causal_attention_on_cpu():
     assert (Shard(2),) in {c.inputs[0] for c in node_candidates(node, _mesh(4), set())}  # query rows
 
 
+def _gqa(x, wq, wk, wv):
+    """Attention of 6 query heads over 2 kv heads (grouped-query), from projections, as models write it."""
+    b, t, _ = x.shape
+    q = (x @ wq).view(b, t, 6, 4).transpose(1, 2)
+    k, v = ((x @ w).view(b, t, 2, 4).transpose(1, 2) for w in (wk, wv))
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2).reshape(b, t, 24)
+
+
+def test_head_cut_is_the_largest_part_of_the_inner_dim_the_heads_divide():
+    from shardfn.capture import capture
+    from shardfn.strategy_search import head_cut
+
+    def spec(*shape):
+        return MeshSpec(tuple(Axis(s, int(torch.tensor(shape[i + 1:]).prod())) for i, s in enumerate(shape)),
+                        tuple(f"d{i}" for i in range(len(shape))))
+
+    def gm(heads, kv):
+        q, k = torch.empty(1, heads, 8, 4, device="meta"), torch.empty(1, kv, 8, 4, device="meta")
+        return capture(lambda q, k: F.scaled_dot_product_attention(q, k, k, enable_gqa=True), [q, k], {}).gm
+
+    assert head_cut(gm(6, 2), spec(4)) == 2  # 6 and 2 heads: parts of 2 on a dim of 4
+    assert head_cut(gm(28, 4), spec(8, 8)) == 4  # Qwen2-7B's heads on 8 x 8: the inner dim in 2 x 4
+    assert head_cut(gm(28, 4), spec(8, 8, 1)) == 4  # (a dim of one is no dim)
+    assert head_cut(gm(6, 2), spec(2, 2)) is None  # they divide the inner dim
+    assert head_cut(gm(7, 7), spec(4)) is None  # no part of 4 divides 7
+    assert head_cut(capture(torch.mm, [torch.empty(4, 4, device="meta")] * 2, {}).gm, spec(4)) is None
+
+
+def test_attention_whose_heads_do_not_divide_splits_them_over_a_part_of_the_dim():
+    # 6 and 2 heads on 4 ranks: the mesh becomes 2 x 2, and level 1 (least memory) splits attention by heads over
+    # the inner 2 (by query rows over the outer 2), never across a head; the results and gradients are eager's
+    def rand(*shape):
+        return torch.randn(*shape, requires_grad=True)
+
+    plan = check_parity(_gqa, lambda: (rand(1, 16, 8), rand(8, 24), rand(8, 8), rand(8, 8)), (None,) * 4, world=4,
+                        level=1)
+    assert plan.mesh.shape == (2, 2)
+    (sdpa,) = (n for n in plan.nodes.values() if "scaled_dot_product" in n.op)
+    assert sdpa.inputs[0][1] == Shard(1) and sdpa.inputs[1][1] == Shard(1)  # q's and k's heads over the inner dim
+
+
 def test_ops_without_any_rule_run_replicated_with_one_warning():
     def bucket(x, edges):
         return torch.searchsorted(edges, x) * 2
