@@ -45,10 +45,11 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
         planned = captured if not dynamic else dataclasses.replace(
             captured, gm=planning_graph(captured.gm), dynamic=None)
         layouts = [*call.held, *(f for f in call.fixed if f is not None), *fixed.values()]
-        mesh_spec = call_mesh(config, layouts, world, profile.devices_per_node)
-        cut = head_cut(planned.gm, mesh_spec)
-        if cut is not None:  # attention's heads split over a part of the innermost dim
-            mesh_spec = call_mesh(config, layouts, world, profile.devices_per_node, (cut,))
+        mesh_spec = call_mesh(config, layouts, world, profile.devices_per_node, engine.mesh_cuts)
+        cut = head_cut(planned.gm, mesh_spec, [*layouts, *_out_given(config, world)])
+        if cut is not None:  # attention's heads split over a part of the innermost dim: for every later plan too
+            engine.mesh_cuts += (cut,)  # (whose parameters lie on the parts)
+            mesh_spec = call_mesh(config, layouts, world, profile.devices_per_node, engine.mesh_cuts)
         accumulate = accumulation.accumulating_call(engine) and torch.is_grad_enabled()
         moves, moved = submesh.arrival_records(arrived, engine.name)
         request = build_request(config, engine.name, call, planned, fixed, mesh_spec, world,
@@ -92,11 +93,14 @@ def call_mesh(config: ShardConfig, layouts: list, world: int, devices_per_node: 
     """The call's mesh: the one every given layout (and out_strategy's) fits on, cut where a node ends (no mesh
     dim mixes the ranks within a node with ranks across nodes, so work can be split within a node alone) and at
     ``cuts`` (:func:`shardfn.strategy_search.head_cut`)."""
-    out_given = [normalize_strategy(s, None, world, f"out_strategy[{i}]")
-                 for i, s in enumerate(config.out_strategy or ()) if s is not None]
     strategies = config.strategies()
-    return common_mesh([*layouts, *out_given], world, _alias_names(strategies), _axis_links(strategies),
+    return common_mesh([*layouts, *_out_given(config, world)], world, _alias_names(strategies), _axis_links(strategies),
                        devices_per_node, cuts)
+
+
+def _out_given(config: ShardConfig, world: int) -> list[TensorSpec]:
+    return [normalize_strategy(s, None, world, f"out_strategy[{i}]")
+            for i, s in enumerate(config.out_strategy or ()) if s is not None]
 
 
 def plan_stage(engine, *example_args) -> tuple[Plan, list[torch.Tensor]]:

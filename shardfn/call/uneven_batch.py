@@ -168,7 +168,6 @@ class UnevenInputs:
     tensors: list  # the call's tensors, the batch inputs moved
     moves: dict[int, Rows]  # each batch input's rows, by tensor number
     held: tuple  # each tensor's held split
-    mesh_spec: MeshSpec
     me: int  # this rank's position in the call's ranks (simulated: 0, every rank's at once)
     ranks: tuple[int, ...]
 
@@ -190,14 +189,14 @@ def uneven_inputs(engine, rows: dict[int, tuple[int, ...]], args, kwargs, tensor
         call = bind(engine.config, engine.fn, engine.name, args, kwargs, world, rows=dict.fromkeys(batch, 0))
         mesh_spec = call_mesh(engine.config, [*call.held, *(f for f in call.fixed if f is not None),
                                               *param_specs(engine, world).values()], world,
-                              profile_for(device).devices_per_node)
+                              profile_for(device).devices_per_node, engine.mesh_cuts)
     moves = {j: rows_of([rows[r][i] for r in ranks], call.held[j], mesh_spec, call.names[j])
              for i, j in enumerate(batch)}
     moved = list(tensors)
     for j, where in moves.items():
         moved[j] = move_rows(tensors[j], where, me, ranks)
     args, kwargs = split_arguments(args, kwargs)[2].rebuild(moved)
-    return UnevenInputs(args, kwargs, moved, moves, call.held, mesh_spec, me, ranks)
+    return UnevenInputs(args, kwargs, moved, moves, call.held, me, ranks)
 
 
 def uneven_call(engine, rows: dict[int, tuple[int, ...]], args, kwargs, tensors: list, arrived: tuple, start):
@@ -215,7 +214,7 @@ def uneven_call(engine, rows: dict[int, tuple[int, ...]], args, kwargs, tensors:
         if plan.returns_dtensor[k] or plan.outputs[k] is None or not vals[k].dim():
             continue
         same = [where for j, where in uneven.moves.items() if where.total == vals[k].shape[0] and
-                to_placements(uneven.held[j], uneven.mesh_spec) == tuple(plan.outputs[k])]
+                to_placements(uneven.held[j], compiled.planned.mesh_spec) == tuple(plan.outputs[k])]
         if same:
             outs[k] = move_rows(out, same[0].back(), uneven.me, uneven.ranks)
     return compiled, outs

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Sequence
 
 import torch
 import torch.fx
@@ -16,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from .. import _pytree_internals as pytree
-from ..layout import MeshSpec
+from ..layout import MeshSpec, TensorSpec
 from ..capture.functions import FunctionCall
 from ._dtensor_adapter import has_dtensor_rule, local_shapes, valid_placements
 from .candidates import Candidate, _from_dtensor, _per_mesh_dim, replicated_candidates, tensor_inputs
@@ -138,13 +139,16 @@ def _cuda_attention_check(node: torch.fx.Node, mesh: DeviceMesh, cand: Candidate
 ATTENTION_OPS = (aten._scaled_dot_product_flash_attention_for_cpu.default, *_CUDA_ATTENTION)
 
 
-def head_cut(gm: torch.fx.GraphModule, mesh: MeshSpec) -> int | None:
+def head_cut(gm: torch.fx.GraphModule, mesh: MeshSpec, given: Sequence[TensorSpec] = ()) -> int | None:
     """Where to cut ``mesh``'s innermost dim (the fastest link, where tensor parallelism belongs) so that attention
     can split by whole heads over a part of it: where the heads of the program's attention (in equal parts of
     both head counts: their gcd) do not divide that dim, the largest part of it they divide; None where they
-    divide it or no part > 1 does. The cut is a point in rank space (:func:`shardfn.layout.common_mesh`): the
-    dim's inner part of that size becomes a mesh dim of its own, over which the rule above splits heads, so
-    attention is computed (dim / part) times over, not (dim) times (Qwen2-7B's 28 and 4 heads on 8: by 4)."""
+    divide it, where no part > 1 does, or where a ``given`` layout (the user's, the parameters') splits over the
+    dim (the dim is theirs: a batch split there runs attention locally already, and tensors given on it keep
+    the chunks of the mesh they were given on). The cut is a point in rank space
+    (:func:`shardfn.layout.common_mesh`): the dim's inner part of that size becomes a mesh dim of its own, over
+    which the rule above splits heads, so attention is computed (dim / part) times over, not (dim) times
+    (Qwen2-7B's 28 and 4 heads on 8: by 4)."""
     heads = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ATTENTION_OPS:
@@ -155,6 +159,8 @@ def head_cut(gm: torch.fx.GraphModule, mesh: MeshSpec) -> int | None:
     if not heads or not split or heads % split[-1].size == 0:
         return None
     inner = split[-1]
+    if any(a.stride < inner.span and inner.stride < a.span for spec in given for a in spec.axes()):
+        return None
     part = max(f for f in range(1, inner.size) if inner.size % f == 0 and heads % f == 0)
     return inner.stride * part if part > 1 else None
 

@@ -95,15 +95,35 @@ def test_uneven_slices_with_a_tensor_parallel_axis(gloo4):
         assert results == [True, True]
 
 
-def test_simulated_ranks_run_an_uneven_batch_as_real_ones_do():
+class _Attention(nn.Module):
+    """Grouped-query attention of 6 heads over 2 (whose heads do not divide 4 ranks: the mesh is cut 2 x 2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.out = nn.Linear(6, 24), nn.Linear(6, 16), nn.Linear(24, 3)
+
+    def forward(self, x, target):
+        q = self.q(x).view(-1, 4, 6, 4).transpose(1, 2)  # rows of 4 tokens each: (rows, heads, tokens, head dim)
+        k, v = self.kv(x).view(-1, 4, 2, 8).transpose(1, 2).chunk(2, dim=-1)
+        y = self.out(F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2).flatten(2)).mean(1)
+        return y, F.mse_loss(y, target)
+
+
+@pytest.mark.parametrize("net", [_Net, _Attention])
+def test_simulated_ranks_run_an_uneven_batch_as_real_ones_do(net):
+    # _Attention: the batch over "dp" (ranks 0-3 hold one piece, 4-7 the other), attention's heads over a part of
+    # "tp" (the mesh cut 2 x 2 x 2): the program's mesh is finer than the one the rows are moved on
     from torch.distributed._local_tensor import local_tensor_mode
 
-    counts, starts = [2, 2, 1, 1], [0, 2, 4, 5]
-    with simulated_world(4):
+    world, counts, starts = (4, [2, 2, 1, 1], [0, 2, 4, 5]) if net is _Net else (8, [3] * 4 + [1] * 4, [0] * 4 + [3] * 4)
+    with simulated_world(world):
         torch.manual_seed(0)
-        reference = _Net()
-        model = sf.shard(copy.deepcopy(reference), in_strategy=(None, None), dataset_strategy="data_parallel")
-        x, target = torch.randn(6, 6), torch.randn(6, 3)
+        reference = net()
+        layout = sf.Layout((2, 4), ("dp", "tp"))
+        in_strategy = (None, None) if net is _Net else (layout("dp", "None", "None"), layout("dp", "None"))
+        model = sf.shard(copy.deepcopy(reference), in_strategy=in_strategy, dataset_strategy="data_parallel")
+        rows = max(s + c for s, c in zip(starts, counts))
+        x, target = torch.randn(rows, 6) if net is _Net else torch.randn(rows, 4, 6), torch.randn(rows, 3)
         mine = local_tensor_mode().rank_map(lambda r: on_rank(x, r)[starts[r]:starts[r] + counts[r]].clone())
         theirs = local_tensor_mode().rank_map(lambda r: on_rank(target, r)[starts[r]:starts[r] + counts[r]].clone())
         mine.requires_grad_()
@@ -112,7 +132,7 @@ def test_simulated_ranks_run_an_uneven_batch_as_real_ones_do():
         ref_x = x.clone().requires_grad_()
         ref_y, ref_loss = reference(ref_x, target)
         ref_loss.backward()
-        for r in range(4):
+        for r in range(world):
             rows = slice(starts[r], starts[r] + counts[r])
             torch.testing.assert_close(on_rank(y, r), on_rank(ref_y, r)[rows])
             torch.testing.assert_close(on_rank(loss, r), on_rank(ref_loss, r))
@@ -120,6 +140,8 @@ def test_simulated_ranks_run_an_uneven_batch_as_real_ones_do():
             for (name, p), q in zip(model.named_parameters(), reference.parameters()):
                 g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
                 torch.testing.assert_close(on_rank(g, r), on_rank(q.grad, r), msg=lambda m: f"{name}: {m}")
+        if net is _Attention:
+            assert sf.explain(model, mine, theirs).mesh.shape == (2, 2, 2)
 
 
 def _replicas_disagree():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import Replicate, Shard
 
-from shardfn.layout import Axis, MeshSpec
+from shardfn.layout import Axis, MeshSpec, TensorSpec
 from shardfn.runtime import planning_mesh
 from tests.parity import check_parity
 
@@ -73,6 +73,9 @@ def test_head_cut_is_the_largest_part_of_the_inner_dim_the_heads_divide():
     assert head_cut(gm(28, 4), spec(8, 8)) == 4  # Qwen2-7B's heads on 8 x 8: the inner dim in 2 x 4
     assert head_cut(gm(28, 4), spec(8, 8, 1)) == 4  # (a dim of one is no dim)
     assert head_cut(gm(6, 2), spec(2, 2)) is None  # they divide the inner dim
+    batch = TensorSpec(((Axis(4, 1),), (), (), ()))  # a batch given over the inner dim: attention is local there
+    assert head_cut(gm(6, 2), spec(4), [batch]) is None
+    assert head_cut(gm(6, 2), spec(2, 4), [TensorSpec(((Axis(2, 4),), (), (), ()))]) == 2  # over the outer one
     assert head_cut(gm(7, 7), spec(4)) is None  # no part of 4 divides 7
     assert head_cut(capture(torch.mm, [torch.empty(4, 4, device="meta")] * 2, {}).gm, spec(4)) is None
 
