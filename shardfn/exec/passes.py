@@ -431,6 +431,20 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int) -> None:
         # a gather's input may be a parameter cut out of a bucket fused before (gathered over two mesh dims, one
         # after the other): a node new since the order was taken
         order = {n: i for i, n in enumerate(graph.nodes)}
+        # a piece cast from its parameter (mixed precision) just before its reader, or in backward where a level-1
+        # plan gathers it again: cast by the bucket's first read instead (a piece, not the whole, held earlier)
+        for n in bucket:
+            chain, a = [], n.args[0]
+            while isinstance(a, torch.fx.Node) and a.op == "call_function" and len(a.all_input_nodes) == 1 \
+                    and _pure(a):
+                chain.append(a)
+                a = a.all_input_nodes[0]
+            if chain and order[chain[0]] > order[first_read] and isinstance(a, torch.fx.Node) and \
+                    a.op == "placeholder":
+                for c in reversed(chain):
+                    if order[c] > order[first_read]:
+                        first_read.prepend(c)
+                order = {n: i for i, n in enumerate(graph.nodes)}
         bucket = [n for n in bucket if order[n.args[0]] < order[first_read]]  # (inputs computed by then)
         if len(bucket) > 1:
             _fuse_gather(graph, bucket, first_read)
