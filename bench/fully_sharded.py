@@ -1,6 +1,6 @@
 """Fully sharded data parallelism: shardfn at level 1 against FSDP2's fully_shard, side by side in one run.
 
-    python bench/fully_sharded.py [--world 2] [--layers 4] [--dim 1024] [--steps 6] [--bf16]
+    python bench/fully_sharded.py [--world 2] [--layers 4] [--dim 1024] [--steps 6] [--bf16] [--gpt2]
 
 A stack of GPT blocks (tests.models.GPTBlock), each rank a slice of the batch, AdamW: shardfn with
 dataset_strategy="data_parallel" at level=1 (the search minimises per-rank memory; parameters are gathered
@@ -18,6 +18,8 @@ block and the root). Each runs twice in its own fresh gloo ranks:
   default, blocks up to 32 MiB stay in its heap when freed, and the resident set shows the allocator's
   high-water mark rather than what is held.
 
+``--gpt2``: transformers' GPT-2 instead (``--dim`` wide, ``--layers`` blocks, 4 heads, vocabulary 256, dropout
+off; each rank ``--batch`` rows of ``--seq`` token ids, its loss on them), FSDP2 on each of its blocks.
 ``--bf16``: all three under ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (shardfn's
 ``mp_policy``, FSDP2's ``mp_policy`` on every block and the root); losses then agree to bf16's precision.
 
@@ -59,6 +61,19 @@ def _reset_peak_rss() -> None:
 
 
 
+def _model(args):
+    """(model, its blocks: what FSDP2 wraps one by one)."""
+    if not args.gpt2:
+        model = GPTStack(args.layers, args.dim, args.heads)
+        return model, model.blocks
+    import transformers
+
+    cfg = transformers.GPT2Config(n_embd=args.dim, n_layer=args.layers, n_head=4, vocab_size=256,
+                                  n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    return model, model.transformer.h
+
+
 def worker(rank, args, port, which, measure, results):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(args.world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -66,21 +81,25 @@ def worker(rank, args, port, which, measure, results):
 
     sf.init()
     torch.manual_seed(0)
-    x = torch.randn(args.batch * args.world, args.seq, args.dim)[args.batch * rank: args.batch * (rank + 1)]
+    if args.gpt2:
+        x = torch.randint(0, 256, (args.batch * args.world, args.seq))[args.batch * rank: args.batch * (rank + 1)]
+    else:
+        x = torch.randn(args.batch * args.world, args.seq, args.dim)[args.batch * rank: args.batch * (rank + 1)]
     before = _status_mib("VmRSS")
-    model = GPTStack(args.layers, args.dim, args.heads)
+    model, blocks = _model(args)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.bf16 else None
+    strategy = {"input_ids": None, "labels": None} if args.gpt2 else (None,)
     if which == "FSDP2":
-        for block in model.blocks:
+        for block in blocks:
             fully_shard(block, **({"mp_policy": policy} if policy else {}))
         fully_shard(model, **({"mp_policy": policy} if policy else {}))
     elif which == "shardfn level 1":
-        model = sf.shard(model, in_strategy=(None,), dataset_strategy="data_parallel", level=1, mp_policy=policy)
+        model = sf.shard(model, in_strategy=strategy, dataset_strategy="data_parallel", level=1, mp_policy=policy)
     else:  # FSDP's layout asked for: every parameter split on dim 0, the rest searched (level 2)
         plan = {n: (args.world,) + (1,) * (p.dim() - 1) for n, p in model.named_parameters()}
-        model = sf.shard(model, in_strategy=(None,), dataset_strategy="data_parallel", parameter_plan=plan, level=2,
+        model = sf.shard(model, in_strategy=strategy, dataset_strategy="data_parallel", parameter_plan=plan, level=2,
                          mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     # memory: two warm-up steps, then one step for the resident peak and one under the tensor tracker (slow)
@@ -96,7 +115,7 @@ def worker(rank, args, port, which, measure, results):
             _reset_peak_rss()
         start = time.perf_counter()
         with tracker:
-            loss = model(x).square().mean()
+            loss = model(input_ids=x, labels=x).loss if args.gpt2 else model(x).square().mean()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -121,6 +140,7 @@ def main():
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--bf16", action="store_true", help="a bf16 MixedPrecisionPolicy for all three")
+    p.add_argument("--gpt2", action="store_true", help="transformers' GPT-2 (vocabulary 256) instead of GPT blocks")
     args = p.parse_args()
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
@@ -141,7 +161,7 @@ def main():
         tol = 2e-2 if args.bf16 else 2e-5  # (bf16: each way rounds its own sums)
         assert all(abs(u - v) <= tol * (k + 1) * max(1.0, abs(v)) for k, (u, v) in enumerate(zip(a, b))), \
             (w, r, a, b)
-    print(f"{args.layers} GPT blocks, dim {args.dim}, {args.world} gloo ranks, batch {args.batch} x {args.seq} "
+    print(f"{args.layers} {'GPT-2 (transformers)' if args.gpt2 else 'GPT'} blocks, dim {args.dim}, {args.world} gloo ranks, batch {args.batch} x {args.seq} "
           f"per rank, AdamW{', bf16 MixedPrecisionPolicy' if args.bf16 else ''}; the same losses for every step")
     for w in kinds:
         print(f"  {w:<17} step {ms[w]:8.1f} ms   tensor peak {tensors[w]:7.1f} MiB   RSS peak {rss[w]:7.1f} MiB")

@@ -268,16 +268,19 @@ def _identity_collectives(g):
     return g
 
 
-def _gathered_chain(n_params: int = 3, gathered_first: bool = False, cast: torch.dtype | None = None):
+def _gathered_chain(n_params: int = 3, gathered_first: bool = False, cast: torch.dtype | None = None,
+                    primals: bool = False):
     """x @ w0 @ w1 @ ... with each w gathered from this rank's (2, 4) piece: graph, gathers, waits.
     ``gathered_first``: the parameters first (their pieces before x, as a forward's parameters come first), and
     every gather and wait before the first product (as the captured graph's canonical order can put them).
-    ``cast``: each piece cast to that dtype just before its gather (mixed precision), x in it too."""
+    ``cast``: each piece cast to that dtype just before its gather (mixed precision), x in it too. ``primals``:
+    the pieces named as AOTAutograd names a step's inputs (primals_1, ...: the parameters first)."""
     g = torch.fx.Graph()
-    shards = [g.placeholder(f"w{k}") for k in range(n_params)] if gathered_first else []
+    name = "primals_{}" if primals else "w{}"
+    shards = [g.placeholder(name.format(k + primals)) for k in range(n_params)] if gathered_first or primals else []
     x = g.placeholder("x")
     x.meta["val"] = torch.empty(4, 4, dtype=cast)
-    shards = shards or [g.placeholder(f"w{k}") for k in range(n_params)]
+    shards = shards or [g.placeholder(name.format(k)) for k in range(n_params)]
     h, gathers, waits = x, [], []
     for w in shards:
         w.meta["val"] = torch.empty(2, 4)
@@ -346,6 +349,27 @@ def test_gradient_reduce_scatters_fuse_into_buckets():
     gm.recompile()
     for got, t in zip(gm(*inputs), inputs):
         torch.testing.assert_close(got, t[:2] * 2)
+
+
+def test_gathers_and_reduce_scatters_of_parameters_bucket_by_layer():
+    # FSDP2's unit: a bucket holds one layer's parameters (each whole while its bucket lives), whatever the size
+    # limit; AOTAutograd names the step's inputs primals_1, ... (parameters first) and returns their gradients
+    # in that order
+    g, _, _ = _gathered_chain(4, primals=True)
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g), layers=["h.0", "h.0", "h.1", "h.1"])
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert [n.meta["val"].shape for n in gathers] == [(2 * 2 * 8,)] * 2
+    g = torch.fx.Graph()
+    grads = []
+    for k in range(4):
+        t = g.placeholder(f"tangents_{k + 1}")
+        t.meta["val"] = torch.empty(4, 3)
+        rs = _node(g, c10d.reduce_scatter_tensor.default, (t, "sum", 2, "0"), torch.empty(2, 3))
+        grads.append(_node(g, c10d.wait_tensor.default, (rs,), torch.empty(2, 3)))
+    g.output(tuple(grads))
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g), layers=["h.0", "h.1", "h.1", "h.2"])
+    scatters = [n for n in gm.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
+    assert sorted(tuple(n.meta["val"].shape) for n in scatters) == [(2, 3), (2, 3), (12,)]  # h.1's two fused
 
 
 def _one_ahead(g, gathers, waits, readers):
