@@ -161,7 +161,8 @@ def main():
         tol = 2e-2 if args.bf16 else 2e-5  # (bf16: each way rounds its own sums)
         assert all(abs(u - v) <= tol * (k + 1) * max(1.0, abs(v)) for k, (u, v) in enumerate(zip(a, b))), \
             (w, r, a, b)
-    print(f"{args.layers} {'GPT-2 (transformers)' if args.gpt2 else 'GPT'} blocks, dim {args.dim}, {args.world} gloo ranks, batch {args.batch} x {args.seq} "
+    kind = "GPT-2 (transformers)" if args.gpt2 else "GPT"
+    print(f"{args.layers} {kind} blocks, dim {args.dim}, {args.world} gloo ranks, batch {args.batch} x {args.seq} "
           f"per rank, AdamW{', bf16 MixedPrecisionPolicy' if args.bf16 else ''}; the same losses for every step")
     for w in kinds:
         print(f"  {w:<17} step {ms[w]:8.1f} ms   tensor peak {tensors[w]:7.1f} MiB   RSS peak {rss[w]:7.1f} MiB")

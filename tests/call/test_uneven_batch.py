@@ -115,7 +115,8 @@ def test_simulated_ranks_run_an_uneven_batch_as_real_ones_do(net):
     # "tp" (the mesh cut 2 x 2 x 2): the program's mesh is finer than the one the rows are moved on
     from torch.distributed._local_tensor import local_tensor_mode
 
-    world, counts, starts = (4, [2, 2, 1, 1], [0, 2, 4, 5]) if net is _Net else (8, [3] * 4 + [1] * 4, [0] * 4 + [3] * 4)
+    world, counts, starts = ((4, [2, 2, 1, 1], [0, 2, 4, 5]) if net is _Net else
+                             (8, [3] * 4 + [1] * 4, [0] * 4 + [3] * 4))
     with simulated_world(world):
         torch.manual_seed(0)
         reference = net()

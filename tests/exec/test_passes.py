@@ -326,17 +326,22 @@ def test_gathers_of_parameters_fuse_into_buckets_and_run_as_one(cast):
     torch.testing.assert_close(got, want)
 
 
-def test_gradient_reduce_scatters_fuse_into_buckets():
-    # split parameters' gradients leaving the graph: one reduce-scatter for the bucket, each gradient a view
+def _scattered_gradients(n: int) -> torch.fx.Graph:
+    """A backward returning ``n`` gradients (4, 3), each reduce-scattered over 2 ranks from its tangent."""
     g = torch.fx.Graph()
     grads = []
-    for k in range(3):
-        t = g.placeholder(f"g{k}")
+    for k in range(n):
+        t = g.placeholder(f"tangents_{k + 1}")
         t.meta["val"] = torch.empty(4, 3)
         rs = _node(g, c10d.reduce_scatter_tensor.default, (t, "sum", 2, "0"), torch.empty(2, 3))
         grads.append(_node(g, c10d.wait_tensor.default, (rs,), torch.empty(2, 3)))
     g.output(tuple(grads))
-    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    return g
+
+
+def test_gradient_reduce_scatters_fuse_into_buckets():
+    # split parameters' gradients leaving the graph: one reduce-scatter for the bucket, each gradient a view
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), _scattered_gradients(3)))
     scatters = [n for n in gm.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
     assert len(scatters) == 1 and scatters[0].meta["val"].shape == (3 * 6,)
     # each rank's result holds its rows of every gradient, one after the other
@@ -359,15 +364,7 @@ def test_gathers_and_reduce_scatters_of_parameters_bucket_by_layer():
     gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g), layers=["h.0", "h.0", "h.1", "h.1"])
     gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
     assert [n.meta["val"].shape for n in gathers] == [(2 * 2 * 8,)] * 2
-    g = torch.fx.Graph()
-    grads = []
-    for k in range(4):
-        t = g.placeholder(f"tangents_{k + 1}")
-        t.meta["val"] = torch.empty(4, 3)
-        rs = _node(g, c10d.reduce_scatter_tensor.default, (t, "sum", 2, "0"), torch.empty(2, 3))
-        grads.append(_node(g, c10d.wait_tensor.default, (rs,), torch.empty(2, 3)))
-    g.output(tuple(grads))
-    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g), layers=["h.0", "h.1", "h.1", "h.2"])
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), _scattered_gradients(4)), layers=["h.0", "h.1", "h.1", "h.2"])
     scatters = [n for n in gm.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
     assert sorted(tuple(n.meta["val"].shape) for n in scatters) == [(2, 3), (2, 3), (12,)]  # h.1's two fused
 
