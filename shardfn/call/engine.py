@@ -42,9 +42,8 @@ class Engine:
         self.name = getattr(target, "__qualname__", type(target).__name__)  # before a module's class is swapped
         self.programs = Programs(self.name)  # every program and per-signature memo this callable keeps
         self.group = None  # the process group the cached programs were made for
-        self.params_laid_out = False  # set by the first call's plan; later plans keep the layouts
+        self.params_laid_out, self.capturing_self = False, False  # (set by the first call's plan: layouts kept)
         self.mesh_cuts: tuple[int, ...] = ()  # where plans cut the mesh for attention's heads (planning.plan_call)
-        self.capturing_self = False
         # accumulation without sync (sf.no_sync): calls leave parameters' gradients pending while ``sync`` is
         # off; ``pending`` says some are, which the next synced call reduces once its backward is done
         self.sync, self.pending = True, False
