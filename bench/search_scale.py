@@ -6,14 +6,17 @@
 Each row plans in a fresh process: "cold" is its first plan (capture, DTensor's rules asked about each distinct
 op, the search), "warm" a second plan of the same call in that process (the rules cached). Level 2; only the
 tokens' batch layout given; every parameter and activation layout is searched. Printed per row: seconds cold and
-warm, the decisions, how many of them exact elimination left to the integer program, and the plan's gap to the
-best bound (0: proven optimal).
+warm, the mesh planned on (the one given, cut where a node ends or for attention's heads), the decisions, how
+many of them exact elimination left to the integer program, and the plan's gap to the best bound (0: proven
+optimal).
 
 Rows: transformers' LlamaForCausalLM at the Llama-3-8B config (1, 8, 16, 32 layers, batch 8 x 2048, over "dp") on
 8 x 8 ranks, returning its logits; at the Llama-3-70B config (2 and 80 layers, batch 64 x 4096) on 8 x 8 x 8 named
 ("dp", "fsdp", "tp"), with labels, returning the loss (a training step: the logits of 64 x 4096 tokens whole would
 take 125 GiB a rank), the batch over ("dp", "fsdp") and over "dp"; transformers' DeepseekV2ForCausalLM at
-DeepSeek-V2-Lite's config (27 layers, 64 routed experts) the same way; and a hand-written Llama-3-8B
+DeepSeek-V2-Lite's config (27 layers, 64 routed experts) the same way; transformers' Qwen2ForCausalLM at
+Qwen2-7B's config (28 layers; 28 query and 4 kv heads, which do not divide 8: the mesh is cut 8 x 2 x 4 for its
+attention's heads) like the 8B; and a hand-written Llama-3-8B
 (bench/llama.py: its own RoPE, GQA by repeat_interleave, SDPA) at 32 layers on 8 x 8, with the CPU profile too
 (whose 16 GB makes the memory limit bind: the budgeted search). Targets on this 2-core machine: 8B, 32 layers:
 10 s cold for transformers' model, 5 s for the hand-written one; every row within SHARDFN_SEARCH_TIME_LIMIT's
@@ -35,7 +38,7 @@ ROWS = [
     ("hf-8b", 32, "8x8", "cuda", "dp"),
     ("hf-70b", 2, "8x8x8", "cuda", "dp,fsdp"), ("hf-70b", 2, "8x8x8", "cuda", "dp"),
     ("hf-70b", 80, "8x8x8", "cuda", "dp,fsdp"), ("hf-70b", 80, "8x8x8", "cuda", "dp"),
-    ("deepseek-v2-lite", 27, "8x8x8", "cuda", "dp,fsdp"),
+    ("deepseek-v2-lite", 27, "8x8x8", "cuda", "dp,fsdp"), ("qwen2-7b", 28, "8x8", "cuda", "dp"),
     ("own-8b", 32, "8x8", "cuda", "dp"), ("own-8b", 32, "8x8", "cpu", "dp"),
 ]
 # the mesh axes' names by the mesh's rank
@@ -78,6 +81,12 @@ def _model(kind: str, layers: int):
             topk_group=1, topk_method="greedy", max_position_embeddings=163840)
         with torch.device("meta"):
             return _loss(transformers.DeepseekV2ForCausalLM(cfg)), DEEPSEEK_BATCH, True
+    if kind == "qwen2-7b":  # Qwen/Qwen2-7B's config.json
+        cfg = transformers.Qwen2Config(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                                       num_key_value_heads=4, num_hidden_layers=layers, vocab_size=152064,
+                                       max_position_embeddings=32768)
+        with torch.device("meta"):
+            return transformers.Qwen2ForCausalLM(cfg), (8, 2048), False
     if kind == "hf-8b":
         cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                        num_key_value_heads=8, num_hidden_layers=layers, vocab_size=128256,
@@ -111,7 +120,7 @@ def _row(kind: str, layers: int, mesh: str, device: str, axes: str) -> dict:
         start = time.perf_counter()
         plan = sf.explain(model, *args, in_strategy=strategy, world_size=math.prod(dims), level=2, device=device)
         times.append(time.perf_counter() - start)
-    return {"cold": times[0], "warm": times[1], "decisions": plan.search.get("decisions", 0),
+    return {"cold": times[0], "warm": times[1], "mesh": "x".join(map(str, plan.mesh.shape)), "decisions": plan.search.get("decisions", 0),
             "ilp": plan.search.get("ilp_decisions", 0), "gap": plan.gap, "optimal": plan.optimal,
             "collectives": len(plan.collectives), "cost": plan.cost.total_s}
 
@@ -119,7 +128,8 @@ def _row(kind: str, layers: int, mesh: str, device: str, axes: str) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the 8B rows up to 8 layers")
-    parser.add_argument("--only", help="the rows of this model kind (hf-8b, hf-70b, deepseek-v2-lite, own-8b)")
+    parser.add_argument("--only", help="the rows of this model kind (hf-8b, hf-70b, deepseek-v2-lite, qwen2-7b, "
+                        "own-8b)")
     parser.add_argument("--row", nargs=5, help=argparse.SUPPRESS)  # kind layers mesh device axes: one row, as JSON
     args = parser.parse_args()
     if args.row:
@@ -138,7 +148,7 @@ def main():
             continue
         r = json.loads(out.stdout.strip().splitlines()[-1])
         profile = "h100" if device == "cuda" else "cpu"
-        print(f"{kind:<16} {layers:>6} {mesh:>7} {axes:>10} {profile:>7} {r['cold']:>7.2f} {r['warm']:>7.2f} "
+        print(f"{kind:<16} {layers:>6} {r['mesh']:>7} {axes:>10} {profile:>7} {r['cold']:>7.2f} {r['warm']:>7.2f} "
               f"{r['decisions']:>9} {r['ilp']:>6} {r['gap']:>6.2%} {r['collectives']:>11} {r['cost']:>8.4f}",
               flush=True)
 
