@@ -414,11 +414,12 @@ def _gathered_input(node: torch.fx.Node) -> bool:
         and next(iter(node.users)).target is _c10d.wait_tensor.default and bool(next(iter(node.users)).users)
 
 
-def _fuse_gathers(graph: torch.fx.Graph, limit: int, layers: Sequence[str] = ()) -> None:
+def _fuse_gathers(graph: torch.fx.Graph, limit: int, units: Sequence[str] = ()) -> None:
     """Split parameters' all-gathers into buckets of up to ``limit`` bytes (gathered), in the order they are first
-    read, one layer's parameters to a bucket (``layers``: each parameter's, in the order the step takes them): one
-    all-gather each, of the pieces concatenated, launched where the bucket's first result is read (the overlap
-    pass then starts it as early as its inputs allow), each parameter then cut out of the gathered rows. FSDP2
+    read, one unit's parameters to a bucket (``units``: each parameter's, strategy_search.buckets.bucket_unit, in
+    the order the step takes them), as the plan lists them: one all-gather each, of the pieces concatenated,
+    launched where the bucket's first result is read (the overlap pass then starts it as early as its inputs
+    allow), each parameter then cut out of the gathered rows. FSDP2
     gathers a block's parameters so, in one collective: one per parameter costs a collective's latency each (on
     gloo, milliseconds), and a bucket of several layers holds them all whole at once (four GPT blocks gathered
     together: a level-1 step's tensor peak 1.12x FSDP2's, by layer 0.82x)."""
@@ -426,7 +427,7 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int, layers: Sequence[str] = ())
     found = sorted((n for n in graph.nodes if _gathered_input(n) and _sized(_node_value(n))),
                    key=lambda n: order[next(iter(n.users))])
     vals = [_node_value(n) for n in found]
-    numbers = assign_buckets([((n.args[1], n.args[2], v.dtype, _layer(n, layers)), v.numel() * v.element_size())
+    numbers = assign_buckets([((n.args[1], n.args[2], v.dtype, _unit_of(n, units)), v.numel() * v.element_size())
                               for n, v in zip(found, vals)], limit)
     for number in set(numbers):
         bucket = [n for n, k in zip(found, numbers) if k == number]
@@ -453,14 +454,15 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int, layers: Sequence[str] = ())
             _fuse_gather(graph, bucket, first_read)
 
 
-def _layer(gather: torch.fx.Node, layers: Sequence[str]) -> str | None:
-    """The layer of the parameter ``gather`` gathers: AOTAutograd names the step's inputs primals_1, primals_2, ...
-    in both graphs (a level-1 backward gathers the parameters it saved), the parameters first."""
+def _unit_of(gather: torch.fx.Node, units: Sequence[str]) -> str:
+    """The bucket unit of the parameter ``gather`` gathers ("" for another input): AOTAutograd names the step's
+    inputs primals_1, primals_2, ... in both graphs (a level-1 backward gathers the parameters it saved), the
+    parameters first."""
     arg = gather.args[0]
     while isinstance(arg, torch.fx.Node) and arg.op == "call_function" and len(arg.all_input_nodes) == 1:
         arg = arg.all_input_nodes[0]
     found = re.fullmatch(r"primals_(\d+)", arg.name) if isinstance(arg, torch.fx.Node) else None
-    return layers[int(found.group(1)) - 1] if found and int(found.group(1)) <= len(layers) else None
+    return units[int(found.group(1)) - 1] if found and int(found.group(1)) <= len(units) else ""
 
 
 def _fuse_gather(graph: torch.fx.Graph, bucket: list[torch.fx.Node], before: torch.fx.Node) -> None:
@@ -500,9 +502,9 @@ def _scattered_for_output(node: torch.fx.Node, out: torch.fx.Node) -> bool:
         isinstance(_node_value(node.args[0]), torch.Tensor) and _node_value(node.args[0]).dim() > 0
 
 
-def _fuse_reduce_scatters(graph: torch.fx.Graph, limit: int, layers: Sequence[str] = ()) -> None:
+def _fuse_reduce_scatters(graph: torch.fx.Graph, limit: int, units: Sequence[str] = ()) -> None:
     """Split parameters' gradient reduce-scatters into buckets of up to ``limit`` bytes (before scattering), in
-    the order the gradients are ready, one layer's to a bucket (``layers``: each parameter's, whose gradients
+    the order the gradients are ready, one unit's to a bucket (``units``: each parameter's, whose gradients
     the backward returns in that order; a bucket of several layers holds their whole gradients until the last
     is ready): one each, launched where the bucket's last gradient is ready, each gradient a view of its piece
     of the result (as FSDP2 reduce-scatters a block's gradients at once)."""
@@ -511,11 +513,11 @@ def _fuse_reduce_scatters(graph: torch.fx.Graph, limit: int, layers: Sequence[st
     vals = [_node_value(n.args[0]) for n in found]
     returned = {a: i for i, a in enumerate(out.args[0]) if isinstance(a, torch.fx.Node)}
 
-    def layer(n):  # (the reduce-scatter's wait is what the backward returns)
+    def unit(n):  # (the reduce-scatter's wait is what the backward returns)
         i = returned.get(next(iter(n.users)))
-        return layers[i] if i is not None and i < len(layers) else None
+        return units[i] if i is not None and i < len(units) else ""
 
-    numbers = assign_buckets([((n.args[2], n.args[3], v.dtype, layer(n)), v.numel() * v.element_size())
+    numbers = assign_buckets([((n.args[2], n.args[3], v.dtype, unit(n)), v.numel() * v.element_size())
                               for n, v in zip(found, vals)], limit)
     for number in set(numbers):
         bucket = [n for n, k in zip(found, numbers) if k == number]
@@ -644,13 +646,13 @@ def _fuse(graph: torch.fx.Graph, bucket: list[torch.fx.Node], in_place: bool,
 
 
 def simplify(gm: torch.fx.GraphModule, in_place: bool = True, one_in_flight: bool = False,
-             plan=None, n_params: int = 0, layers: Sequence[str] = ()) -> torch.fx.GraphModule:
+             plan=None, n_params: int = 0, units: Sequence[str] = ()) -> torch.fx.GraphModule:
     """All the clean-ups; ``in_place=False`` keeps the graph functional (for Inductor, which plans its own
     buffers); ``one_in_flight``: no collective starts before the previous one is waited for (gloo, see
     :func:`_one_in_flight`). ``plan``: a backward graph's program's plan, whose gradient buckets its fused
     reductions must be (:func:`check_buckets`: a ValueError where not). ``n_params``: a forward graph's first
-    inputs that are parameters, whose ops are put by their readers (:func:`_parameters_where_read`). ``layers``:
-    each parameter's layer, whose gathers share buckets (:func:`_fuse_gathers`)."""
+    inputs that are parameters, whose ops are put by their readers (:func:`_parameters_where_read`). ``units``:
+    each parameter's bucket unit, within which its gathers share buckets (:func:`_fuse_gathers`)."""
     graph = gm.graph
     out = next(n for n in graph.nodes if n.op == "output")
     if n_params:
@@ -668,8 +670,8 @@ def simplify(gm: torch.fx.GraphModule, in_place: bool = True, one_in_flight: boo
     elif plan is not None:
         check_buckets(plan, fused)
     if bucket_bytes() > 0:
-        _fuse_gathers(graph, bucket_bytes(), layers)
-        _fuse_reduce_scatters(graph, bucket_bytes(), layers)
+        _fuse_gathers(graph, bucket_bytes(), units)
+        _fuse_reduce_scatters(graph, bucket_bytes(), units)
     if in_place:
         _reduce_in_place(graph)
         _accumulate_in_place(graph)

@@ -15,7 +15,7 @@ import torch.fx
 from ._graph_internals import boxed_graph, keeping_annotations
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
-from ..strategy_search import layer_of
+from ..strategy_search.buckets import bucket_unit
 from .direct_calls import direct_calls
 from .for_every_size import ForEverySize
 from .gate import gate
@@ -93,7 +93,7 @@ def traced_program(program, step: Callable) -> Callable:
                                          one_in_flight=program.mesh.device_type == "cpu",
                                          plan=program.plan if planned else None,
                                          n_params=program.n_params if name == "forward" else 0,
-                                         layers=[layer_of(e.name) for e in program.entries if e.kind == "param"])
+                                         units=[bucket_unit(e.name) for e in program.entries if e.kind == "param"])
             if not inductor:
                 if name == "forward":  # a cached call's agreement may still be in flight up to here (exec.gate)
                     program.graphs[name], program.gated = gate(program.graphs[name]), True

@@ -2,7 +2,6 @@
 
 # shardfn's own rules and checks, and its rules in DTensor's form, registered with the one registry (registry)
 from . import dtensor_rules, expert_rules, rules  # noqa: F401
-from ._summary import layer_of
 from .cost_model import CPU, H100, DeviceProfile, profile_for
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
 from .rules import head_cut
@@ -16,5 +15,4 @@ __all__ = [
     "profile_for",
     "Collective", "Cost", "InputPlan", "NodePlan", "OutputRequest", "Plan", "PlanRequest", "InputRequest",
     "head_cut",
-    "layer_of",
     "make_plan"]

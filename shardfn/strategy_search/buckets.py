@@ -3,7 +3,8 @@
 One rule for both stages: the plan lists each gradient reduction's bucket (explain), and exec fuses the traced
 backward graph's reductions with it. A bucket holds reductions of one process group and dtype, taken in the
 order their gradients are ready, until the next would take it over the size limit (DDP's rule; its default
-25 MB too).
+25 MB too). Split parameters' all-gathers and their gradients' reduce-scatters (FSDP's) bucket so too, within
+one unit (:func:`bucket_unit`): a bucket of several layers would hold them all whole at once.
 """
 
 from __future__ import annotations
@@ -11,13 +12,24 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Hashable, Sequence
 
-__all__ = ["assign_buckets", "bucket_bytes", "in_buckets"]
+__all__ = ["assign_buckets", "bucket_bytes", "bucket_unit", "in_buckets"]
 
 
 def bucket_bytes() -> int:
     """The size limit of one fused gradient all-reduce: SHARDFN_BUCKET_MB (default 25, as DDP's; 0 turns
     fusion off)."""
     return int(float(os.environ.get("SHARDFN_BUCKET_MB", "25")) * 2**20)
+
+
+def bucket_unit(name: str) -> str:
+    """The unit whose parameters' gathers and gradients' reduce-scatters may share a bucket, as FSDP2 users wrap
+    one: a parameter's path up to its first index (``model.layers.3``), else "" (the model's other parameters
+    together)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
 
 
 def assign_buckets(items: Sequence[tuple[Hashable, int]], limit: int) -> list[int]:

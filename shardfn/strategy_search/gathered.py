@@ -11,7 +11,7 @@ import torch
 import torch.fx
 
 from . import cost_model as cm
-from .buckets import assign_buckets, bucket_bytes
+from .buckets import assign_buckets, bucket_bytes, bucket_unit
 from .problem import StrategyProblem
 from .saved import backward_readers, reads_input
 
@@ -21,13 +21,15 @@ __all__ = ["Gathered", "gathered_copies", "gather_events", "held_copies"]
 @dataclasses.dataclass
 class Gathered:
     """One gathered copy of a graph input (or of a value computed from inputs alone): its per-rank bytes, its
-    readers in program order, those whose backward reads it, whether it is a parameter's, its bucket's number."""
+    readers in program order, those whose backward reads it, whether it is a parameter's, its bucket's number
+    and the unit its bucket holds (buckets.bucket_unit)."""
 
     nbytes: int
     readers: list[torch.fx.Node]
     backward: list[torch.fx.Node]
     param: bool
     bucket: int = 0
+    unit: str = ""
 
 
 def _from_inputs(problem: StrategyProblem) -> tuple[set, set]:
@@ -46,6 +48,7 @@ def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], d
     """The plan's gathered copies, in the order first read, and each bucket's flat bytes."""
     captured, mesh = problem.captured, problem.mesh_shape
     from_params, from_inputs = _from_inputs(problem)
+    names = {n: gi.name for n, gi in zip(captured.placeholders, captured.inputs)}
     order = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
     copies: dict[tuple, Gathered] = {}
     for d, c in zip(problem.decisions, chosen):
@@ -57,7 +60,8 @@ def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], d
                 continue
             whole = cm.local_numel(val.shape, c.inputs[slot], mesh) * val.element_size()
             if whole > cm.local_numel(val.shape, chosen[u].outputs[out_idx], mesh) * val.element_size():
-                g = copies.setdefault((value, tuple(c.inputs[slot])), Gathered(whole, [], [], value in from_params))
+                g = copies.setdefault((value, tuple(c.inputs[slot])),
+                                      Gathered(whole, [], [], value in from_params, unit=_unit(value, names)))
                 if cm.is_view_op(d.node):  # read through the view (a weight's transpose): by the view's readers
                     g.readers += _through_views(d.node)
                     g.backward += backward_readers(d.node, problem.needs_grad)
@@ -69,12 +73,19 @@ def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], d
     for g in found:
         g.readers = sorted(set(g.readers), key=order.__getitem__)
         g.backward = sorted(set(g.backward), key=order.__getitem__)
-    numbers = assign_buckets([("all_gather", g.nbytes) for g in found], bucket_bytes())
+    numbers = assign_buckets([(("all_gather", g.unit), g.nbytes) for g in found], bucket_bytes())
     flat: dict[int, int] = {}
     for g, n in zip(found, numbers):
         g.bucket = n
         flat[n] = flat.get(n, 0) + g.nbytes
     return found, flat
+
+
+def _unit(value: torch.fx.Node, names: dict) -> str:
+    """The bucket unit of a graph input's gathered copy (of a value computed from inputs: its first input's)."""
+    while value.op != "placeholder" and value.all_input_nodes:
+        value = value.all_input_nodes[0]
+    return bucket_unit(names.get(value, ""))
 
 
 def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, reshard: bool, grad: bool):

@@ -15,7 +15,7 @@ from .. import _pytree_internals as pytree
 from ..capture.graph import checkpoint_region, is_getitem, is_in_place, module_path
 from ..layout import MeshSpec
 from . import cost_model as cm
-from .buckets import assign_buckets, bucket_bytes
+from .buckets import assign_buckets, bucket_bytes, bucket_unit
 from .candidates import tensor_inputs
 from .gathered import gather_events, gathered_copies
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan
@@ -132,6 +132,7 @@ class _Collectives:
         self.gradients: list[tuple[int, tuple, int]] = []
         self.position = {n: i for i, n in enumerate(captured.placeholders)}
         self.params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
+        self.names = {n: gi.name for n, gi in zip(captured.placeholders, captured.inputs)}
         # those whose gradients a stage-2 sharded optimizer takes pending (the rest are reduced in the graph)
         self.optimizer_reduces = {n for n, gi in zip(captured.placeholders, captured.inputs)
                                   if gi.kind == "param" and gi.name in request.pending_grads}
@@ -224,7 +225,8 @@ class _Collectives:
         gathers = [self._priced(o, "forward", where) for o in fwd]
         self.fwd += gathers
         if handed_back is not None:  # a split parameter's all-gathers: exec fuses them into buckets too
-            self.gathered += [(g, ("all_gather", o.mesh_dim, val.dtype)) for g, o in zip(gathers, fwd)
+            unit = bucket_unit(self.names[handed_back])
+            self.gathered += [(g, ("all_gather", o.mesh_dim, val.dtype, unit)) for g, o in zip(gathers, fwd)
                               if o.kind == "all_gather"]
         if self.reshard and value_node in self.from_params and \
                 _read_in_backward(d.node, slot, self.problem.needs_grad):
@@ -232,13 +234,20 @@ class _Collectives:
             again = [self._priced(o, "backward", where + " (again)") for o in gathers_again]
             self.regathers += again
             if handed_back is not None:
-                self.regathered += [(g, ("all_gather", o.mesh_dim, val.dtype)) for g, o in zip(again, gathers_again)]
+                self.regathered += [(g, ("all_gather", o.mesh_dim, val.dtype, bucket_unit(self.names[handed_back])))
+                                    for g, o in zip(again, gathers_again)]
             self.regather_s += sum(c.seconds for c in again)
         bwd = self._synced(bwd, handed_back, _through_views(value_node))
         if handed_back is not None:
-            self.gradients += [(len(self.bwd) + k, (bwd[k].kind, bwd[k].mesh_dim, grad_dtype or val.dtype),
+            self.gradients += [(len(self.bwd) + k, self._kind(bwd[k], grad_dtype or val.dtype, handed_back),
                                 self.position[handed_back]) for k in _last_reduction(bwd)]
         self.bwd += [self._priced(o, "backward", where, handed_back is not None) for o in bwd]
+
+    def _kind(self, op, dtype: torch.dtype, placeholder: torch.fx.Node) -> tuple:
+        """The bucket kind of a gradient's reduction: an all-reduce's (DDP's) crosses layers, a reduce-scatter's
+        (FSDP's) stays within its parameter's unit, as exec fuses them."""
+        unit = (bucket_unit(self.names[placeholder]),) if op.kind == "reduce_scatter" else ()
+        return (op.kind, op.mesh_dim, dtype) + unit
 
     def _node(self, i: int, d, c) -> None:
         """Decision ``i``'s own collectives: a graph input entering in another layout than it is held in, the
@@ -253,7 +262,7 @@ class _Collectives:
         placeholder = d.node is not None and d.node.op == "placeholder"
         if placeholder:  # a graph input's gradient, handed back
             grad_dtype = self.terms.grad_dtypes.get(d.node) or d.node.meta["val"].dtype
-            self.gradients += [(len(self.bwd) + k, (bwd[k].kind, bwd[k].mesh_dim, grad_dtype),
+            self.gradients += [(len(self.bwd) + k, self._kind(bwd[k], grad_dtype, d.node),
                                 self.position[d.node]) for k in _last_reduction(bwd)]
         self.fwd = [self._priced(o, "forward", what) for o in fwd] + self.fwd
         self.bwd += [self._priced(o, "backward", what, placeholder) for o in bwd]

@@ -361,10 +361,10 @@ def test_gathers_and_reduce_scatters_of_parameters_bucket_by_layer():
     # limit; AOTAutograd names the step's inputs primals_1, ... (parameters first) and returns their gradients
     # in that order
     g, _, _ = _gathered_chain(4, primals=True)
-    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g), layers=["h.0", "h.0", "h.1", "h.1"])
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), g), units=["h.0", "h.0", "h.1", "h.1"])
     gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
     assert [n.meta["val"].shape for n in gathers] == [(2 * 2 * 8,)] * 2
-    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), _scattered_gradients(4)), layers=["h.0", "h.1", "h.1", "h.2"])
+    gm = simplify(torch.fx.GraphModule(torch.nn.Module(), _scattered_gradients(4)), units=["h.0", "h.1", "h.1", "h.2"])
     scatters = [n for n in gm.graph.nodes if n.target is c10d.reduce_scatter_tensor.default]
     assert sorted(tuple(n.meta["val"].shape) for n in scatters) == [(2, 3), (2, 3), (12,)]  # h.1's two fused
 
