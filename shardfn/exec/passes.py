@@ -440,7 +440,7 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int, units: Sequence[str] = ()) 
         for n in bucket:
             chain, a = [], n.args[0]
             while isinstance(a, torch.fx.Node) and a.op == "call_function" and len(a.all_input_nodes) == 1 \
-                    and _pure(a):
+                    and _pure(a) and not _is_collective(a) and a.target is not _c10d.wait_tensor.default:
                 chain.append(a)
                 a = a.all_input_nodes[0]
             if chain and order[chain[0]] > order[first_read] and isinstance(a, torch.fx.Node) and \
