@@ -105,7 +105,11 @@ def _shard_module(module: nn.Module, engine: Engine, example_inputs=None) -> nn.
     module._register_load_state_dict_pre_hook(parameters.lay_out_loaded_tensors, with_module=True)
     if example_inputs is not None:
         args, kwargs = _example_call(example_inputs)
-        planned = engine.plan(args, kwargs, world, device)
+        engine.may_cut_mesh = True  # (no optimizer holds the parameters yet)
+        try:
+            planned = engine.plan(args, kwargs, world, device)
+        finally:
+            engine.may_cut_mesh = False
         parameters.lay_out_planned(module, planned.plan,
                                    runtime.device_mesh(planned.mesh_spec, device, engine.ranks()), device)
         engine.params_laid_out = True

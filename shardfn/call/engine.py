@@ -43,7 +43,7 @@ class Engine:
         self.programs = Programs(self.name)  # every program and per-signature memo this callable keeps
         self.group = None  # the process group the cached programs were made for
         self.params_laid_out, self.capturing_self = False, False  # (set by the first call's plan: layouts kept)
-        self.mesh_cuts: tuple[int, ...] = ()  # where plans cut the mesh for attention's heads (planning.plan_call)
+        self.mesh_cuts, self.may_cut_mesh = (), False  # attention's cuts of the mesh (planning._mesh_for_heads)
         # accumulation without sync (sf.no_sync): calls leave parameters' gradients pending while ``sync`` is
         # off; ``pending`` says some are, which the next synced call reduces once its backward is done
         self.sync, self.pending = True, False

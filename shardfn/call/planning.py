@@ -9,7 +9,7 @@ import math
 from typing import Callable
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from .. import runtime
 from ..capture import capture, split_arguments
@@ -45,17 +45,13 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
         planned = captured if not dynamic else dataclasses.replace(
             captured, gm=planning_graph(captured.gm), dynamic=None)
         layouts = [*call.held, *(f for f in call.fixed if f is not None), *fixed.values()]
-        mesh_spec = call_mesh(config, layouts, world, profile.devices_per_node, engine.mesh_cuts)
-        cut = head_cut(planned.gm, mesh_spec, [*layouts, *_out_given(config, world)])
-        if cut is not None:  # attention's heads split over a part of the innermost dim: for every later plan too
-            engine.mesh_cuts += (cut,)  # (whose parameters lie on the parts)
-            mesh_spec = call_mesh(config, layouts, world, profile.devices_per_node, engine.mesh_cuts)
+        mesh_spec, cut_note = _mesh_for_heads(engine, planned, layouts, world, profile.devices_per_node)
         accumulate = accumulation.accumulating_call(engine) and torch.is_grad_enabled()
         moves, moved = submesh.arrival_records(arrived, engine.name)
         request = build_request(config, engine.name, call, planned, fixed, mesh_spec, world,
                                 profile, accumulate, engine.optimizer_stage,
                                 pending_grads=engine.grad_targets.keys(), arrivals=moves,
-                                notes=((_dynamic_note(captured, dynamic),) if dynamic else ()) + moved)
+                                notes=((_dynamic_note(captured, dynamic),) if dynamic else ()) + moved + cut_note)
         plan = make_plan(planned, runtime.planning_mesh(mesh_spec, device), mesh_spec, request, progress)
     params, buffers = engine.state()
     return Planned(captured, plan, mesh_spec, tuple(parameters.slot(engine.module, n) for n in params),
@@ -96,6 +92,28 @@ def call_mesh(config: ShardConfig, layouts: list, world: int, devices_per_node: 
     strategies = config.strategies()
     return common_mesh([*layouts, *_out_given(config, world)], world, _alias_names(strategies), _axis_links(strategies),
                        devices_per_node, cuts)
+
+
+def _mesh_for_heads(engine, planned: CapturedGraph, layouts: list, world: int,
+                    node: int) -> tuple[MeshSpec, tuple[str, ...]]:
+    """The call's mesh, cut where attention's heads can split over a part of its inner dim (head_cut), and kept
+    so for every later plan of the engine. A sharded module's parameters lie on the mesh shard() laid them out on
+    (an optimizer's states, a loaded checkpoint's, made on it): a plan may move them to a cut mesh only while
+    none can exist yet (its example_inputs planned in shard(), a module explain() plans unsharded); else it
+    keeps that mesh and says what the cut would have given. Returns (mesh, notes)."""
+    config = engine.config
+    mesh = call_mesh(config, layouts, world, node, engine.mesh_cuts)
+    cut = head_cut(planned.gm, mesh, [*layouts, *_out_given(config, world)])
+    if cut is None:
+        return mesh, ()
+    params, _ = engine.state()
+    laid_out = any(isinstance(p, DTensor) for p in params.values())
+    if engine.module is not None and not engine.may_cut_mesh and laid_out:
+        return mesh, (f"attention's heads do not divide mesh dim {mesh.names[-1]!r} ({mesh.shape[-1]} ranks): it "
+                      f"runs whole on each of them; with example_inputs given to sf.shard, the plan splits the "
+                      f"heads over a part of {cut} ranks (the parameters are laid out before any optimizer)",)
+    engine.mesh_cuts += (cut,)
+    return call_mesh(config, layouts, world, node, engine.mesh_cuts), ()
 
 
 def _out_given(config: ShardConfig, world: int) -> list[TensorSpec]:

@@ -122,7 +122,10 @@ def test_simulated_ranks_run_an_uneven_batch_as_real_ones_do(net):
         reference = net()
         layout = sf.Layout((2, 4), ("dp", "tp"))
         in_strategy = (None, None) if net is _Net else (layout("dp", "None", "None"), layout("dp", "None"))
-        model = sf.shard(copy.deepcopy(reference), in_strategy=in_strategy, dataset_strategy="data_parallel")
+        # (_Attention: planned in shard(), so that its parameters may lie on the cut mesh)
+        example = None if net is _Net else (torch.empty(3, 4, 6, device="meta"), torch.empty(3, 3, device="meta"))
+        model = sf.shard(copy.deepcopy(reference), in_strategy=in_strategy, dataset_strategy="data_parallel",
+                         example_inputs=example)
         rows = max(s + c for s, c in zip(starts, counts))
         x, target = torch.randn(rows, 6) if net is _Net else torch.randn(rows, 4, 6), torch.randn(rows, 3)
         mine = local_tensor_mode().rank_map(lambda r: on_rank(x, r)[starts[r]:starts[r] + counts[r]].clone())

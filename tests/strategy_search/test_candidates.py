@@ -93,6 +93,49 @@ def test_attention_whose_heads_do_not_divide_splits_them_over_a_part_of_the_dim(
     assert sdpa.inputs[0][1] == Shard(1) and sdpa.inputs[1][1] == Shard(1)  # q's and k's heads over the inner dim
 
 
+class _GQA(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv = (torch.nn.Parameter(torch.randn(8, n)) for n in (24, 8, 8))
+
+    def forward(self, x):
+        return _gqa(x, self.wq, self.wk, self.wv)
+
+
+@pytest.mark.parametrize("planned_in_shard", [False, True])
+def test_a_sharded_modules_parameters_move_to_a_cut_mesh_only_before_any_optimizer(planned_in_shard):
+    # shard() lays the parameters out on the call's mesh; an optimizer's states (a checkpoint loaded into them)
+    # are made there before the first call: that call keeps the mesh and says what the cut would give, unless
+    # example_inputs planned it in shard(). Both train as eager does (AdamW, states made before the first call)
+    import copy
+
+    import shardfn as sf
+    from shardfn.runtime import simulated_world
+    from tests.harness import on_rank
+
+    with simulated_world(4):
+        torch.manual_seed(0)
+        reference, x = _GQA(), torch.randn(1, 16, 8)
+        example = (torch.empty(1, 16, 8, device="meta"),) if planned_in_shard else None
+        model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), level=1, example_inputs=example)
+        opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (model, reference)]
+        for opt in opts:  # the states made now, as a checkpoint's load makes them
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+        for _ in range(2):
+            for m, opt in zip((model, reference), opts):
+                m(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(on_rank(p.full_tensor(), 0), on_rank(q, 0), msg=lambda m: f"{name}: {m}")
+        plan = sf.explain(model, x)
+    assert plan.mesh.shape == ((2, 2) if planned_in_shard else (4,))
+    assert any("example_inputs" in note for note in plan.notes) != planned_in_shard
+
+
 def test_ops_without_any_rule_run_replicated_with_one_warning():
     def bucket(x, edges):
         return torch.searchsorted(edges, x) * 2
