@@ -109,9 +109,11 @@ def _mesh_for_heads(engine, planned: CapturedGraph, layouts: list, world: int,
     params, _ = engine.state()
     laid_out = any(isinstance(p, DTensor) for p in params.values())
     if engine.module is not None and not engine.may_cut_mesh and laid_out:
-        return mesh, (f"attention's heads do not divide mesh dim {mesh.names[-1]!r} ({mesh.shape[-1]} ranks): it "
-                      f"runs whole on each of them; with example_inputs given to sf.shard, the plan splits the "
-                      f"heads over a part of {cut} ranks (the parameters are laid out before any optimizer)",)
+        inner = max((k for k, a in enumerate(mesh.axes) if a.size > 1))
+        return mesh, (f"attention's heads do not divide mesh dim {mesh.names[inner]!r} ({mesh.shape[inner]} "
+                      f"ranks): it runs whole on each of them; with example_inputs given to sf.shard, the plan "
+                      f"splits the heads over a part of {cut // mesh.axes[inner].stride} ranks (the parameters are "
+                      f"laid out before any optimizer holds them)",)
     engine.mesh_cuts += (cut,)
     return call_mesh(config, layouts, world, node, engine.mesh_cuts), ()
 

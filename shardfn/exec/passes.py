@@ -419,10 +419,10 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int, units: Sequence[str] = ()) 
     read, one unit's parameters to a bucket (``units``: each parameter's, strategy_search.buckets.bucket_unit, in
     the order the step takes them), as the plan lists them: one all-gather each, of the pieces concatenated,
     launched where the bucket's first result is read (the overlap pass then starts it as early as its inputs
-    allow), each parameter then cut out of the gathered rows. FSDP2
-    gathers a block's parameters so, in one collective: one per parameter costs a collective's latency each (on
-    gloo, milliseconds), and a bucket of several layers holds them all whole at once (four GPT blocks gathered
-    together: a level-1 step's tensor peak 1.12x FSDP2's, by layer 0.82x)."""
+    allow), each parameter then cut out of the gathered rows. FSDP2 gathers a block's parameters so, in one
+    collective: one per parameter costs a collective's latency each (on gloo, milliseconds), and a bucket of
+    several layers holds them all whole at once (four GPT blocks gathered together: a level-1 step's tensor peak
+    1.12x FSDP2's; by block 0.85x)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     found = sorted((n for n in graph.nodes if _gathered_input(n) and _sized(_node_value(n))),
                    key=lambda n: order[next(iter(n.users))])

@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from ..strategy_search.buckets import bucket_unit
 from ._graph_internals import boxed_graph, keeping_annotations
 from ._inductor_internals import compile_graph
 from ._inductor_internals import decompositions as inductor_decompositions
-from ..strategy_search.buckets import bucket_unit
 from .direct_calls import direct_calls
 from .for_every_size import ForEverySize
 from .gate import gate

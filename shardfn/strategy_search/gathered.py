@@ -48,7 +48,7 @@ def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], d
     """The plan's gathered copies, in the order first read, and each bucket's flat bytes."""
     captured, mesh = problem.captured, problem.mesh_shape
     from_params, from_inputs = _from_inputs(problem)
-    names = {n: gi.name for n, gi in zip(captured.placeholders, captured.inputs)}
+    names = {n: gi.name for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
     order = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
     copies: dict[tuple, Gathered] = {}
     for d, c in zip(problem.decisions, chosen):
@@ -82,10 +82,11 @@ def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], d
 
 
 def _unit(value: torch.fx.Node, names: dict) -> str:
-    """The bucket unit of a graph input's gathered copy (of a value computed from inputs: its first input's)."""
+    """The bucket unit of a graph input's gathered copy (of a value computed from inputs: its first input's; ""
+    for an argument's, as exec fuses them)."""
     while value.op != "placeholder" and value.all_input_nodes:
         value = value.all_input_nodes[0]
-    return bucket_unit(names.get(value, ""))
+    return bucket_unit(names[value]) if value in names else ""
 
 
 def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, reshard: bool, grad: bool):

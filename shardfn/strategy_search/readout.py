@@ -132,7 +132,8 @@ class _Collectives:
         self.gradients: list[tuple[int, tuple, int]] = []
         self.position = {n: i for i, n in enumerate(captured.placeholders)}
         self.params = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
-        self.names = {n: gi.name for n, gi in zip(captured.placeholders, captured.inputs)}
+        self.units = {n: bucket_unit(gi.name) for n, gi in zip(captured.placeholders, captured.inputs)
+                      if gi.kind == "param"}  # (other inputs' collectives: no unit, as exec fuses them)
         # those whose gradients a stage-2 sharded optimizer takes pending (the rest are reduced in the graph)
         self.optimizer_reduces = {n for n, gi in zip(captured.placeholders, captured.inputs)
                                   if gi.kind == "param" and gi.name in request.pending_grads}
@@ -225,7 +226,7 @@ class _Collectives:
         gathers = [self._priced(o, "forward", where) for o in fwd]
         self.fwd += gathers
         if handed_back is not None:  # a split parameter's all-gathers: exec fuses them into buckets too
-            unit = bucket_unit(self.names[handed_back])
+            unit = self.units.get(handed_back, "")
             self.gathered += [(g, ("all_gather", o.mesh_dim, val.dtype, unit)) for g, o in zip(gathers, fwd)
                               if o.kind == "all_gather"]
         if self.reshard and value_node in self.from_params and \
@@ -234,7 +235,7 @@ class _Collectives:
             again = [self._priced(o, "backward", where + " (again)") for o in gathers_again]
             self.regathers += again
             if handed_back is not None:
-                self.regathered += [(g, ("all_gather", o.mesh_dim, val.dtype, bucket_unit(self.names[handed_back])))
+                self.regathered += [(g, ("all_gather", o.mesh_dim, val.dtype, self.units.get(handed_back, "")))
                                     for g, o in zip(again, gathers_again)]
             self.regather_s += sum(c.seconds for c in again)
         bwd = self._synced(bwd, handed_back, _through_views(value_node))
@@ -246,7 +247,7 @@ class _Collectives:
     def _kind(self, op, dtype: torch.dtype, placeholder: torch.fx.Node) -> tuple:
         """The bucket kind of a gradient's reduction: an all-reduce's (DDP's) crosses layers, a reduce-scatter's
         (FSDP's) stays within its parameter's unit, as exec fuses them."""
-        unit = (bucket_unit(self.names[placeholder]),) if op.kind == "reduce_scatter" else ()
+        unit = (self.units.get(placeholder, ""),) if op.kind == "reduce_scatter" else ()
         return (op.kind, op.mesh_dim, dtype) + unit
 
     def _node(self, i: int, d, c) -> None:
