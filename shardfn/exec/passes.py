@@ -437,18 +437,21 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int, units: Sequence[str] = ()) 
         order = {n: i for i, n in enumerate(graph.nodes)}
         # a piece cast from its parameter (mixed precision) just before its reader, or in backward where a level-1
         # plan gathers it again: cast by the bucket's first read instead (a piece, not the whole, held earlier)
+        moved: set = set()
         for n in bucket:
             chain, a = [], n.args[0]
             while isinstance(a, torch.fx.Node) and a.op == "call_function" and len(a.all_input_nodes) == 1 \
                     and _pure(a) and not _is_collective(a) and a.target is not _c10d.wait_tensor.default:
                 chain.append(a)
                 a = a.all_input_nodes[0]
-            if chain and order[chain[0]] > order[first_read] and isinstance(a, torch.fx.Node) and \
-                    a.op == "placeholder":
+            if chain and chain[0] not in moved and order[chain[0]] > order[first_read] and \
+                    isinstance(a, torch.fx.Node) and a.op == "placeholder":
+                # (the order, taken once, still tells which side of first_read each op not moved is on)
                 for c in reversed(chain):
-                    if order[c] > order[first_read]:
+                    if c not in moved and order[c] > order[first_read]:
                         first_read.prepend(c)
-                order = {n: i for i, n in enumerate(graph.nodes)}
+                        moved.add(c)
+        order = {n: i for i, n in enumerate(graph.nodes)}
         bucket = [n for n in bucket if order[n.args[0]] < order[first_read]]  # (inputs computed by then)
         if len(bucket) > 1:
             _fuse_gather(graph, bucket, first_read)
