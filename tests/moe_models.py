@@ -1,4 +1,4 @@
-"""Small transformers mixtures of experts (Mixtral, Qwen2-MoE) trained sharded with their experts split, against
+"""Small transformers mixtures of experts (Mixtral, Qwen2-MoE, DeepSeek-V3) trained sharded with their experts split, against
 the unsharded model: losses, every gradient (router included) and the parameters after AdamW steps equal."""
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ def make(name: str, impl: str = "grouped_mm", experts: int = 4) -> torch.nn.Modu
         cfg = tf.MixtralConfig(intermediate_size=2048, num_local_experts=experts, experts_implementation=impl,
                                **_SMALL)
         return tf.MixtralForCausalLM(cfg)
+    if name == "deepseek_v3":  # MLA (its keys made by new_empty), routed experts by group and a shared expert
+        return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+            intermediate_size=64, moe_intermediate_size=1024, n_routed_experts=experts, n_shared_experts=1,
+            first_k_dense_replace=0, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=8, head_dim=4, experts_implementation=impl,
+            **{k: v for k, v in _SMALL.items() if k not in ("output_router_logits", "router_aux_loss_coef")}))
     cfg = tf.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=2048, shared_expert_intermediate_size=64,
                             num_experts=experts, experts_implementation=impl, **_SMALL)
     return tf.Qwen2MoeForCausalLM(cfg)
@@ -49,11 +55,11 @@ def experts_split(plan) -> bool:
 
 def train_and_compare(name: str, impl: str, world: int, rank_slice: Callable | None = None, ranks: int = 1,
                       steps: int = 3, rtol: float = 1e-4, atol: float = 1e-5,
-                      experts: int = 4) -> tuple[list[float], bool]:
+                      experts: int = 4, checked: Callable | None = None) -> tuple[list[float], bool]:
     """Train ``name`` with its experts split (data parallel where ``rank_slice`` gives this rank's rows) and
     unsharded on the same batches; assert the losses (aux loss included), the aux loss, every gradient and,
     after each AdamW step, every parameter agree. Returns rank 0's losses and whether the plan split the
-    experts."""
+    experts (and, where given, ``checked(model, tokens)`` holds of it)."""
 
     def close(a, b, what):
         for r in range(ranks):
@@ -73,7 +79,8 @@ def train_and_compare(name: str, impl: str, world: int, rank_slice: Callable | N
         out = model(rank_slice(ids), labels=rank_slice(ids), use_cache=False) if rank_slice else model(ids, **kwargs)
         ref = reference(ids, **kwargs)
         close(out.loss, ref.loss, f"step {step} loss")
-        close(out.aux_loss, ref.aux_loss, f"step {step} aux loss")
+        if ref.aux_loss is not None:  # (DeepSeek-V3 balances its experts by a bias, not a loss)
+            close(out.aux_loss, ref.aux_loss, f"step {step} aux loss")
         out.loss.backward()
         ref.loss.backward()
         for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
@@ -93,4 +100,6 @@ def train_and_compare(name: str, impl: str, world: int, rank_slice: Callable | N
     ids, kwargs = batch(0)
     split = experts_split(sf.explain(model, rank_slice(ids) if rank_slice else ids,
                                      kwargs=dict(labels=rank_slice(ids), use_cache=False) if rank_slice else kwargs))
+    if checked is not None:  # what else the plan must do (it is given the model and the call's tokens)
+        split = split and checked(model, rank_slice(ids) if rank_slice else ids)
     return losses, split

@@ -37,6 +37,24 @@ def test_data_parallel_with_split_expert_storage_trains_like_unsharded():
     assert split, "the plan gathered the experts' weights"
 
 
+def _new_empty_split(model, ids) -> bool:
+    import shardfn as sf
+
+    plan = sf.explain(model, ids, kwargs=dict(labels=ids, use_cache=False))
+    made = [n for n in plan.nodes.values() if n.op == "aten.new_empty.default"]
+    return bool(made) and all(n.run == "local" and not n.outputs[0][0].is_replicate() for n in made)
+
+
+def test_deepseek_v3_trains_like_unsharded_with_its_keys_made_split():
+    # DeepSeek-V3's attention (MLA) makes its keys with new_empty and writes its two parts into it: each rank
+    # makes its own piece (here of its rows of the batch), none the whole; the experts split, the batch data
+    # parallel, the shared expert and the grouped router as the search decides
+    with simulated_world(WORLD):
+        _, split = train_and_compare("deepseek_v3", "grouped_mm", WORLD, _simulated_slice, ranks=WORLD, steps=2,
+                                     checked=_new_empty_split)
+    assert split
+
+
 def test_experts_over_one_mesh_dim_of_two():
     # a 2 x 2 mesh: the tokens given split over "dp", the experts stored split over "ep": the experts run split over
     # "ep"; loss and every gradient as unsharded
@@ -116,8 +134,20 @@ def _train_body(name, impl):
     return train_and_compare(name, impl, dist.get_world_size())
 
 
+def _deepseek_body():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return train_and_compare("deepseek_v3", "grouped_mm", world, lambda t: t.chunk(world)[rank], steps=2,
+                             checked=_new_empty_split)
+
+
 @pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "grouped_mm"), ("qwen2_moe", "eager")])
 def test_experts_split_train_like_unsharded_on_real_ranks(gloo4, name, impl):
     results = gloo4.run(_train_body, name, impl)
     assert all(r == results[0] for r in results), results
     assert results[0][1], "the plan did not split the experts"
+
+
+def test_deepseek_v3_trains_like_unsharded_on_real_ranks(gloo4):
+    # the traced per-rank graphs make each rank's piece of MLA's keys (new_empty at the piece's size)
+    results = gloo4.run(_deepseek_body)
+    assert all(r[1] for r in results), "the plan did not split the experts or made MLA's keys whole"

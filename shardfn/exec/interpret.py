@@ -13,10 +13,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from ..capture.graph import CapturedGraph, is_getitem, is_in_place, is_view
 from ..strategy_search.plan import NodePlan, Plan
+from ..strategy_search.registry import REGISTRY
 from ._dtensor_internals import is_masked_sum
 from ._graph_internals import annotated_as
 from .pieces import (VIEW_CALLS, conform, contiguous, from_local, local_piece, map_leaves, piece_shape, placed,
-                     redistribute, settled, view_of_piece)
+                     redistribute, settled, sized_to_piece, view_of_piece)
 from .precision import Casts
 
 __all__ = ["Interpreter", "node_plans"]
@@ -111,6 +112,11 @@ class Interpreter:
             piece = local_piece(np_.outputs, self.shared)
             local_args, local_kwargs = map_leaves(lambda a: piece(a) if isinstance(a, DTensor) else a,
                                                    (args, kwargs))
+            at = REGISTRY.size_argument(node.target)
+            if at is not None:  # a factory sized by an argument: the piece's size, else made whole and laid out
+                local_args = sized_to_piece(local_args, at, val.shape, np_.outputs[0], self.mesh)
+                if local_args is None:
+                    return placed(node.target(*args, **kwargs), np_.outputs[0], self.mesh)
             out = node.target(*local_args, **local_kwargs)
             if isinstance(out, torch.Tensor):
                 return from_local(out, self.mesh, np_.outputs[0], val, self.layouts_now)

@@ -263,6 +263,13 @@ def piece_shape(shape: torch.Size, placements, mesh: DeviceMesh) -> list[int] | 
     return local
 
 
+def sized_to_piece(args: tuple, at: int, shape, placements, mesh: DeviceMesh) -> tuple | None:
+    """A sized factory's arguments (its size at position ``at``) for this rank's piece of a result of ``shape``
+    laid out as ``placements``; None where that split is uneven (pieces of several sizes)."""
+    size = piece_shape(shape, placements, mesh)
+    return None if size is None else (*args[:at], size, *args[at + 1:])
+
+
 # views run on the operand's piece (strategy_search.run_modes says which), their size argument (index 1, where
 # taken) rewritten to the result's piece
 _SIZED_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.expand.default}

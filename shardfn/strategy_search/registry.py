@@ -155,6 +155,14 @@ class RuleRegistry:
     def is_random_fill(self, op) -> bool:
         return self._in("random_fill", op)
 
+    def sized_factories(self) -> frozenset:
+        """Factories shaped by a size argument that read their tensor input for its dtype and device only."""
+        return frozenset(self._tables["sized_factory"])
+
+    def size_argument(self, op) -> int | None:
+        """Where a sized factory takes its size (None: ``op`` is not one): run on a piece, the piece's size."""
+        return self._tables["sized_factory"].get(op) if self._in("sized_factory", op) else None
+
     def runs_on_pieces(self, op) -> bool:
         """A non-pointwise op DTensor's rule runs on its operands' pieces as they are (list arguments: dims)."""
         return self._in("on_pieces", op)
@@ -220,6 +228,11 @@ REGISTRY.describe("random_fill", {
     aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype, aten.exponential.default,
     aten.random.default, aten.random.to,
 })
+
+# factories shaped by a size argument (op -> its position), their tensor input read for its dtype and device only:
+# each rank makes its own piece of any layout (rules), the size argument the piece's (exec.pieces.sized_to_piece)
+REGISTRY.describe("sized_factory", dict.fromkeys((
+    aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default), 1))
 
 # ops DTensor runs on its operands' pieces as they are, given the placements its strategy asks for (besides the
 # pointwise ones; their list arguments are dims or operands, not sizes): exec's interpreter runs them so itself,

@@ -411,6 +411,33 @@ def _random_fill(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     return [Candidate((p,), (p,) * n_in, "random") for p in valid_placements(node.meta["val"].shape, mesh)]
 
 
+# --- factories shaped by a size argument ---------------------------------------------------------------------
+#
+# new_empty, new_zeros, new_ones and new_full read their tensor input for its dtype and device only, so their
+# result may take any layout: each rank makes its own piece, the size argument the piece's (exec runs the op so:
+# ``local``). Split evenly only (a piece's size is each rank's). The input is asked in the result's layout where
+# its shape takes it (nothing moves where its producer has it), else whole. Made whole instead, a factory of the
+# attention's size (transformers' MLA builds its keys with new_empty) would hold the whole on every rank.
+
+def _splits_evenly(shape, placements, mesh: DeviceMesh) -> bool:
+    local = list(shape)
+    for m, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if local[p.dim] % mesh.shape[m]:
+                return False
+            local[p.dim] //= mesh.shape[m]
+    return True
+
+
+@register_rule(*REGISTRY.sized_factories())
+def _sized_factory(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
+    (source,) = tensor_inputs(node)
+    into = set(valid_placements(source.meta["val"].shape, mesh))
+    shape = node.meta["val"].shape
+    return [Candidate((p,), (p if p in into else (R,) * mesh.ndim,), "local")
+            for p in valid_placements(shape, mesh) if _splits_evenly(shape, p, mesh)]
+
+
 # --- custom autograd.Functions ------------------------------------------------------------------------------
 #
 # A Function call is one node that runs the Function itself on the pieces it is given (capture.functions), its

@@ -195,6 +195,29 @@ def test_function_call_rule_splits_only_elementwise_functions():
     assert splits["BloomGelu.apply"] == {Shard(0), Shard(2)}  # (5, 1, 3): its size-1 dim stays whole
 
 
+@pytest.mark.parametrize("case", [
+    (aten.new_zeros.default, (r(4, 6, 8), [4, 6, 12])), (aten.new_ones.default, (r(6, 5), [6, 4, 2])),
+    (aten.new_full.default, (r(4, 6), [2, 4, 6], 2.5)), (aten.new_zeros.default, (r(5, 3), [4, 12])),
+], ids=described)
+def test_sized_factory_rule(case):
+    # made on each rank at its piece's size: any even layout of the result, whatever the input's shape
+    op, args = case
+    assert failures(op, args) == []
+
+
+def test_sized_factory_splits_the_result_as_attention_would():
+    # transformers' MLA keys: new_empty of the attention's shape from a value of another last dim, split by heads
+    # as that value is (nothing gathered for a value read for its dtype alone), or where the value cannot be, whole
+    from shardfn.strategy_search.candidates import node_candidates
+    from tests.strategy_search.truth import op_node, planning
+
+    node = op_node(aten.new_empty.default, (r(2, 4, 8, 6), [8, 4, 8, 5]), {})  # (a batch dim 4 ranks cannot split)
+    cands = node_candidates(node, planning(4), set())
+    assert {(c.outputs[0], c.inputs[0]) for c in cands} == {
+        ((Replicate(),), (Replicate(),)), ((Shard(1),), (Shard(1),)), ((Shard(2),), (Shard(2),)),
+        ((Shard(0),), (Replicate(),))}
+
+
 def test_every_own_rule_has_ground_truth():
     from shardfn.capture.functions import FunctionCall
     from shardfn.strategy_search.candidates import RANDOM_FILLS
@@ -212,7 +235,7 @@ def test_every_own_rule_has_ground_truth():
 
     assert REGISTRY.ruled_ops() - set(RANDOM_FILLS) - {ExpertMM, MoEExperts} == {
         SDPA, aten.var_mean.correction, aten.constant_pad_nd.default, FunctionCall, *_RESHAPES, *_EDGE_PADS, *SCANS,
-        *CDIST} | lacking
+        *CDIST, *REGISTRY.sized_factories()} | lacking
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims

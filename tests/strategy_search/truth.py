@@ -23,7 +23,9 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from shardfn.layout import Axis, MeshSpec
 from shardfn.runtime import planning_mesh, simulated_world
+from shardfn.exec.pieces import sized_to_piece
 from shardfn.strategy_search import candidates as C
+from shardfn.strategy_search.registry import REGISTRY
 
 MESHES = ((2,), (3,), (4,), (2, 2))
 
@@ -120,6 +122,9 @@ def check_candidate(op, args, kwargs, expected, cand: C.Candidate, mesh: DeviceM
 
     try:
         local_args, local_kwargs = pytree.tree_map_only(torch.Tensor, lay, (args, kwargs))
+        at = REGISTRY.size_argument(op)
+        if at is not None and cand.rule == "local":  # a sized factory: each rank's piece made as exec makes it
+            local_args = sized_to_piece(local_args, at, expected.shape, cand.outputs[0], mesh)
         out = _outputs(op(*local_args, **local_kwargs))
     except Exception as e:  # noqa: BLE001 - a candidate the kernel refuses is a wrong candidate
         return f"raised {type(e).__name__}: {str(e)[:200]}"
