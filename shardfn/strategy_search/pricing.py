@@ -154,7 +154,9 @@ class Pricing:
         terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible,
                       grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
-        terms.edge_memory = held_copies(p, self._held, self.reshard)
+        # (where every value counts, a parameter gathered again in backward counts as a value too: its copy is
+        # made twice, not kept; left out, a plan may gather a layer's experts whole for free)
+        terms.edge_memory = held_copies(p, self._held, self.reshard and not self.every_value)
         return terms
 
     def _unary(self, d: Decision, held):
@@ -178,7 +180,10 @@ class Pricing:
             # backward's work, and a checkpointed value's forward once more
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
             kept = d.node in self._saved or (grad and self.every_value)
-            keep = 1 if kept and d.node not in p.recomputed and not cm.is_view_op(d.node) else 0
+            # a recomputed value is not kept, but is made twice all the same: counted where every value is (a
+            # transient's layout then stays the least memory's; else it is free, and may run whole)
+            kept = kept and (d.node not in p.recomputed or self.every_value)
+            keep = 1 if kept and not cm.is_view_op(d.node) else 0
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
