@@ -16,7 +16,9 @@ Rows: transformers' LlamaForCausalLM at the Llama-3-8B config (1, 8, 16, 32 laye
 take 125 GiB a rank), the batch over ("dp", "fsdp") and over "dp"; transformers' DeepseekV2ForCausalLM at
 DeepSeek-V2-Lite's config (27 layers, 64 routed experts) the same way; transformers' Qwen2ForCausalLM at
 Qwen2-7B's config (28 layers; 28 query and 4 kv heads, which do not divide 8: the mesh is cut 8 x 2 x 4 for its
-attention's heads) like the 8B; and a hand-written Llama-3-8B
+attention's heads) like the 8B; transformers' DeepseekV3ForCausalLM at DeepSeek-V3's config (61 layers, 256 routed
+experts, 8 active, a shared expert, MLA; 671 B parameters) on 16 x 16, batch 16 x 4096 over "dp", the loss
+returned; and a hand-written Llama-3-8B
 (bench/llama.py: its own RoPE, GQA by repeat_interleave, SDPA) at 32 layers on 8 x 8, with the CPU profile too
 (whose 16 GB makes the memory limit bind: the budgeted search). Targets on this 2-core machine: 8B, 32 layers:
 10 s cold for transformers' model, 5 s for the hand-written one; every row within SHARDFN_SEARCH_TIME_LIMIT's
@@ -40,6 +42,7 @@ ROWS = [
     ("hf-70b", 80, "8x8x8", "cuda", "dp,fsdp"), ("hf-70b", 80, "8x8x8", "cuda", "dp"),
     ("deepseek-v2-lite", 27, "8x8x8", "cuda", "dp,fsdp"), ("qwen2-7b", 28, "8x8", "cuda", "dp"),
     ("own-8b", 32, "8x8", "cuda", "dp"), ("own-8b", 32, "8x8", "cpu", "dp"),
+    ("deepseek-v3", 61, "16x16", "cuda", "dp"),
 ]
 # the mesh axes' names by the mesh's rank
 NAMES = {2: ("dp", "tp"), 3: ("dp", "fsdp", "tp")}
@@ -81,6 +84,10 @@ def _model(kind: str, layers: int):
             topk_group=1, topk_method="greedy", max_position_embeddings=163840)
         with torch.device("meta"):
             return _loss(transformers.DeepseekV2ForCausalLM(cfg)), DEEPSEEK_BATCH, True
+    if kind == "deepseek-v3":  # transformers' DeepseekV3Config defaults are DeepSeek-V3's (671 B parameters)
+        cfg = transformers.DeepseekV3Config(num_hidden_layers=layers)
+        with torch.device("meta"):
+            return _loss(transformers.DeepseekV3ForCausalLM(cfg)), (16, 4096), True
     if kind == "qwen2-7b":  # Qwen/Qwen2-7B's config.json
         cfg = transformers.Qwen2Config(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                                        num_key_value_heads=4, num_hidden_layers=layers, vocab_size=152064,
@@ -129,7 +136,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="the 8B rows up to 8 layers")
     parser.add_argument("--only", help="the rows of this model kind (hf-8b, hf-70b, deepseek-v2-lite, qwen2-7b, "
-                        "own-8b)")
+                        "own-8b, deepseek-v3)")
     parser.add_argument("--row", nargs=5, help=argparse.SUPPRESS)  # kind layers mesh device axes: one row, as JSON
     args = parser.parse_args()
     if args.row:

@@ -1,5 +1,6 @@
-"""Small transformers mixtures of experts (Mixtral, Qwen2-MoE, DeepSeek-V3) trained sharded with their experts split, against
-the unsharded model: losses, every gradient (router included) and the parameters after AdamW steps equal."""
+"""Small transformers mixtures of experts (Mixtral, Qwen2-MoE, DeepSeek-V3) trained sharded with their experts
+split, against the unsharded model: losses, every gradient (router included) and the parameters after AdamW steps
+equal."""
 
 from __future__ import annotations
 
