@@ -218,6 +218,23 @@ def test_sized_factory_splits_the_result_as_attention_would():
         ((Shard(0),), (Replicate(),))}
 
 
+@pytest.mark.parametrize("case", [
+    ((r(4, 6, 8), r(4, 6, 4)), -1), ((r(6, 5), r(2, 5), r(4, 5)), 0), ((r(2, 4, 3, 6), r(2, 4, 3, 2)), 3),
+    ((r(5, 3),), 1),
+], ids=described)
+def test_cat_rule(case):
+    # the concatenated dim whole, every input and the result alike: what DTensor's rule gives, in its order
+    from shardfn.strategy_search.candidates import _from_dtensor, node_candidates
+    from tests.strategy_search.truth import op_node, planning
+
+    tensors, dim = case
+    assert failures(aten.cat.default, (list(tensors), dim)) == []
+    for shape in ((2,), (2, 2), (2, 2, 2)):
+        mesh = planning(*shape)
+        node = op_node(aten.cat.default, (list(tensors), dim), {})
+        assert node_candidates(node, mesh, set()) == _from_dtensor(node, mesh)
+
+
 def test_every_own_rule_has_ground_truth():
     from shardfn.capture.functions import FunctionCall
     from shardfn.strategy_search.candidates import RANDOM_FILLS
@@ -235,7 +252,7 @@ def test_every_own_rule_has_ground_truth():
 
     assert REGISTRY.ruled_ops() - set(RANDOM_FILLS) - {ExpertMM, MoEExperts} == {
         SDPA, aten.var_mean.correction, aten.constant_pad_nd.default, FunctionCall, *_RESHAPES, *_EDGE_PADS, *SCANS,
-        *CDIST, *REGISTRY.sized_factories()} | lacking
+        *CDIST, *REGISTRY.sized_factories(), aten.cat.default} | lacking
 
 
 # DTensor rules shardfn leans on, on random shapes with size-1 and uneven dims
