@@ -87,7 +87,9 @@ class Pricing:
         self.problem, self.profile, self.held = problem, profile, held
         self.reshard = reshard  # parameters gathered again in backward (level 1), not kept from forward
         # the memory counts every value needing a gradient, not only those kept for backward: the least-memory
-        # objective (level 1) then splits the transients too (the loss's logits), which no term of its own prices
+        # objective (level 1) then splits the transients too (the loss's logits), which no term of its own prices;
+        # a recomputed value and a parameter's copy gathered again in backward too (made twice, not kept; else
+        # free: DeepSeek-V3's level 1 ran attention whole and gathered a layer's experts whole)
         self.every_value = every_value
         # each mesh dim's link ("intra"/"inter"), which prices its collectives
         self.links = links if links is not None else cm.mesh_links(problem.mesh_shape, profile)
@@ -154,8 +156,6 @@ class Pricing:
         terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible,
                       grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
-        # (where every value counts, a parameter gathered again in backward counts as a value too: its copy is
-        # made twice, not kept; left out, a plan may gather a layer's experts whole for free)
         terms.edge_memory = held_copies(p, self._held, self.reshard and not self.every_value)
         return terms
 
@@ -180,8 +180,6 @@ class Pricing:
             # backward's work, and a checkpointed value's forward once more
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
             kept = d.node in self._saved or (grad and self.every_value)
-            # a recomputed value is not kept, but is made twice all the same: counted where every value is (a
-            # transient's layout then stays the least memory's; else it is free, and may run whole)
             kept = kept and (d.node not in p.recomputed or self.every_value)
             keep = 1 if kept and not cm.is_view_op(d.node) else 0
         dtype = vals[0].dtype if vals else torch.float32
