@@ -97,11 +97,7 @@ class Pricing:
         self.grad_dtypes = {n: reduce_dtype for n in problem.trainable
                             if reduce_dtype is not None and n.meta["val"].dtype != reduce_dtype}
         self.mesh_shape = problem.mesh_shape
-        self._edges: dict = {}
-        self._unaries: dict = {}
-        self._violations: dict = {}
-        self._comm: dict = {}
-        self._held: dict = {}
+        self._edges, self._unaries, self._violations, self._comm, self._held = {}, {}, {}, {}, {}  # memos
         # values some backward reads, needing a gradient or not (a mask read by attention's backward): kept
         self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
             if problem.needs_grad else set()
