@@ -417,7 +417,7 @@ def _random_fill(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
 # and the result take. Offered every layout of every input, that is every layout of the result that leaves the
 # dim whole (in the same order). DTensor's function answers for the layout each input has now (eager dispatch),
 # so it was asked per combination of the inputs' layouts: 4,096 calls a cat on a 3-D mesh (1 s; rotary
-# embeddings cat in every layer's attention). Inputs of other ranks (legacy empty 1-D tensors): DTensor's rule.
+# embeddings cat in every layer's attention). Inputs of fewer dims (legacy empty 1-D tensors): DTensor's rule.
 
 @register_rule(aten.cat.default)
 def _cat(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
