@@ -424,8 +424,9 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int, units: Sequence[str] = ()) 
     several layers holds them all whole at once (four GPT blocks gathered together: a level-1 step's tensor peak
     1.12x FSDP2's; by block 0.85x)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    found = sorted((n for n in graph.nodes if _gathered_input(n) and _sized(_node_value(n))),
-                   key=lambda n: order[next(iter(n.users))])
+    # (not an output's gradient, a backward's input too: an activation's move, which the plan does not bucket)
+    found = sorted((n for n in graph.nodes if _gathered_input(n) and _sized(_node_value(n))
+                    and not _input_of(n).name.startswith("tangents_")), key=lambda n: order[next(iter(n.users))])
     vals = [_node_value(n) for n in found]
     numbers = assign_buckets([((n.args[1], n.args[2], v.dtype, _unit_of(n, units)), v.numel() * v.element_size())
                               for n, v in zip(found, vals)], limit)
@@ -457,14 +458,19 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int, units: Sequence[str] = ()) 
             _fuse_gather(graph, bucket, first_read)
 
 
+def _input_of(gather: torch.fx.Node) -> torch.fx.Node:
+    """The graph input a gather of one (:func:`_gathered_input`) moves, through the ops on it alone."""
+    arg = gather.args[0]
+    while arg.op == "call_function" and len(arg.all_input_nodes) == 1:
+        arg = arg.all_input_nodes[0]
+    return arg
+
+
 def _unit_of(gather: torch.fx.Node, units: Sequence[str]) -> str:
     """The bucket unit of the parameter ``gather`` gathers ("" for another input): AOTAutograd names the step's
     inputs primals_1, primals_2, ... in both graphs (a level-1 backward gathers the parameters it saved), the
     parameters first."""
-    arg = gather.args[0]
-    while isinstance(arg, torch.fx.Node) and arg.op == "call_function" and len(arg.all_input_nodes) == 1:
-        arg = arg.all_input_nodes[0]
-    found = re.fullmatch(r"primals_(\d+)", arg.name) if isinstance(arg, torch.fx.Node) else None
+    found = re.fullmatch(r"primals_(\d+)", _input_of(gather).name)
     return units[int(found.group(1)) - 1] if found and int(found.group(1)) <= len(units) else ""
 
 

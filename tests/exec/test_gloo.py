@@ -392,12 +392,21 @@ def test_level_1_gathers_parameters_again_in_backward_and_trains_like_eager(gloo
 
 
 def _gathered_held_at_once(graph) -> int:
-    """The most gathered results (an all-gather's, its pieces and copies) that later ops still read when an
-    all-gather starts, over ``graph``'s all-gathers: 1 where each starts while only the previous one is read, 2
-    where an op reads parameters of both (a bias at a bucket's end, its weight at the next one's start)."""
+    """The most gathered parameters (an all-gather's results, their pieces and copies) that later ops still read
+    when a parameters' all-gather starts, over ``graph``'s all-gathers of parameters (of the step's inputs,
+    primals_N, or of a bucket of them; an activation's move is not a parameter's): 1 where each starts while only
+    the previous one is read, 2 where an op reads parameters of both (a bias at a bucket's end, its weight at the
+    next one's start)."""
     c10d = torch.ops._c10d_functional
+
+    def of_parameters(gather):
+        a = gather.args[0]
+        while a.op == "call_function" and len(a.all_input_nodes) == 1:
+            a = a.all_input_nodes[0]
+        return a.name.startswith("primals_") or a.target is torch.ops.aten.cat.default
+
     pos = {n: i for i, n in enumerate(graph.nodes)}
-    gathers = [n for n in graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    gathers = [n for n in graph.nodes if n.target is c10d.all_gather_into_tensor.default and of_parameters(n)]
     of = {}  # a gathered result, or a value made from one alone: which gather's
     for n in graph.nodes:
         if n.target is c10d.wait_tensor.default and n.args[0] in gathers:
