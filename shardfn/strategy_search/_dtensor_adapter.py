@@ -35,8 +35,8 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 from .. import _pytree_internals as pytree
 from .._mesh_internals import mesh_without_groups
 
-__all__ = ["dtensor_strategies", "has_dtensor_rule", "is_local_from_replicate", "local_shapes", "strided_shard",
-           "valid_placements"]
+__all__ = ["dtensor_strategies", "has_dtensor_rule", "has_single_dim_rule", "is_local_from_replicate", "local_shapes",
+           "strided_shard", "valid_placements"]
 
 Placements = tuple[Placement, ...]
 # (output placements: one tuple, or one per output with None for non-tensor outputs; input placements)
@@ -61,6 +61,12 @@ def strided_shard(dim: int, split_factor: int) -> Placement:
 
 def _propagator():
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_single_dim_rule(op) -> bool:
+    """Whether DTensor gives its rule for ``op`` per mesh dim (expanded over the mesh), not as a function of the
+    inputs' current layouts (cat: from torch 2.14)."""
+    return op in _propagator().op_single_dim_strategy_funcs
 
 
 def has_dtensor_rule(op) -> bool:

@@ -126,15 +126,17 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
 
 
 def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
-                transient: float = 0.0) -> list[tuple[int, int, np.ndarray]]:
+                beyond: float | None = None) -> list[tuple[int, int, np.ndarray]]:
     """The bytes of gathered copies each pair of choices keeps from forward to backward, as the liveness walk
     (:func:`gather_events`) keeps them: for each edge carrying a value computed from graph inputs alone to a
     reader whose backward reads it (directly or through a view), a rank holds the copy in the reader's layout
     wherever that is larger than the value's own. The budget weighs these pairs with the decisions' own bytes
     (a level-2 plan that gathers a layer's weights whole keeps them for backward: FSDP without resharding).
-    ``reshard`` (level 1): parameters are gathered again in backward, so their copies are not kept: each counts
-    ``transient`` times its bytes (level 1's stand-in for a copy made twice and held a while). ``memo``: per
-    pair of candidate lists (identical layers priced once)."""
+    ``reshard`` (level 1): parameters are gathered again in backward, so their copies are not kept; where
+    ``beyond`` is given (a bucket's bytes), each counts its bytes beyond it: a bucket's worth is what bucketed
+    gathers hold anyway (two at most), a copy larger than a bucket is memory no bucketing bounds (level 1's
+    stand-in: DeepSeek-V3's experts gathered whole). ``memo``: per pair of candidate lists (identical layers
+    priced once)."""
     if not problem.needs_grad:
         return []
     from_params, from_inputs = _from_inputs(problem)
@@ -145,19 +147,20 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
         view = cm.is_view_op(d.node)
         for slot, (u, out_idx, value) in enumerate(d.sources):
             val = value.meta["val"]
-            weight = transient if reshard and value in from_params else 1.0
-            if value not in from_inputs or not weight or not isinstance(val, torch.Tensor):
+            over = (beyond if reshard and value in from_params else 0.0)  # (None: not counted)
+            if value not in from_inputs or over is None or not isinstance(val, torch.Tensor):
                 continue
             if not (backward_readers(d.node, problem.needs_grad) if view else
                     d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad)):
                 continue
             src_cands = problem.decisions[u].candidates
-            key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.element_size(), weight)
+            key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.element_size(), over)
             hit = memo.get(key)
             if hit is None or hit[0] is not src_cands or hit[1] is not d.candidates:
                 own = np.array([cm.local_numel(val.shape, c.outputs[out_idx], mesh) for c in src_cands], dtype=float)
                 held = np.array([cm.local_numel(val.shape, c.inputs[slot], mesh) for c in d.candidates], dtype=float)
-                copy = np.where(held[None, :] > own[:, None], held[None, :], 0.0) * (val.element_size() * weight)
+                copy = np.where(held[None, :] > own[:, None], held[None, :], 0.0) * val.element_size()
+                copy = np.maximum(copy - over, 0.0)
                 hit = memo[key] = (src_cands, d.candidates, copy if copy.any() else None)
             if hit[2] is not None:
                 found.append((u, v, hit[2]))

@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Placement, Shard
 from .. import _pytree_internals as pytree
 from . import cost_arrays
 from . import cost_model as cm
-from .buckets import bucket_bytes, bucket_unit
+from .buckets import bucket_bytes
 from .candidates import Candidate
 from .expert_rules import dispatches_tokens
 from .gathered import held_copies
@@ -88,10 +88,9 @@ class Pricing:
         self.reshard = reshard  # parameters gathered again in backward (level 1), not kept from forward
         # the memory counts every value needing a gradient, not only those kept for backward: the least-memory
         # objective (level 1) then splits the transients too (the loss's logits), which no term of its own prices;
-        # a recomputed value too, and a parameter's copy gathered again in backward over the units gathered (one
-        # or two held at once). Else free: DeepSeek-V3's level 1 ran attention and a layer's experts whole
+        # a recomputed value too, and a parameter's copy gathered again in backward beyond a bucket's bytes. Else
+        # free: DeepSeek-V3's level 1 ran attention and a layer's experts whole
         self.every_value = every_value
-        self.units = max(len({bucket_unit(gi.name) for gi in problem.captured.inputs if gi.kind == "param"}), 1)
         # each mesh dim's link ("intra"/"inter"), which prices its collectives
         self.links = links if links is not None else cm.mesh_links(problem.mesh_shape, profile)
         self.optimizer_stage = optimizer_stage
@@ -153,7 +152,7 @@ class Pricing:
         terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible,
                       grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
-        terms.edge_memory = held_copies(p, self._held, self.reshard, self.every_value / self.units)
+        terms.edge_memory = held_copies(p, self._held, self.reshard, bucket_bytes() if self.every_value else None)
         return terms
 
     def _unary(self, d: Decision, held):

@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from .. import _pytree_internals as pytree
 from ..layout import MeshSpec, TensorSpec
 from ..capture.functions import FunctionCall
-from ._dtensor_adapter import has_dtensor_rule, local_shapes, valid_placements
+from ._dtensor_adapter import has_dtensor_rule, has_single_dim_rule, local_shapes, valid_placements
 from .candidates import Candidate, _from_dtensor, _per_mesh_dim, replicated_candidates, tensor_inputs
 from .registry import REGISTRY, register_check, register_rule
 
@@ -417,13 +417,14 @@ def _random_fill(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
 # and the result take. Offered every layout of every input, that is every layout of the result that leaves the
 # dim whole (in the same order). DTensor's function answers for the layout each input has now (eager dispatch),
 # so it was asked per combination of the inputs' layouts: 4,096 calls a cat on a 3-D mesh (1 s; rotary
-# embeddings cat in every layer's attention). Inputs of fewer dims (legacy empty 1-D tensors): DTensor's rule.
+# embeddings cat in every layer's attention). Where DTensor gives it per mesh dim (torch 2.14: pending sums too),
+# and for inputs of fewer dims (legacy empty 1-D tensors): DTensor's rule.
 
 @register_rule(aten.cat.default)
 def _cat(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
     ins = [t.meta["val"] for t in tensor_inputs(node)]
     out = node.meta["val"]
-    if any(t.dim() != out.dim() for t in ins):
+    if has_single_dim_rule(aten.cat.default) or any(t.dim() != out.dim() for t in ins):
         return _from_dtensor(node, mesh)
     dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % out.dim()
     return [Candidate((p,), (p,) * len(ins), "dtensor") for p in valid_placements(out.shape, mesh)
