@@ -32,7 +32,13 @@ ONE_RELEASE = {
     "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[gemma3]": "more models",
     "tests/test_transformers_models.py::test_data_parallel_generate_gives_each_rank_its_rows_on_real_ranks":
         "generate() at a new length each token: test_data_parallel_steps_of_changing_length_on_real_ranks",
+    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[gpt2]":
+        "more models (GPT-2 on real ranks every release: tests/training/test_checkpoint.py)",
     "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_real_ranks[mixtral": "more models",
+    "tests/test_moe_models.py::test_deepseek_v3_trains_like_unsharded_on_real_ranks":
+        "more models (DeepSeek-V3 simulated every release, Qwen2-MoE on real ranks)",
+    "tests/training/test_checkpoint.py::test_a_resume_is_the_uninterrupted_run_for_every_way_of_training[more]":
+        "more ways of training (the sharded optimizer's and level 1's resume every release)",
     "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_real_ranks[qwen2_moe-eager]":
         "more experts implementations",
     # the trace for every size: data parallel on real ranks runs on every release
