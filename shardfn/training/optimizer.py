@@ -29,9 +29,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
-from .._functional_collectives import all_gather_tensor, reduce_scatter_tensor
+from .._functional_collectives import all_gather_tensor, reduce_scatter_tensor, wait_tensor
 from .._simulation_internals import local_values
 from ..runtime import is_simulated, simulated_map
+from .local_step import on_local_tensors
 
 __all__ = ["ShardedOptimizer", "check_stage", "gradient_targets", "piece_placements"]
 
@@ -112,6 +113,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         self._drop_provisional()
+        slices = {}  # stage 1: id(piece) -> this rank's slice of its parameter's reduced gradient (a local view)
         for i, (p, piece) in enumerate(zip(self.params, self.pieces)):
             if piece is p:
                 continue
@@ -124,10 +126,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             g = p.grad
             if g is None:  # stage 2: the hook has put it in the piece already
                 continue
-            if tuple(g.placements) != tuple(piece.placements):  # stage 1: a slice of the reduced gradient
+            if tuple(g.placements) == tuple(p.placements):  # stage 1: this rank's slice of the reduced gradient
+                slices[id(piece)] = _local_view(g, tuple(piece.placements))
+                continue
+            if tuple(g.placements) != tuple(piece.placements):
                 g = g.redistribute(p.device_mesh, piece.placements)
             piece.grad = g if piece.grad is None else piece.grad + g
-        self.inner.step()
+        with on_local_tensors(self.inner, slices) as local:
+            if not local:  # (a step of DTensors: the slices as their gradients)
+                for piece in self.pieces:
+                    if id(piece) in slices:
+                        g = _as_dtensor(slices[id(piece)], piece)
+                        piece.grad = g if piece.grad is None else piece.grad + g
+            self.inner.step()
         # whole again; a rank outside a parameter's mesh (another pipeline stage's) holds nothing of it
         _gather_pieces([(p, q) for p, q in zip(self.params, self.pieces)
                         if q is not p and p.device_mesh.get_coordinate() is not None])
@@ -191,7 +202,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for group in self.inner.param_groups:
                 if "lr" in group:
                     group["lr"] = 0.0 * group["lr"]
-            with _only(self.inner, empty):
+            with _only(self.inner, empty), on_local_tensors(self.inner, {}):
                 self.inner.step()
         finally:
             for group, lr in zip(self.inner.param_groups, rates):
@@ -330,9 +341,14 @@ def _addresses(t: torch.Tensor) -> tuple:
 def _piece_view(p: DTensor, target: tuple) -> DTensor:
     """``p``'s piece in ``target`` placements sharing ``p``'s memory: a step of the piece is a step of ``p``'s
     own slice, and whatever is written into ``p`` is what the piece holds."""
+    return _as_dtensor(_local_view(p.detach(), target), p, target)
+
+
+def _as_dtensor(local: torch.Tensor, like: DTensor, placements: tuple | None = None) -> DTensor:
+    """``local`` as this rank's piece of a DTensor of ``like``'s shape and mesh, in ``placements`` (``like``'s)."""
     with torch.no_grad():
-        return DTensor.from_local(_local_view(p.detach(), target), p.device_mesh, target, run_check=False,
-                                  shape=p.shape, stride=p.stride())
+        return DTensor.from_local(local, like.device_mesh, placements or like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())
 
 
 def _split(p: DTensor, piece: DTensor) -> tuple[int, int]:
@@ -378,7 +394,7 @@ def _gather_pieces(pairs) -> None:
         mesh = bucket[0][0].device_mesh
         k = mesh.size(d)
         flat = [_padded(piece.to_local().movedim(t, 0), _rows(p.shape[t], k)).reshape(-1) for p, piece, t in bucket]
-        gathered = all_gather_tensor(torch.cat(flat), 0, (mesh, d)).reshape(k, -1)
+        gathered = wait_tensor(all_gather_tensor(torch.cat(flat), 0, (mesh, d))).reshape(k, -1)
         offset = 0
         for p, _, t in bucket:
             local = p.to_local()
@@ -403,18 +419,17 @@ def _scatter_gradients(pairs) -> None:
             blocks = []
             for p, _, t in bucket:
                 # pending over other mesh dims too (a parameter whole on both dp and tp): summed there first
-                g = p.grad.redistribute(p.device_mesh, [q if e == d else r for e, (q, r) in
-                                                        enumerate(zip(p.grad.placements, p.placements))])
+                target = tuple(q if e == d else r for e, (q, r) in enumerate(zip(p.grad.placements, p.placements)))
+                g = p.grad if tuple(p.grad.placements) == target else p.grad.redistribute(p.device_mesh, target)
                 blocks.append(_padded(g.to_local().movedim(t, 0), k * _rows(p.shape[t], k)).reshape(k, -1))
-            mine = reduce_scatter_tensor(torch.cat(blocks, dim=1).reshape(-1), "sum", 0, (mesh, d))
+            mine = wait_tensor(reduce_scatter_tensor(torch.cat(blocks, dim=1).reshape(-1), "sum", 0, (mesh, d)))
             piece_grads, offset = [], 0
             for p, piece, t in bucket:
                 local = piece.to_local().movedim(t, 0)
                 size = _rows(p.shape[t], k) * math.prod(local.shape[1:])
                 rows = mine[offset:offset + size].reshape(-1, *local.shape[1:])[:local.shape[0]]
                 offset += size
-                piece_grads.append(DTensor.from_local(rows.movedim(0, t), mesh, piece.placements, run_check=False,
-                                                      shape=piece.shape, stride=piece.stride()))
+                piece_grads.append(_as_dtensor(rows.movedim(0, t), piece))
         for (p, piece, _), part in zip(bucket, piece_grads):
             piece.grad = part if piece.grad is None else piece.grad + part
             p.grad = None

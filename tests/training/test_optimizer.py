@@ -102,6 +102,38 @@ def test_torch_optimizers_foreach_and_fused_step_the_pieces(optimizer):
             torch.testing.assert_close(on_rank(state.full_tensor(), 0), ref_opt.state[q][name], rtol=1e-4, atol=1e-6)
 
 
+class _OwnAdamW(torch.optim.AdamW):
+    """A user's optimizer: torch's AdamW's step, but a type shard_optimizer cannot know is elementwise."""
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("optimizer, local", [
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-2), True),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.1), True),
+    (lambda ps: _OwnAdamW(ps, lr=1e-2), False),
+], ids=["adamw", "sgd-nesterov", "subclass"])
+def test_elementwise_optimizers_step_local_tensors_others_dtensors(optimizer, local, stage):
+    # an elementwise step runs on each rank's local tensors (no DTensor dispatch per op) and its states are pieces
+    # again after it; any other optimizer (here a subclass, whose step may read more than an element) steps the
+    # DTensors
+    made, kinds = [], []
+
+    def spied(ps):
+        made.append(optimizer(ps))
+        if len(made) == 1:  # (the sharded optimizer's inner one; the next is the unsharded reference's)
+            made[0].register_step_pre_hook(
+                lambda o, *_: kinds.append({isinstance(p, DTensor) for g in o.param_groups for p in g["params"]}))
+        return made[-1]
+
+    with simulated_world(WORLD):
+        model, opt, reference, ref_opt = train_both(stage, WORLD, _slice, optimizer=spied)
+        _assert_trained_alike(model, reference, WORLD)
+        for piece in opt.pieces:
+            states = [v for v in opt.state[piece].values() if isinstance(v, torch.Tensor) and v.dim() == piece.dim()]
+            assert states and all(isinstance(v, DTensor) and v.placements == piece.placements for v in states)
+    assert kinds == [{not local}] * 3, kinds
+
+
 def test_the_plan_knows_the_split_states_and_reduce_scatters():
     with simulated_world(WORLD):
         torch.manual_seed(0)
