@@ -37,8 +37,6 @@ ONE_RELEASE = {
     "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_real_ranks[mixtral": "more models",
     "tests/test_moe_models.py::test_deepseek_v3_trains_like_unsharded_on_real_ranks":
         "more models (DeepSeek-V3 simulated every release, Qwen2-MoE on real ranks)",
-    "tests/training/test_checkpoint.py::test_a_resume_is_the_uninterrupted_run_for_every_way_of_training[more]":
-        "more ways of training (the sharded optimizer's and level 1's resume every release)",
     "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_real_ranks[qwen2_moe-eager]":
         "more experts implementations",
     # the trace for every size: data parallel on real ranks runs on every release
@@ -57,6 +55,14 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(item.nodeid.startswith(prefix) for prefix in ONE_RELEASE):
             item.add_marker(pytest.mark.one_release)
+
+
+@pytest.fixture
+def all_releases_cases(request) -> bool:
+    """False where this run leaves out the one-release tests (``-m "not one_release"``, the other torch releases
+    in .ci/run): a test that launches fresh processes (seconds each) then runs fewer cases in the same launches,
+    where a test of its own for the other cases would launch again."""
+    return "not one_release" not in (request.config.option.markexpr or "")
 
 
 @pytest.fixture(autouse=True)
