@@ -6,8 +6,8 @@ model on plain tensors. Where the optimizer's step is elementwise within each pa
 statistic, no matrix product: torch's SGD, Adam, AdamW and their kin) and every parameter and gradient is laid
 out alike with no pending sum, the step of the DTensors is the step of each rank's local tensors: it runs on
 those, in the same memory, and the states it makes are wrapped back as DTensors laid out as their parameter
-(what torch.distributed.checkpoint saves). Any other optimizer (Adafactor, Muon, LBFGS, a subclass with its own
-step) steps the DTensors as before.
+(what torch.distributed.checkpoint saves). Any other optimizer (a subclass with its own step, LBFGS, Muon)
+steps the DTensors as before.
 """
 
 from __future__ import annotations
