@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["on_local_tensors"]
+__all__ = ["as_dtensor", "on_local_tensors"]
 
 # torch.optim's optimizers whose update of an element reads only that element's parameter, gradient and states
 _ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam", "RMSprop",
@@ -92,4 +92,11 @@ def _laid_out_as(value, q: DTensor, before):
         with torch.no_grad():
             if before.to_local() is value:
                 return before
-    return DTensor.from_local(value, q.device_mesh, q.placements, run_check=False, shape=q.shape, stride=q.stride())
+    return as_dtensor(value, q)
+
+
+def as_dtensor(local: torch.Tensor, like: DTensor, placements: tuple | None = None) -> DTensor:
+    """``local`` as this rank's piece of a DTensor of ``like``'s shape and mesh, in ``placements`` (``like``'s)."""
+    with torch.no_grad():
+        return DTensor.from_local(local, like.device_mesh, placements or like.placements, run_check=False,
+                                  shape=like.shape, stride=like.stride())

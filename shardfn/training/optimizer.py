@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 from .._functional_collectives import all_gather_tensor, reduce_scatter_tensor, wait_tensor
 from .._simulation_internals import local_values
 from ..runtime import is_simulated, simulated_map
-from .local_step import on_local_tensors
+from .local_step import as_dtensor, on_local_tensors
 
 __all__ = ["ShardedOptimizer", "check_stage", "gradient_targets", "piece_placements"]
 
@@ -136,7 +136,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not local:  # (a step of DTensors: the slices as their gradients)
                 for piece in self.pieces:
                     if id(piece) in slices:
-                        g = _as_dtensor(slices[id(piece)], piece)
+                        g = as_dtensor(slices[id(piece)], piece)
                         piece.grad = g if piece.grad is None else piece.grad + g
             self.inner.step()
         # whole again; a rank outside a parameter's mesh (another pipeline stage's) holds nothing of it
@@ -341,14 +341,7 @@ def _addresses(t: torch.Tensor) -> tuple:
 def _piece_view(p: DTensor, target: tuple) -> DTensor:
     """``p``'s piece in ``target`` placements sharing ``p``'s memory: a step of the piece is a step of ``p``'s
     own slice, and whatever is written into ``p`` is what the piece holds."""
-    return _as_dtensor(_local_view(p.detach(), target), p, target)
-
-
-def _as_dtensor(local: torch.Tensor, like: DTensor, placements: tuple | None = None) -> DTensor:
-    """``local`` as this rank's piece of a DTensor of ``like``'s shape and mesh, in ``placements`` (``like``'s)."""
-    with torch.no_grad():
-        return DTensor.from_local(local, like.device_mesh, placements or like.placements, run_check=False,
-                                  shape=like.shape, stride=like.stride())
+    return as_dtensor(_local_view(p.detach(), target), p, target)
 
 
 def _split(p: DTensor, piece: DTensor) -> tuple[int, int]:
@@ -429,7 +422,7 @@ def _scatter_gradients(pairs) -> None:
                 size = _rows(p.shape[t], k) * math.prod(local.shape[1:])
                 rows = mine[offset:offset + size].reshape(-1, *local.shape[1:])[:local.shape[0]]
                 offset += size
-                piece_grads.append(_as_dtensor(rows.movedim(0, t), piece))
+                piece_grads.append(as_dtensor(rows.movedim(0, t), piece))
         for (p, piece, _), part in zip(bucket, piece_grads):
             piece.grad = part if piece.grad is None else piece.grad + part
             p.grad = None
