@@ -61,7 +61,7 @@ def _condition(red: Reducer, x: int, deadline: float) -> set[int]:
         touched = ball | {u for v in ball for u in red.adj[v]}
         # (only the ball's interior is eliminated: a decision with a neighbour outside, the separator between
         # two layers, stays, and so does the work on its arrays)
-        keep = frozenset(red.alive - {v for v in ball if red.adj[v].keys() <= ball}) | red.keep
+        keep = frozenset(touched - {v for v in ball if red.adj[v].keys() <= ball}) | (red.keep & touched)
         runs = []
         for k in range(len(red.costs[x])):
             start = time.perf_counter()
@@ -101,7 +101,7 @@ def _merge_runs(red: Reducer, boundary: list[int], runs: list[Reducer]) -> bool:
     least, table = red.op(_block_least, len(boundary), *(a for p in parts for a in p))
     if least is None:
         return False
-    for v in red.alive - runs[0].alive:
+    for v in runs[0].costs.keys() - runs[0].alive:  # (what the runs eliminated: a run holds what it touched)
         red.drop(v)
     if len(boundary) == 2:
         red.add(boundary[0], boundary[1], least)

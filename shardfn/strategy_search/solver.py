@@ -68,6 +68,7 @@ import numpy as np
 import torch
 
 from .conditioning import CONDITION_SHARE, condition_all
+from .dominance import drop_dominated, restricted
 
 __all__ = ["Infeasible", "Problem", "Solution", "objective", "scaled_edges", "solve"]
 
@@ -153,10 +154,11 @@ class _Shared:
     (:meth:`intern`), so identical layers, whose costs and edges are equal, go through their elimination on the
     same objects: each step is computed for the first of them and its result shared by the rest."""
 
-    def __init__(self, interned: dict | None = None):
-        # content -> array, and id -> (array, its interned one); given, they are shared with other reducers of one
-        # solve (the Lagrangian rounds: their edges are the same objects, hashed once)
-        self._interned: dict = {} if interned is None else interned
+    def __init__(self):
+        # content -> array, and id -> (array, its interned one). One per solve, shared by its reducers (the
+        # Lagrangian rounds: their edges are the same objects, hashed once, and what the budget does not weigh is
+        # eliminated, conditioned and checked for dominance once for every round)
+        self._interned: dict = {}
         self._memo: dict = {}
 
     def intern(self, a: np.ndarray) -> np.ndarray:
@@ -202,8 +204,8 @@ class _Reducer:
     eliminated (those a budget weighs: eliminating them would lose their weights)."""
 
     def __init__(self, costs: list[np.ndarray], edges, keep: frozenset[int] = frozenset(),
-                 interned: dict | None = None, deadline: float = math.inf):
-        self.op = _Shared(interned)
+                 shared: _Shared | None = None, deadline: float = math.inf):
+        self.op = _Shared() if shared is None else shared
         self.costs = [self.op.intern(c) for c in costs]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in self.costs]  # adj[u][v]: matrix oriented u x v
         for u, v, m in edges:
@@ -212,6 +214,10 @@ class _Reducer:
         self.alive = set(range(len(self.costs)))
         self.keep = keep
         self.constant = 0.0  # the cost of what was decided outright (a decision fixed, or left with no edge)
+        self.eliminate(self.alive)
+        # (on what elimination leaves: its edges are sums over paths, where far more candidates are dominated than
+        # in the problem as given, and a handful of decisions, not every one, are checked)
+        drop_dominated(self, set(self.alive), deadline)
         self.eliminate(self.alive)
         condition_all(self, deadline)
 
@@ -295,14 +301,14 @@ class _Reducer:
         return other
 
     def local_copy(self, touched: set[int], keep: frozenset[int]) -> "_Reducer":
-        """A copy whose eliminations may touch only ``touched`` (the others' adjacency shared, not copied), with
-        an empty trail, a constant of its own decisions only, and ``keep`` never eliminated."""
+        """A copy of the decisions ``touched`` alone (their costs and adjacency in dicts: a copy costs what it
+        holds, not the whole problem), for eliminations that stay within them: ``keep``, never eliminated, holds
+        each of them with a neighbour outside. Its trail is empty and its constant its own decisions' only."""
         other = object.__new__(_Reducer)
-        other.op, other.costs, other.trail, other.keep = self.op, list(self.costs), [], keep
-        other.adj = list(self.adj)
-        for v in touched:
-            other.adj[v] = dict(self.adj[v])
-        other.alive, other.constant = set(self.alive), 0.0
+        other.op, other.trail, other.keep, other.constant = self.op, [], keep, 0.0
+        other.costs = {v: self.costs[v] for v in touched}
+        other.adj = {v: dict(self.adj[v]) for v in touched}
+        other.alive = touched & self.alive
         return other
 
     def recover(self, choice: dict[int, int]) -> None:
@@ -314,6 +320,8 @@ def _recover(trail: list[tuple], choice: dict[int, int]) -> None:
     for step in reversed(trail):
         if step[0] == "fixed":
             choice[step[1]] = step[2]
+        elif step[0] == "restricted":  # (its dominated candidates dropped: the index among those it had before)
+            choice[step[1]] = int(step[2][choice[step[1]]])
         elif step[0] == "leaf":
             _, v, u, table = step
             choice[v] = int(table[choice[u]])
@@ -331,6 +339,7 @@ def _incumbent(red: _Reducer) -> dict[int, int]:
     best for it and its neighbours' best replies, eliminate exactly again, repeat until none is left."""
     red = red.copy()
     red.keep = frozenset()
+    mine = len(red.trail)  # (the choices are wanted as ``red`` has the candidates: its own trail is not undone)
     while red.alive:
         v = max(red.alive, key=lambda x: (len(red.adj[x]), -len(red.costs[x]), -x))
         score = red.costs[v].copy()
@@ -338,7 +347,7 @@ def _incumbent(red: _Reducer) -> dict[int, int]:
             score += (m + red.costs[u][None, :]).min(axis=1)
         red.fix(v, int(np.argmin(score)))
     choice: dict[int, int] = {}
-    red.recover(choice)
+    _recover(red.trail[mine:], choice)
     return choice
 
 
@@ -516,10 +525,10 @@ def _residue_terms(red: _Reducer, alive: list[int], choice: dict[int, int]) -> t
     return value, bound
 
 
-def _unconstrained(costs, edges, time_limit_s: float, interned: dict | None = None) -> Solution:
+def _unconstrained(costs, edges, time_limit_s: float, shared: _Shared | None = None) -> Solution:
     start = time.perf_counter()
     # (conditioning may take three quarters of the time: what it leaves, the integer program the rest)
-    red = _Reducer(costs, edges, interned=interned, deadline=start + CONDITION_SHARE * time_limit_s)
+    red = _Reducer(costs, edges, shared=shared, deadline=start + CONDITION_SHARE * time_limit_s)
     alive = sorted(red.alive)
     choice: dict[int, int] = {}
     optimal, gap, message = True, 0.0, "optimal"
@@ -552,12 +561,12 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     if sum(float(w.min()) for w in weights) + sum(float(m.min()) for _, _, m in pairs) > limit * (1 + 1e-12):
         raise Infeasible("no assignment satisfies the budget")
     deadline = time.perf_counter() + time_limit_s
-    interned: dict = {}  # the rounds' arrays, hashed once
+    shared = _Shared()  # the rounds' arrays, hashed once, and what they compute alike, computed once
 
     def at(mu: float) -> Solution:
         return _unconstrained(_priced(problem.costs, weights, mu),
                               problem.edges + scaled_edges(pairs, mu),
-                              max(deadline - time.perf_counter(), 0.0), interned)
+                              max(deadline - time.perf_counter(), 0.0), shared)
 
     def weight(sol: Solution) -> float:
         return _weight(weights, pairs, sol.choice)
@@ -618,7 +627,7 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
         best.gap, best.message = gap, f"memory limit binding: within {gap:.2%} of the best bound"
         best.timed_out = best.timed_out or time.perf_counter() > deadline
         return best
-    return _budget_program(problem, weights, limit, best, gap, deadline, interned)
+    return _budget_program(problem, weights, limit, best, gap, deadline, shared)
 
 
 def _priced(costs: list[np.ndarray], weights: list[np.ndarray], mu: float) -> list[np.ndarray]:
@@ -652,7 +661,7 @@ def _crossing(lo: float, hi: float, over: tuple[float, float], within: tuple[flo
 
 
 def _budget_program(problem: Problem, weights: list[np.ndarray], limit: float, best: Solution, gap: float,
-                    deadline: float, interned: dict) -> Solution:
+                    deadline: float, shared: _Shared) -> Solution:
     """The integer program on the whole problem with the budget row, from ``best`` (the Lagrangian rounds' plan,
     ``gap`` from their bound): decisions the budget does not weigh are still eliminated."""
     pairs = problem.budget_edges
@@ -660,10 +669,10 @@ def _budget_program(problem: Problem, weights: list[np.ndarray], limit: float, b
     keep = frozenset(v for v, w in enumerate(weights) if np.ptp(w) > 0) | {x for u, v, _ in varying for x in (u, v)}
     offset = sum(float(w.min()) for v, w in enumerate(weights) if v not in keep) + \
         sum(float(m.min()) for _, _, m in pairs if np.ptp(m) == 0)
-    red = _Reducer(problem.costs, problem.edges, keep=keep, interned=interned,
+    red = _Reducer(problem.costs, problem.edges, keep=keep, shared=shared,
                    deadline=time.perf_counter() + CONDITION_SHARE * max(deadline - time.perf_counter(), 0.0))
     alive = sorted(red.alive)
-    start = dict(enumerate(best.choice))
+    start = restricted(red.trail, dict(enumerate(best.choice)))  # (as the reducer has the candidates)
     choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.0),
                                                  ([w if v in keep else np.zeros_like(w) for v, w in
                                                    enumerate(weights)], limit - offset, varying))
