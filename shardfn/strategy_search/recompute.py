@@ -129,6 +129,7 @@ def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: s
     if request.policy.recomputes_to_lower_peak:
         return _least_peak(problem, request, pricing, terms, groups, plan_within, deadline)
     for k in range(1, len(groups) + 1):  # groups by bytes saved per second computed again, until the plan fits
+        start = time.perf_counter()
         try:
             plan = _planned(problem, request, pricing, terms, groups[:k], plan_within, k == len(groups) and not kept)
         except ValueError:
@@ -137,7 +138,8 @@ def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: s
             if kept is not None:
                 return kept
             raise  # (its figures: with every group recomputed)
-        plan = _fewest(problem, request, pricing, terms, groups[:k - 1], groups[k - 1], plan, plan_within, deadline)
+        plan = _fewest(problem, request, pricing, terms, groups[:k - 1], groups[k - 1], plan, plan_within, deadline,
+                       time.perf_counter() - start)
         # the faster of the two (the memory bound the plan keeping every value: it may have paid in collectives)
         return plan if kept is None or plan.cost.total_s < kept.cost.total_s else kept
     raise AssertionError("unreachable: the last try raises or returns")
@@ -150,18 +152,20 @@ def _peak_of(e: ValueError) -> float | None:
     return e.plan.cost.peak_bytes if hasattr(e, "plan") else None
 
 
-def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, deadline) -> Plan:
+def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, deadline, took: float) -> Plan:
     """``plan`` recomputes ``kept`` and every layer of ``group`` and fits: the plan recomputing the fewest of
     ``group``'s first layers that still fits, of ``_PROBES`` solves. Each layer kept adds about as many bytes to the
     peak: first what its recompute saves in ``plan`` (its record's), then the slope between the last two peaks
     walked; each count tried keeps as many layers as that leaves room for (halfway, where a count tried had no
-    plan, hence no peak). Tried only before ``deadline``, and only where a solve as long as the last fits."""
+    plan, hence no peak). Tried only before ``deadline``, and only where a solve as long as the last fits
+    (``took``: the seconds ``plan`` took; a probe given no time would return a plan no better proven than the
+    incumbent's first guess)."""
     budget, lo, hi = request.profile.memory_bytes, 0, len(group)
     names = {r.name for r in group}
     saved = [r.saved_bytes for r in plan.recompute if r.region in names]
     if not saved or plan.cost.peak_bytes > budget:  # (a nominal memory's plan returned over it: none fewer fits)
         return plan
-    per_layer, took = sum(saved) / len(saved), 0.0
+    per_layer = sum(saved) / len(saved)
     for _ in range(_PROBES):
         if hi - lo <= 1 or time.perf_counter() + took > deadline:
             break
