@@ -12,7 +12,7 @@ hundreds of candidates a decision that no neighbour's choice makes best: DeepSee
 of its candidates, some decisions 10 of 342, and conditioning's min-plus products shrink by the cube of that.
 
 It works on the solver's reducer (``solver._Reducer``: costs, adjacency, trail, ``op``, ``fix``), whose recovery
-maps a restricted decision's choice back through the ``("restricted", v, kept)`` step this adds. Decisions the
+maps a restricted decision's choice back through the ``("restricted", v, kept, into)`` step this adds. Decisions the
 budget weighs (``keep``) are left whole: a dominated candidate may weigh less.
 """
 
@@ -115,6 +115,8 @@ def _undominated(costs: np.ndarray, *edges: np.ndarray) -> tuple[np.ndarray, np.
             for b in np.flatnonzero(found >= 0):
                 by[int(block[b])] = kept[found[b]]
             block = block[found < 0]
+            if not len(block):
+                continue
         within = dominating(block, block)  # (the rest of the block, in order: each against those kept before it)
         mine: list[int] = []
         for i, j in enumerate(block):
