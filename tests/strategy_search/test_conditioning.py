@@ -51,18 +51,24 @@ def test_layers_elimination_cannot_open_are_solved_exactly_by_conditioning(ident
     assert sol.objective == pytest.approx(program.objective, rel=1e-9)
 
 
-def _three_neighbours_at_least(seed):
-    """Every decision with three neighbours or more: nothing eliminates without conditioning."""
-    rng = np.random.default_rng(seed)
-    n = int(rng.integers(7, 11))
-    costs = [rng.uniform(0, 1, size=int(rng.choice([2, 2, 3]))) for _ in range(n)]
+def three_neighbours_pairs(rng, n: int) -> list[tuple[int, int]]:
+    """Random pairs of ``n`` decisions, each decision in three at least."""
     pairs = set()
     for v in range(n):
         while sum(v in p for p in pairs) < 3:
             u = int(rng.integers(n))
             if u != v:
                 pairs.add(tuple(sorted((u, v))))
-    return Problem(costs, [(u, v, rng.uniform(0, 1, size=(len(costs[u]), len(costs[v])))) for u, v in sorted(pairs)])
+    return sorted(pairs)
+
+
+def _three_neighbours_at_least(seed):
+    """Every decision with three neighbours or more: nothing eliminates without conditioning."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(7, 11))
+    costs = [rng.uniform(0, 1, size=int(rng.choice([2, 2, 3]))) for _ in range(n)]
+    pairs = three_neighbours_pairs(rng, n)
+    return Problem(costs, [(u, v, rng.uniform(0, 1, size=(len(costs[u]), len(costs[v])))) for u, v in pairs])
 
 
 @pytest.mark.parametrize("seed", range(8))

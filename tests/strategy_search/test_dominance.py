@@ -8,6 +8,7 @@ import pytest
 
 from shardfn.strategy_search import dominance, solver
 from shardfn.strategy_search.solver import Problem, objective, solve
+from tests.strategy_search.test_conditioning import three_neighbours_pairs
 from tests.strategy_search.test_solver import _brute_force, _solves_as_brute_force
 
 
@@ -16,15 +17,10 @@ def _cyclic(seed, budget=False):
     copy of another made dearer (dominated) or a random one (perhaps dominated)."""
     rng = np.random.default_rng(seed)
     n = int(rng.integers(6, 9))
-    pairs = set()
-    for v in range(n):
-        while sum(v in p for p in pairs) < 3:
-            u = int(rng.integers(n))
-            if u != v:
-                pairs.add(tuple(sorted((u, v))))
+    pairs = three_neighbours_pairs(rng, n)
     sizes = [int(rng.choice([2, 3])) for _ in range(n)]
     costs = [rng.uniform(0, 1, size=k) for k in sizes]
-    edges = [(u, v, rng.uniform(0, 1, size=(sizes[u], sizes[v]))) for u, v in sorted(pairs)]
+    edges = [(u, v, rng.uniform(0, 1, size=(sizes[u], sizes[v]))) for u, v in pairs]
     # a dearer copy of candidate 0 of decision v: as candidate 0, plus a cost, in every edge too
     for v in range(n):
         costs[v] = np.append(costs[v], costs[v][0] + rng.uniform(0, 0.5))
