@@ -14,7 +14,9 @@ Shrinking the problem, each step exact (``_Reducer``):
 * a decision of few candidates in cycles none of these opens (a MoE layer: router, experts and combine, every
   decision with three neighbours) is decided once per candidate, its neighbourhood eliminated each time; where
   that leaves at most two decisions changed, the least over the candidates is the block exactly, an edge between
-  those two (``conditioning.py``).
+  those two (``conditioning.py``);
+* a candidate costing no less than another of the same decision whatever the neighbours pick is dropped, before
+  elimination and again on what it leaves (``dominance.py``): the min-plus products above shrink by the cube.
 
 This is dynamic programming on the graph: chains and trees vanish, a transformer layer's residual stream and
 attention fan-out collapse, and repeated layers cost one small matrix product each, so the work grows linearly
