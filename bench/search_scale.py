@@ -22,7 +22,8 @@ returned; and a hand-written Llama-3-8B
 (bench/llama.py: its own RoPE, GQA by repeat_interleave, SDPA) at 32 layers on 8 x 8, with the CPU profile too
 (whose 16 GB makes the memory limit bind: the budgeted search). Targets on this 2-core machine: 8B, 32 layers:
 10 s cold for transformers' model, 5 s for the hand-written one; every row within SHARDFN_SEARCH_TIME_LIMIT's
-20 s of search.
+20 s of search, but DeepSeek-V3's, whose target is 60 s with a gap of 1% at most (its row runs with the limit at
+60 s unless the variable is set).
 """
 
 import argparse
@@ -44,6 +45,7 @@ ROWS = [
     ("own-8b", 32, "8x8", "cuda", "dp"), ("own-8b", 32, "8x8", "cpu", "dp"),
     ("deepseek-v3", 61, "16x16", "cuda", "dp"),
 ]
+LIMITS = {"deepseek-v3": "60"}  # SHARDFN_SEARCH_TIME_LIMIT of a row whose target is not the default 20 s
 # the mesh axes' names by the mesh's rank
 NAMES = {2: ("dp", "tp"), 3: ("dp", "fsdp", "tp")}
 
@@ -149,7 +151,9 @@ def main():
           f"{'decisions':>9} {'to ILP':>6} {'gap':>6} {'collectives':>11} {'step s':>8}")
     for kind, layers, mesh, device, axes in rows:
         out = subprocess.run([sys.executable, __file__, "--row", kind, str(layers), mesh, device, axes],
-                             capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                             capture_output=True, text=True,
+                             env={"SHARDFN_SEARCH_TIME_LIMIT": LIMITS.get(kind, "20"), **os.environ,
+                                  "PYTHONWARNINGS": "ignore"})
         if out.returncode != 0:
             print(f"{kind:<16} {layers:>6} {mesh:>7} {axes:>10} failed:\n{out.stderr[-2000:]}")
             continue
