@@ -3,66 +3,90 @@ import torch
 
 from tests.harness import RankPool
 
-# Tests that run on the README's torch release only (.ci/run passes `-m "not one_release"` on the others): the suite
-# on three releases must stay within CI's time on 2 cores. Each is either about what does not change between torch
-# releases (launchers, timeouts, signals, a browser), or one more case of a path that a quicker test runs on every
-# release (named after the prefix). Keys are test node ids or their prefixes.
-ONE_RELEASE = {
-    # launchers, ports, timeouts and killed ranks: the operating system's and Open MPI's behaviour (torchrun's
-    # launch runs on every release: tests/test_runtime.py::test_torchrun_four_ranks)
-    "tests/test_samples.py": "the samples under mpirun and torchrun",
-    "tests/test_docs.py": "the documentation's code blocks",
-    "tests/test_harness.py": "the test harness's own restarts",
-    "tests/test_runtime.py::test_mpirun_four_ranks": "Open MPI's environment",
-    "tests/test_runtime.py::test_missing_ranks": "timeouts",
-    "tests/test_runtime.py::test_a_port_another": "timeouts",
-    "tests/test_runtime.py::test_a_wrong_port": "timeouts",
-    "tests/test_runtime.py::test_an_unreachable": "timeouts",
-    "tests/test_runtime.py::test_a_collective_whose_peer_never_comes": "timeouts",
-    "tests/call/test_agreement.py::test_under_mpirun": "errors under mpirun (gloo4 ranks: test_ranks_that_disagree_*)",
-    "tests/training/test_checkpoint.py::test_a_rank_killed": "a rank killed by a signal during a save",
-    "tests/show/test_plan_page.py": "the plan page in Chromium",
-    # more models on the same path: llama and gpt2 train on real ranks on every release, and every model on
-    # simulated ranks
-    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[qwen2]": "more models",
-    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[resnet]": "more models",
-    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[bloom]": "more models",
-    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[vit]": "more models",
-    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[bert]": "more models",
-    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[gemma3]": "more models",
-    "tests/test_transformers_models.py::test_data_parallel_generate_gives_each_rank_its_rows_on_real_ranks":
-        "generate() at a new length each token: test_data_parallel_steps_of_changing_length_on_real_ranks",
-    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[gpt2]":
-        "more models (GPT-2 on real ranks every release: tests/training/test_checkpoint.py)",
-    "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_real_ranks[mixtral": "more models",
-    "tests/test_moe_models.py::test_deepseek_v3_trains_like_unsharded_on_real_ranks":
-        "more models (DeepSeek-V3 simulated every release, Qwen2-MoE on real ranks)",
-    "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_real_ranks[qwen2_moe-eager]":
-        "more experts implementations",
-    # the trace for every size: data parallel on real ranks runs on every release
-    "tests/call/test_sizes.py::test_tensor_parallel_steps_of_changing_length_on_real_ranks": "a Megatron plan",
-    "tests/call/test_sizes.py::test_a_failed_trace_for_every_size": "the fallback's bookkeeping",
-    "tests/call/test_sizes.py::test_views_on_pieces_match_eager_on_real_ranks": "views at every length, simulated",
-    "tests/test_layout.py::test_every_tuple_strategy_matches_definition[64]": "a larger world of the same check",
+# What .ci/run also runs on the other torch releases (`-m every_release`): the tests of what reads torch's
+# internals that change between releases (DTensor's rules and placements, make_fx and functionalization, the
+# flop counter, Inductor, torch.distributed.checkpoint), each path once. The rest (more models and more cases on
+# a path named here, launchers and timeouts, the harness, a browser) runs on the README's release only: the suite
+# on three releases must stay within CI's time on 2 cores. A key is a file, a test (with all its parameters) or,
+# ending in "*", a prefix of test ids; the real-rank tests of a file named whole run on the README's release only.
+EVERY_RELEASE = {
+    # DTensor's rules, checked by running them (every own rule and those shardfn leans on), and the flop counter
+    "tests/strategy_search/test_rule_truth.py::test_attention*": "DTensor's attention rules",
+    "tests/strategy_search/test_rule_truth.py::test_dtensor*": "DTensor's own rules",
+    "tests/strategy_search/test_rule_truth.py::test_rules_registered_in_dtensor_form": "shardfn's rules in DTensor's form",
+    "tests/strategy_search/test_rule_truth.py::test_rules_on_random_shapes[0]": "every rule, one draw",
+    "tests/strategy_search/test_rule_truth.py::test_cdist_rule": "an own rule",
+    "tests/strategy_search/test_dtensor_rules.py": "DTensor's registry",
+    "tests/strategy_search/test_expert_rules.py": "the experts' rules",
+    "tests/strategy_search/test_cost_model.py": "the flop counter",
+    "tests/strategy_search/test_candidates.py": "candidates from DTensor's strategies",
+    # make_fx, functionalization, dynamic shapes
+    "tests/capture/test_trace.py": "the capture",
+    "tests/capture/test_functions.py": "the capture",
+    "tests/capture/test_structure.py": "the capture",
+    "tests/capture/test_order.py": "the capture",
+    "tests/capture/test_experts.py::test_one_program_runs_at_any_routing[grouped_mm]": "routing as data",
+    "tests/call/test_sizes.py::test_tensor_parallel_steps_of_changing_length": "symbolic sizes (simulated)",
+    "tests/call/test_arguments.py": "the call's arguments",
+    "tests/call/test_accumulation.py": "no_sync",
+    # the program: every op family on simulated and on real ranks (the traced per-rank graphs), torch's OpInfos
+    "tests/exec/test_ops_parity.py": "every op family",
+    "tests/exec/test_ops_parity.py::test_op_parity_on_real_ranks": "every op family in traced per-rank graphs",
+    "tests/exec/test_sharded_ops.py::test_split_parity": "forced splits (simulated)",
+    "tests/exec/test_opinfo_sweep.py::test_forced_splits_are_never_wrong_and_run_sharded": "torch's OpInfo samples",
+    "tests/exec/test_lower.py::test_*": "lowering (simulated: real ranks run op parity)",
+    "tests/exec/test_inductor.py::test_inductor_compiled_graphs_match_eager[tp]": "Inductor",
+    "tests/exec/test_strides.py": "strides",
+    "tests/exec/test_plan_agreement.py::test_transformers_models_run_what_they_plan[llama*": "a plan as run",
+    # a model trained, sharded state saved and resumed, optimizers
+    "tests/test_transformers_models.py::test_trains_like_unsharded_on_real_ranks[llama]": "a model, real ranks",
+    "tests/test_transformers_models.py::test_trains_like_unsharded_on_simulated_ranks[llama*": "a model",
+    "tests/test_transformers_models.py::test_data_parallel_generate_gives_each_rank_its_rows_on_simulated_ranks":
+        "generate() and its caches (torch 2.11's StaticCache fallback)",
+    "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_simulated_ranks[mixtral-grouped_mm]":
+        "experts split",
+    "tests/training/test_checkpoint.py::test_a_resume_is_the_uninterrupted_run_for_every_way_of_training": "torch.distributed.checkpoint (fewer ways)",
+    "tests/training/test_optimizer.py::test_torch_*": "torch's optimizers and checkpoint APIs on pieces",
+    "tests/training/test_meta_init.py::test_transformers_models_initialise_as_unsharded_tied_weights_and_buffers_"
+    "included[llama]": "meta init",
+    # torchrun, a world of one
+    "tests/test_runtime.py::test_torchrun_four_ranks": "torchrun",
+    "tests/test_runtime.py::test_a_world_of_one_runs_traced_graphs_as_eager": "a world of one",
+    "tests/test_api.py": "the public API",
+    "tests/test_precision.py": "mixed precision",
 }
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "one_release: runs on the README's torch release only (tests/conftest.py)")
+    config.addinivalue_line("markers", "every_release: runs on every torch release .ci/run tests (tests/conftest.py)")
+
+
+def every_release(item) -> bool:
+    """Whether ``item`` is named in EVERY_RELEASE (a real-rank test only by its own id)."""
+    nodeid, base = item.nodeid, item.nodeid.split("[")[0]
+    if nodeid in EVERY_RELEASE or base in EVERY_RELEASE:
+        return True
+    if any(key.endswith("*") and nodeid.startswith(key[:-1]) for key in EVERY_RELEASE):
+        return not _on_real_ranks(item)
+    return nodeid.split("::")[0] in EVERY_RELEASE and not _on_real_ranks(item)
+
+
+def _on_real_ranks(item) -> bool:
+    return any(name.startswith("gloo") for name in getattr(item, "fixturenames", ()))
 
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        if any(item.nodeid.startswith(prefix) for prefix in ONE_RELEASE):
-            item.add_marker(pytest.mark.one_release)
+        if every_release(item):
+            item.add_marker(pytest.mark.every_release)
 
 
 @pytest.fixture
 def all_releases_cases(request) -> bool:
-    """False where this run leaves out the one-release tests (``-m "not one_release"``, the other torch releases
-    in .ci/run): a test that launches fresh processes (seconds each) then runs fewer cases in the same launches,
+    """False where this run takes the every-release tests alone (``-m every_release``, the other torch releases in
+    .ci/run): a test that launches fresh processes (seconds each) then runs fewer cases in the same launches,
     where a test of its own for the other cases would launch again."""
-    return "not one_release" not in (request.config.option.markexpr or "")
+    return "every_release" not in (request.config.option.markexpr or "")
 
 
 @pytest.fixture(autouse=True)
