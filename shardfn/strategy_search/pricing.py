@@ -98,6 +98,7 @@ class Pricing:
                             if reduce_dtype is not None and n.meta["val"].dtype != reduce_dtype}
         self.mesh_shape = problem.mesh_shape
         self._edges, self._unaries, self._violations, self._comm, self._held = {}, {}, {}, {}, {}  # memos
+        self._nodes = {}  # node -> what pricing reads of it, the same in every try (recompute's too)
         # values some backward reads, needing a gradient or not (a mask read by attention's backward): kept
         self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
             if problem.needs_grad else set()
@@ -162,26 +163,21 @@ class Pricing:
         n = len(d.candidates)
         if d.node is None:
             return np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-        vals = [v for v in pytree.tree_leaves(d.node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        vals, placeholder, flops, nbytes, view, shapes = self._node(d.node)
         grad = d.node in p.needs_grad
-        placeholder = d.node.op == "placeholder"
         if placeholder:
-            flops = nbytes = factor = 0
+            factor = 0
             keep = -1 if d.node in p.trainable else 1  # value, gradient, two optimizer states (per candidate)
         else:
-            # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose
-            # only to gather it back for its reader)
-            flops = cm.node_flops(d.node)
-            nbytes = 0 if cm.is_view_op(d.node) else cm.node_bytes(d.node)
             # backward's work, and a checkpointed value's forward once more
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
             kept = d.node in self._saved or (grad and self.every_value)
             kept = kept and (d.node not in p.recomputed or self.every_value)
-            keep = 1 if kept and not cm.is_view_op(d.node) else 0
+            keep = 1 if kept and not view else 0
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
-               cm.is_view_op(d.node), tuple((tuple(v.shape), v.dtype) for v in vals), grad_dtype)
+               view, shapes, grad_dtype)
         hit = self._unaries.get(key)
         if hit is not None and hit[0] is d.candidates:
             return hit[1]
@@ -204,6 +200,20 @@ class Pricing:
             reductions[k] = self.seconds(fwd, bwd, placeholder) if fwd or bwd else 0.0
         self._unaries[key] = (d.candidates, (compute, savings, memory, reductions))
         return compute, savings, memory, reductions
+
+    def _node(self, node):
+        """(tensor values, placeholder, FLOPs, bytes, view, shapes) of ``node``: once per node, not per try."""
+        hit = self._nodes.get(node)
+        if hit is None:
+            vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+            placeholder, view = node.op == "placeholder", cm.is_view_op(node)
+            # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose
+            # only to gather it back for its reader)
+            flops = 0 if placeholder else cm.node_flops(node)
+            nbytes = 0 if placeholder or view else cm.node_bytes(node)
+            hit = self._nodes[node] = (vals, placeholder, flops, nbytes, view,
+                                       tuple((tuple(v.shape), v.dtype) for v in vals))
+        return hit
 
     def _edge_terms(self):
         p = self.problem
