@@ -13,7 +13,8 @@ EVERY_RELEASE = {
     # DTensor's rules, checked by running them (every own rule and those shardfn leans on), and the flop counter
     "tests/strategy_search/test_rule_truth.py::test_attention*": "DTensor's attention rules",
     "tests/strategy_search/test_rule_truth.py::test_dtensor*": "DTensor's own rules",
-    "tests/strategy_search/test_rule_truth.py::test_rules_registered_in_dtensor_form": "shardfn's rules in DTensor's form",
+    "tests/strategy_search/test_rule_truth.py::test_rules_registered_in_dtensor_form":
+        "shardfn's rules in DTensor's form",
     "tests/strategy_search/test_rule_truth.py::test_rules_on_random_shapes[0]": "every rule, one draw",
     "tests/strategy_search/test_rule_truth.py::test_cdist_rule": "an own rule",
     "tests/strategy_search/test_dtensor_rules.py": "DTensor's registry",
@@ -45,7 +46,8 @@ EVERY_RELEASE = {
         "generate() and its caches (torch 2.11's StaticCache fallback)",
     "tests/test_moe_models.py::test_experts_split_train_like_unsharded_on_simulated_ranks[mixtral-grouped_mm]":
         "experts split",
-    "tests/training/test_checkpoint.py::test_a_resume_is_the_uninterrupted_run_for_every_way_of_training": "torch.distributed.checkpoint (fewer ways)",
+    "tests/training/test_checkpoint.py::test_a_resume_is_the_uninterrupted_run_for_every_way_of_training":
+        "torch.distributed.checkpoint (fewer ways)",
     "tests/training/test_optimizer.py::test_torch_*": "torch's optimizers and checkpoint APIs on pieces",
     "tests/training/test_meta_init.py::test_transformers_models_initialise_as_unsharded_tied_weights_and_buffers_"
     "included[llama]": "meta init",
