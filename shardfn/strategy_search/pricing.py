@@ -163,7 +163,10 @@ class Pricing:
         n = len(d.candidates)
         if d.node is None:
             return np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
-        vals, placeholder, flops, nbytes, view, shapes = self._node(d.node)
+        facts = self._nodes.get(d.node)
+        if facts is None:  # (the same in every try: once per node)
+            facts = self._nodes[d.node] = _node_facts(d.node)
+        vals, placeholder, flops, nbytes, view, shapes = facts
         grad = d.node in p.needs_grad
         if placeholder:
             factor = 0
@@ -200,20 +203,6 @@ class Pricing:
             reductions[k] = self.seconds(fwd, bwd, placeholder) if fwd or bwd else 0.0
         self._unaries[key] = (d.candidates, (compute, savings, memory, reductions))
         return compute, savings, memory, reductions
-
-    def _node(self, node):
-        """(tensor values, placeholder, FLOPs, bytes, view, shapes) of ``node``: once per node, not per try."""
-        hit = self._nodes.get(node)
-        if hit is None:
-            vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
-            placeholder, view = node.op == "placeholder", cm.is_view_op(node)
-            # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose
-            # only to gather it back for its reader)
-            flops = 0 if placeholder else cm.node_flops(node)
-            nbytes = 0 if placeholder or view else cm.node_bytes(node)
-            hit = self._nodes[node] = (vals, placeholder, flops, nbytes, view,
-                                       tuple((tuple(v.shape), v.dtype) for v in vals))
-        return hit
 
     def _edge_terms(self):
         p = self.problem
@@ -287,6 +276,17 @@ class Pricing:
         bad = np.array([[float(_gathers(self.comm(val, s, t, (), False, False)[0], keep_split)) for t in dst_keys]
                         for s in src_keys])
         return bad[np.ix_(src_idx, dst_idx)]
+
+
+def _node_facts(node) -> tuple:
+    """(tensor values, placeholder, FLOPs, bytes, view, shapes) of ``node``, as pricing reads it."""
+    vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    placeholder, view = node.op == "placeholder", cm.is_view_op(node)
+    # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose only to
+    # gather it back for its reader)
+    flops = 0 if placeholder else cm.node_flops(node)
+    nbytes = 0 if placeholder or view else cm.node_bytes(node)
+    return vals, placeholder, flops, nbytes, view, tuple((tuple(v.shape), v.dtype) for v in vals)
 
 
 def parameter_copies(placements: Placements, mesh_shape: Sequence[int], optimizer_stage: int = 0,
