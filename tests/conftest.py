@@ -26,6 +26,7 @@ EVERY_RELEASE = {
     "tests/capture/test_functions.py": "the capture",
     "tests/capture/test_structure.py": "the capture",
     "tests/capture/test_order.py": "the capture",
+    "tests/capture/test_repeated.py": "the capture (repeated layers copied)",
     "tests/capture/test_experts.py::test_one_program_runs_at_any_routing[grouped_mm]": "routing as data",
     "tests/call/test_sizes.py::test_tensor_parallel_steps_of_changing_length": "symbolic sizes (simulated)",
     "tests/call/test_arguments.py": "the call's arguments",

@@ -20,26 +20,27 @@ _SMALL = dict(hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, n
               vocab_size=VOCAB, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1)
 
 
-def make(name: str, impl: str = "grouped_mm", experts: int = 4) -> torch.nn.Module:
+def make(name: str, impl: str = "grouped_mm", experts: int = 4, layers: int = LAYERS) -> torch.nn.Module:
+    small = dict(_SMALL, num_hidden_layers=layers)
     if name == "mixtral":
         cfg = tf.MixtralConfig(intermediate_size=2048, num_local_experts=experts, experts_implementation=impl,
-                               **_SMALL)
+                               **small)
         return tf.MixtralForCausalLM(cfg)
     if name == "deepseek_v3":  # MLA (its keys made by new_empty), routed experts by group and a shared expert
         return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
             intermediate_size=64, moe_intermediate_size=1024, n_routed_experts=experts, n_shared_experts=1,
             first_k_dense_replace=0, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
             qk_rope_head_dim=4, v_head_dim=8, head_dim=4, experts_implementation=impl,
-            **{k: v for k, v in _SMALL.items() if k not in ("output_router_logits", "router_aux_loss_coef")}))
+            **{k: v for k, v in small.items() if k not in ("output_router_logits", "router_aux_loss_coef")}))
     cfg = tf.Qwen2MoeConfig(intermediate_size=64, moe_intermediate_size=2048, shared_expert_intermediate_size=64,
-                            num_experts=experts, experts_implementation=impl, **_SMALL)
+                            num_experts=experts, experts_implementation=impl, **small)
     return tf.Qwen2MoeForCausalLM(cfg)
 
 
-def expert_plan(world: int) -> dict:
+def expert_plan(world: int, layers: int = LAYERS) -> dict:
     """The experts split over every rank (their expert dim), by parameter_plan."""
     return {f"model.layers.{i}.mlp.experts.{w}": (world, 1, 1)
-            for i in range(LAYERS) for w in ("gate_up_proj", "down_proj")}
+            for i in range(layers) for w in ("gate_up_proj", "down_proj")}
 
 
 def batch(seed: int) -> tuple[torch.Tensor, dict]:
@@ -56,11 +57,12 @@ def experts_split(plan) -> bool:
 
 def train_and_compare(name: str, impl: str, world: int, rank_slice: Callable | None = None, ranks: int = 1,
                       steps: int = 3, rtol: float = 1e-4, atol: float = 1e-5,
-                      experts: int = 4, checked: Callable | None = None) -> tuple[list[float], bool]:
-    """Train ``name`` with its experts split (data parallel where ``rank_slice`` gives this rank's rows) and
-    unsharded on the same batches; assert the losses (aux loss included), the aux loss, every gradient and,
-    after each AdamW step, every parameter agree. Returns rank 0's losses and whether the plan split the
-    experts (and, where given, ``checked(model, tokens)`` holds of it)."""
+                      experts: int = 4, checked: Callable | None = None,
+                      layers: int = LAYERS) -> tuple[list[float], bool]:
+    """Train ``name`` (of ``layers`` layers) with its experts split (data parallel where ``rank_slice`` gives this
+    rank's rows) and unsharded on the same batches; assert the losses (aux loss included), the aux loss, every
+    gradient and, after each AdamW step, every parameter agree. Returns rank 0's losses and whether the plan split
+    the experts (and, where given, ``checked(model, tokens)`` holds of it)."""
 
     def close(a, b, what):
         for r in range(ranks):
@@ -68,9 +70,9 @@ def train_and_compare(name: str, impl: str, world: int, rank_slice: Callable | N
                                        msg=lambda m: f"{what} (rank {r}): {m}")
 
     torch.manual_seed(0)
-    reference = make(name, impl, experts)
-    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=expert_plan(world), level=2,
-                     dataset_strategy="data_parallel" if rank_slice else "full_batch")
+    reference = make(name, impl, experts, layers)
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=expert_plan(world, layers),
+                     level=2, dataset_strategy="data_parallel" if rank_slice else "full_batch")
     groups = [[p for p in model.parameters() if isinstance(p, DTensor) == kind] for kind in (True, False)]
     opt = torch.optim.AdamW([{"params": g} for g in groups if g], lr=1e-3, foreach=True)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, foreach=True)

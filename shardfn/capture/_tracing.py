@@ -28,8 +28,8 @@ import torch.utils.checkpoint
 
 from .graph import CHECKPOINT_REGION, MODULE_PATH
 
-__all__ = ["checkpoint_region", "checkpoint_regions_marked", "looks_like_tracing", "patched",
-           "requires_grad_marks_ignored"]
+__all__ = ["checkpoint_region", "checkpoint_regions_marked", "checkpoint_regions_so_far", "looks_like_tracing",
+           "own_global_hooks", "patched", "requires_grad_marks_ignored", "skip_checkpoint_regions"]
 
 _FLAGS = ("_is_compiling_flag", "_is_non_strict_tracing_flag")
 
@@ -109,6 +109,16 @@ def checkpoint_region() -> Iterator[None]:
         yield
 
 
+def checkpoint_regions_so_far() -> int:
+    """How many checkpoint regions this thread's capture has met."""
+    return getattr(_REGIONS, "count", 0)
+
+
+def skip_checkpoint_regions(n: int) -> None:
+    """Count ``n`` regions as met (a copied layer's, capture.repeated): later ones are numbered as in a trace."""
+    _REGIONS.count = checkpoint_regions_so_far() + n
+
+
 @contextlib.contextmanager
 def checkpoint_regions_marked(applies: Callable[[], bool]) -> Iterator[None]:
     """While active, the traced nodes keep their annotations, and ``torch.utils.checkpoint(...,
@@ -155,6 +165,7 @@ def module_paths_marked(root: torch.nn.Module | None, applies: Callable[[], bool
         if entered and entered[-1][0] is module:
             entered.pop()[1].__exit__(None, None, None)
 
+    enter._shardfn_own = leave._shardfn_own = True
     with contextlib.ExitStack() as stack:
         stack.enter_context(fx_traceback.preserve_node_meta())
         stack.callback(torch.nn.modules.module.register_module_forward_pre_hook(enter).remove)
@@ -164,3 +175,14 @@ def module_paths_marked(root: torch.nn.Module | None, applies: Callable[[], bool
         finally:
             while entered:  # a forward that raised leaves its annotations open
                 entered.pop()[1].__exit__(None, None, None)
+
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+
+def own_global_hooks() -> bool:
+    """Whether every global module hook is capture's own (:func:`module_paths_marked`'s)."""
+    module = torch.nn.modules.module
+    return all(getattr(h, "_shardfn_own", False) for name in _GLOBAL_HOOKS
+               for h in getattr(module, name, {}).values())

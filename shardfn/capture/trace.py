@@ -23,6 +23,7 @@ from .dynamic import DynamicDims, functionalized, symbolic_input
 from .experts import eager_experts_hint, experts_captured
 from .functions import functions_as_calls, functions_as_targets
 from .order import canonical_order
+from .repeated import LayersTracedOnce, NotCopied
 from .graph import CaptureError, CapturedGraph, GraphInput, is_in_place
 from .structure import split
 
@@ -186,7 +187,10 @@ def capture(
     symbols = DynamicDims(ShapeEnv()) if dynamic else None
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=symbols.shape_env if symbols else None)
     fakes = _fake_inputs(inputs, fake_mode, symbols, dynamic or {}, device)
-    gm, function_calls = _traced(fn, flat_fn, fakes, fake_mode, grad, bool(dynamic), what)
+    try:
+        gm, function_calls = _traced(fn, flat_fn, fakes, fake_mode, grad, bool(dynamic), what)
+    except NotCopied as e:  # layers whose ops depend on which layer runs them: traced as they run
+        gm, function_calls = _traced(fn, flat_fn, fakes, fake_mode, grad, bool(dynamic), what, e.signatures)
     _check_constants(gm, fake_mode, what)
     _check_no_communication(gm, what)
     _out_of_place_metadata_ops(gm)
@@ -256,9 +260,12 @@ def _fake_inputs(inputs, fake_mode, symbols, dynamic, device):
     return fakes
 
 
-def _traced(fn, flat_fn, fakes, fake_mode, grad, dynamic, what):
+def _traced(fn, flat_fn, fakes, fake_mode, grad, dynamic, what, traced_as_they_run=frozenset()):
     """make_fx of the functionalized flat function (real tensors fn reads that are not its inputs, a closure's
-    mask, become constants of the graph); a value-dependent trace is a CaptureError saying what to change."""
+    mask, become constants of the graph); a value-dependent trace is a CaptureError saying what to change. A
+    module's repeated layers are traced once and copied (capture.repeated), but those ``traced_as_they_run``."""
+    every_layer = dynamic or os.environ.get("SHARDFN_TRACE_EVERY_LAYER", "0") == "1"
+    layers = LayersTracedOnce(None if every_layer else _module_of(fn), capturing, traced_as_they_run)
     try:
         # a simulated world's mode leaves the tensors of Python functionalization to their own dispatch, which
         # refuses: off the stack while a dynamic capture traces
@@ -266,11 +273,12 @@ def _traced(fn, flat_fn, fakes, fake_mode, grad, dynamic, what):
                 _capture_scope(), torch.set_grad_enabled(grad), fake_mode, looks_like_tracing(), \
                 requires_grad_marks_ignored(capturing), checkpoint_regions_marked(capturing), \
                 module_paths_marked(_module_of(fn), capturing), \
-                functions_as_calls() as function_calls, experts_captured(), \
+                functions_as_calls() as function_calls, experts_captured(), layers.patched(), \
                 enable_python_dispatcher() if dynamic else contextlib.nullcontext():
             # functionalized: in-place ops become out-of-place, so every node is a pure function of its inputs
             functional = functionalized(flat_fn) if dynamic else torch.func.functionalize(flat_fn)
             gm = make_fx(functional, decomposition_table=_DECOMPOSITIONS, tracing_mode="real")(*fakes)
+            gm = layers.inlined(gm, function_calls)
             if _writes_into_views(gm):
                 gm = _functionalized_again(gm, fakes, functionalized if dynamic else torch.func.functionalize)
             _copies_as_values(gm)
