@@ -48,10 +48,11 @@ def _new_empty_split(model, ids) -> bool:
 def test_deepseek_v3_trains_like_unsharded_with_its_keys_made_split():
     # DeepSeek-V3's attention (MLA) makes its keys with new_empty and writes its two parts into it: each rank
     # makes its own piece (here of its rows of the batch), none the whole; the experts split, the batch data
-    # parallel, the shared expert and the grouped router as the search decides
+    # parallel, the shared expert and the grouped router as the search decides. Three layers: the third is
+    # captured as a copy of the first (shardfn.capture.repeated), its experts' Function call a call of its own
     with simulated_world(WORLD):
         _, split = train_and_compare("deepseek_v3", "grouped_mm", WORLD, _simulated_slice, ranks=WORLD, steps=2,
-                                     checked=_new_empty_split)
+                                     checked=_new_empty_split, layers=3)
     assert split
 
 

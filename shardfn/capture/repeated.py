@@ -174,7 +174,7 @@ class LayersTracedOnce:
         # values themselves: traced again as it runs
         failed = {m.calls.signature for n, m in enumerate(self.marked)
                   if not m.calls.copyable or (id(m.calls) in copied and not _closed(segments[n]))}
-        for calls, *_ in self.copies:
+        for calls in {id(calls): calls for calls, *_ in self.copies}.values():
             first, witness = (segments[n] for n in calls.traced[:2])
             if calls.signature not in failed and not _alike(first, witness, function_calls):
                 failed.add(calls.signature)
@@ -288,8 +288,8 @@ def _alike(first: _Segment, witness: _Segment, function_calls: list) -> bool:
     twin = {first.inputs[i]: witness.inputs[i] for i in first.inputs}
 
     def same(a: Any, b: Any) -> bool:
-        if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
-            return isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node) and twin.get(a, a) is b
+        if isinstance(a, (torch.fx.Node, torch.Tensor)) or isinstance(b, (torch.fx.Node, torch.Tensor)):
+            return twin.get(a, a) is b
         return type(a) is type(b) and (a == b or (a != a and b != b))  # (NaN equals NaN here)
 
     for a, b in zip(first.nodes, witness.nodes):

@@ -283,13 +283,48 @@ def _redistributions_unpriced():
             m.generate_redistribute_costs = real
 
 
+_EXPANDED: list[OpStrategy] = []  # the full-mesh expansions made while a whole-mesh rule runs (_expansions_seen)
+
+
+@contextlib.contextmanager
+def _expansions_seen():
+    """While active, each OpStrategy DTensor's full-mesh expansion returns is kept in ``_EXPANDED``: a whole-mesh
+    rule that returns one enumerated every placement of its single-dim rules itself (gather, scatter), whatever
+    its inputs hold, so it is not asked again per combination of their layouts."""
+    from torch.distributed.tensor._ops import utils
+
+    real = utils.expand_to_full_mesh_op_strategy
+
+    def seen(*args, **kwargs):
+        out = real(*args, **kwargs)
+        _EXPANDED.append(out)
+        return out
+
+    holders = [m for name, m in list(sys.modules.items()) if name.startswith("torch.distributed.tensor._ops")
+               and getattr(m, "expand_to_full_mesh_op_strategy", None) is real]
+    for m in holders:
+        m.expand_to_full_mesh_op_strategy = seen
+    try:
+        yield
+    finally:
+        _EXPANDED.clear()
+        for m in holders:
+            m.expand_to_full_mesh_op_strategy = real
+
+
+def _enumerated(op, strategy) -> bool:
+    """Whether a whole-mesh rule's result is one full-mesh expansion: every placement of its single-dim rules,
+    whatever its inputs hold (an in-place op's keeps only those of self's first layout)."""
+    return not op._schema.name.endswith("_") and any(strategy is e for e in _EXPANDED)
+
+
 def dtensor_strategies(op: torch._ops.OpOverload, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[Strategy] | None:
     """Every (output placements, input placements) DTensor allows for ``op`` on ``mesh``; None: no rule.
 
     ``args``/``kwargs`` hold fake tensors of the global shapes where the node has tensors. Input placements are
     listed for the flat tensor inputs (args then kwargs, lists flattened) in order.
     """
-    with _redistributions_unpriced():
+    with _redistributions_unpriced(), _expansions_seen():
         return _strategies(op, args, kwargs, mesh)
 
 
@@ -309,7 +344,7 @@ def _strategies(op, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[Strateg
         try:
             strategy = fn(schema)
             collapsed = isinstance(strategy, OpStrategy) and (len(options) > 1 or listed) and \
-                len(strategy.strategies) < len(options[0])
+                len(strategy.strategies) < len(options[0]) and not _enumerated(op, strategy)
         except Exception:  # noqa: BLE001 - an eager-only rule that indexes per input
             strategy, collapsed = None, True
         if collapsed:
