@@ -312,6 +312,11 @@ def _expansions_seen():
             m.expand_to_full_mesh_op_strategy = real
 
 
+# whole-mesh rules that give each layout of their first input a strategy of its own (the other inputs told to
+# follow it), dropping the layouts they cannot take: all their strategies at once, though fewer than the layouts
+_FOLLOW_THE_FIRST_INPUT = frozenset({"gen_slice_scatter_strategy"})
+
+
 def _enumerated(op, strategy) -> bool:
     """Whether a whole-mesh rule's result is one full-mesh expansion: every placement of its single-dim rules,
     whatever its inputs hold (an in-place op's keeps only those of self's first layout)."""
@@ -344,7 +349,8 @@ def _strategies(op, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[Strateg
         try:
             strategy = fn(schema)
             collapsed = isinstance(strategy, OpStrategy) and (len(options) > 1 or listed) and \
-                len(strategy.strategies) < len(options[0]) and not _enumerated(op, strategy)
+                len(strategy.strategies) < len(options[0]) and not _enumerated(op, strategy) \
+                and fn.__name__ not in _FOLLOW_THE_FIRST_INPUT
         except Exception:  # noqa: BLE001 - an eager-only rule that indexes per input
             strategy, collapsed = None, True
         if collapsed:

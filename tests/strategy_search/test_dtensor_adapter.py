@@ -1,6 +1,6 @@
 """The adapter of DTensor's rules: a whole-mesh rule that enumerates every placement itself (DTensor's full-mesh
-expansion of its single-dim rules: gather, scatter) is asked once per node, not once per combination of its
-inputs' layouts, and gives the same strategies."""
+expansion of its single-dim rules: gather, scatter; or a strategy per layout of its first input: slice_scatter)
+is asked once per node, not once per combination of its inputs' layouts, and gives every strategy that gave."""
 
 import pytest
 import torch
@@ -11,26 +11,33 @@ from tests.strategy_search.truth import planning
 
 aten = torch.ops.aten
 
-CASES = {
-    # the router's top-k weights read back by expert (DeepSeek-V3): 6,912 strategies asked one combination at a time
-    "gather": (aten.gather.default, lambda: (torch.empty(8, 16, 12), -1, torch.empty(8, 16, 4, dtype=torch.long))),
-    "gather_2d": (aten.gather.default, lambda: (torch.empty(32, 12), 1, torch.empty(32, 4, dtype=torch.long))),
+CASES = {  # (op, its arguments, the mesh where the rule gives fewer strategies than its input has layouts)
+    # the router's top-k weights read back by expert (DeepSeek-V3): on its 16 x 2 x 8 mesh, 6,912 strategies asked
+    # one combination of layouts at a time
+    "gather": (aten.gather.default, lambda: (torch.empty(32, 12), 1, torch.empty(32, 4, dtype=torch.long)),
+               (2, 2, 2)),
     "scatter": (aten.scatter.src, lambda: (torch.empty(32, 12), 1, torch.empty(32, 4, dtype=torch.long),
-                                           torch.empty(32, 4))),
+                                           torch.empty(32, 4)), (2, 2)),
+    # MLA's keys written in two parts (DeepSeek-V3): a strategy per layout of the input, the source following it
+    "slice_scatter": (aten.slice_scatter.default, lambda: (torch.empty(8, 16, 4, 12), torch.empty(8, 16, 4, 4), 3,
+                                                           8), (2, 2, 2)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_a_rule_that_enumerates_every_placement_is_asked_once(name, monkeypatch):
-    op, make = CASES[name]
+    op, make, shape = CASES[name]
     with FakeTensorMode():
         args = make()
-    mesh = planning(2, 2, 2)
+    mesh = planning(*shape)
     asked = []
     per_combination = adapter._per_combination
     monkeypatch.setattr(adapter, "_per_combination", lambda *a: asked.append(1) or per_combination(*a))
     once = adapter.dtensor_strategies(op, args, {}, mesh)
     assert not asked
-    monkeypatch.setattr(adapter, "_enumerated", lambda op, strategy: False)  # as before: once per combination
+    # as before: once per combination
+    monkeypatch.setattr(adapter, "_enumerated", lambda op, strategy: False)
+    monkeypatch.setattr(adapter, "_FOLLOW_THE_FIRST_INPUT", frozenset())
     every = adapter.dtensor_strategies(op, args, {}, mesh)
-    assert asked and len(once) == len(every) and set(once) == set(every)
+    # (asked per combination, slice_scatter on 2 x 2 x 2 stopped at 4,096 of its 125 x 125 combinations, missing strategies)
+    assert asked and set(every) <= set(once) and len(set(once)) == len(once)

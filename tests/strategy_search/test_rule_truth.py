@@ -284,6 +284,7 @@ DTENSOR_CASES = {
     # whole-mesh rules asked once per node (they enumerate every placement themselves)
     "gather": (aten.gather.default, lambda: (r(4, 6, 5), -1, torch.randint(0, 5, (4, 6, 2)))),
     "scatter": (aten.scatter.src, lambda: (r(6, 5), 1, torch.randint(0, 5, (6, 2)), r(6, 2))),
+    "slice_scatter": (aten.slice_scatter.default, lambda: (r(4, 6, 5), r(4, 6, 2), 2, 3)),
     # scans (own rule): DTensor's left a split last dim named -1 to run on the pieces; the scanned dim stays whole
     "cumsum_last": (aten.cumsum.default, lambda: (r(3, 8), -1)),
     "cumsum_dim0": (aten.cumsum.default, lambda: (r(6, 5), 0)),
