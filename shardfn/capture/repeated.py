@@ -27,6 +27,7 @@ import contextlib
 import enum
 import functools
 import operator
+import re
 import threading
 import types
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ import torch.fx
 
 from .. import _pytree_internals as pytree
 from . import functions as _functions  # noqa: F401 - defines shardfn::autograd_function
+from ._fake_internals import disable_current_modes
 from ._tracing import checkpoint_regions_so_far, own_global_hooks, skip_checkpoint_regions
 from .graph import CHECKPOINT_REGION, MODULE_PATH
 
@@ -176,7 +178,7 @@ class LayersTracedOnce:
                   if not m.calls.copyable or (id(m.calls) in copied and not _closed(segments[n]))}
         for calls in {id(calls): calls for calls, *_ in self.copies}.values():
             first, witness = (segments[n] for n in calls.traced[:2])
-            if calls.signature not in failed and not _alike(first, witness, function_calls):
+            if calls.signature not in failed and not _alike(gm, first, witness, function_calls):
                 failed.add(calls.signature)
         if failed:
             raise NotCopied(failed)
@@ -190,6 +192,7 @@ class LayersTracedOnce:
         for segment in segments:
             _unmarked(graph, segment.start)
             _unmarked(graph, segment.end)
+        _constants_numbered(gm)
         graph.lint()
         gm.recompile()
         return gm
@@ -281,7 +284,7 @@ def _closed(segment: _Segment) -> bool:
     return all(u in inside or u is segment.end for node in inside for u in node.users)
 
 
-def _alike(first: _Segment, witness: _Segment, function_calls: list) -> bool:
+def _alike(gm: torch.fx.GraphModule, first: _Segment, witness: _Segment, function_calls: list) -> bool:
     """Whether the two traced calls made the same ops on corresponding values."""
     if len(first.nodes) != len(witness.nodes) or first.inputs.keys() != witness.inputs.keys():
         return False
@@ -293,7 +296,10 @@ def _alike(first: _Segment, witness: _Segment, function_calls: list) -> bool:
         return type(a) is type(b) and (a == b or (a != a and b != b))  # (NaN equals NaN here)
 
     for a, b in zip(first.nodes, witness.nodes):
-        if a.op != b.op or a.target != b.target:
+        if a.op == b.op == "get_attr":  # a constant each call made (its own attribute): alike if equal
+            if not _equal_constants(getattr(gm, a.target), getattr(gm, b.target)):
+                return False
+        elif a.op != b.op or a.target != b.target:
             return False
         (la, sa), (lb, sb) = pytree.tree_flatten((a.args, a.kwargs)), pytree.tree_flatten((b.args, b.kwargs))
         if a.target is _FUNCTION:  # (tensors, call number): the calls must be of one Function call alike
@@ -304,6 +310,15 @@ def _alike(first: _Segment, witness: _Segment, function_calls: list) -> bool:
             return False
         twin[a] = b
     return all(same(x, y) for x, y in zip(first.end.args[0], witness.end.args[0]))
+
+
+def _equal_constants(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if (a.shape, a.dtype, a.stride(), a.device) != (b.shape, b.dtype, b.stride(), b.device):
+            return False
+        with disable_current_modes():  # (the capture's fake mode is still on: these are real values)
+            return bool(torch.equal(a, b))
+    return a is b
 
 
 def _copy_into(graph: torch.fx.Graph, copy: torch.fx.Node, segment: _Segment, paths: tuple[str, str],
@@ -342,6 +357,18 @@ def _annotations(node: torch.fx.Node, outer: dict, own: dict, paths: tuple[str, 
         elif outer.get(k) != v:
             custom[k] = v + shift if k == CHECKPOINT_REGION else v
     return custom
+
+
+def _constants_numbered(gm: torch.fx.GraphModule) -> None:
+    """The graph's constants named as a trace names them (``_tensor_constant0``, ``1``, ... in the order it first
+    reads each): a copy reads its first call's, under a name of its own."""
+    nodes = [n for n in gm.graph.nodes if n.op == "get_attr" and re.fullmatch(r"_tensor_constant\d+", n.target)]
+    values = [getattr(gm, n.target) for n in nodes]
+    for name in {n.target for n in nodes}:
+        delattr(gm, name)
+    for i, (node, value) in enumerate(zip(nodes, values)):
+        node.target = f"_tensor_constant{i}"
+        setattr(gm, node.target, value)
 
 
 def _unmarked(graph: torch.fx.Graph, marker: torch.fx.Node | None) -> None:

@@ -176,3 +176,19 @@ def test_a_kv_cache_argument_leaves_every_layer_traced(monkeypatch):
     ids = torch.randint(0, 64, (2, 8))
     seen = _same_graph(model, (ids,), {"use_cache": True}, monkeypatch)
     assert seen["copies"] == 0
+
+
+class _MakesAConstant(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) * torch.tensor([1.0, 2.0] * 4)  # a constant of the graph, made in each call
+
+
+def test_a_constant_each_layer_makes_is_copied_where_the_two_traced_calls_made_it_alike(monkeypatch):
+    net = _Net()
+    net.layers = torch.nn.ModuleList(_MakesAConstant() for _ in range(4))
+    seen = _same_graph(net, (torch.randn(2, 8),), {}, monkeypatch)
+    assert seen["copies"] == 2 and seen["retraces"] == 0
