@@ -14,8 +14,10 @@ After the trace (:meth:`LayersTracedOnce.inlined`) each copy node is replaced by
 its own inputs, annotated with its own module path, and the markers are removed: the graph is the one a full trace
 makes. That holds only where the ops do not depend on which layer runs them, so the second traced call is the
 witness: where its ops differ from the first's (a layer that reads its index, ``x / (layer_idx + 1)``), or a
-traced call wrote into its inputs, read a value from outside its inputs, or ran a checkpoint region inside, the
-capture traces fn again with those layers run as they are (:class:`NotCopied`).
+traced call wrote into its inputs or read a value from outside them, the capture traces fn again with those
+layers run as they are (:class:`NotCopied`). A layer's own checkpoint regions (transformers' gradient
+checkpointing wraps each layer's forward) are numbered in each copy as a trace numbers them, and constants it
+makes are compared by value and named as a trace names them.
 
 A layer with hooks on its submodules, arguments that are not tensors or plain values (a KV cache object), or a
 dynamic capture (symbolic sizes) is always traced as it runs.

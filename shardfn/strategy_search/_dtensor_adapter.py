@@ -265,22 +265,29 @@ def _unpriced(src_strategy, dst_spec) -> list[float]:
 
 
 @contextlib.contextmanager
-def _redistributions_unpriced():
-    """DTensor's strategy functions price each strategy's redistribution from every input option (for its eager
-    dispatch's choice); the search prices its own, and offers every option: on a 3-D mesh that pricing was most of
-    the rules' time (a view: 216 x 216 placements). Skipped while the search asks, in every module that holds it."""
+def _replaced_in_dtensor_ops(name: str, make: Any):
+    """DTensor's ops helper ``name`` replaced by ``make(torch's own)`` while active, in every module of its rules
+    that holds it."""
     from torch.distributed.tensor._ops import utils
 
-    real = utils.generate_redistribute_costs
-    holders = [m for name, m in list(sys.modules.items()) if name.startswith("torch.distributed.tensor._ops")
-               and getattr(m, "generate_redistribute_costs", None) is real]
+    real = getattr(utils, name)
+    replacement = make(real)
+    holders = [m for key, m in list(sys.modules.items()) if key.startswith("torch.distributed.tensor._ops")
+               and getattr(m, name, None) is real]
     for m in holders:
-        m.generate_redistribute_costs = _unpriced
+        setattr(m, name, replacement)
     try:
         yield
     finally:
         for m in holders:
-            m.generate_redistribute_costs = real
+            setattr(m, name, real)
+
+
+def _redistributions_unpriced():
+    """DTensor's strategy functions price each strategy's redistribution from every input option (for its eager
+    dispatch's choice); the search prices its own, and offers every option: on a 3-D mesh that pricing was most of
+    the rules' time (a view: 216 x 216 placements). Skipped while the search asks."""
+    return _replaced_in_dtensor_ops("generate_redistribute_costs", lambda real: _unpriced)
 
 
 _EXPANDED: list[OpStrategy] = []  # the full-mesh expansions made while a whole-mesh rule runs (_expansions_seen)
@@ -291,25 +298,20 @@ def _expansions_seen():
     """While active, each OpStrategy DTensor's full-mesh expansion returns is kept in ``_EXPANDED``: a whole-mesh
     rule that returns one enumerated every placement of its single-dim rules itself (gather, scatter), whatever
     its inputs hold, so it is not asked again per combination of their layouts."""
-    from torch.distributed.tensor._ops import utils
 
-    real = utils.expand_to_full_mesh_op_strategy
+    def kept(real):
+        def expansion(*args, **kwargs):
+            out = real(*args, **kwargs)
+            _EXPANDED.append(out)
+            return out
 
-    def seen(*args, **kwargs):
-        out = real(*args, **kwargs)
-        _EXPANDED.append(out)
-        return out
+        return expansion
 
-    holders = [m for name, m in list(sys.modules.items()) if name.startswith("torch.distributed.tensor._ops")
-               and getattr(m, "expand_to_full_mesh_op_strategy", None) is real]
-    for m in holders:
-        m.expand_to_full_mesh_op_strategy = seen
     try:
-        yield
+        with _replaced_in_dtensor_ops("expand_to_full_mesh_op_strategy", kept):
+            yield
     finally:
         _EXPANDED.clear()
-        for m in holders:
-            m.expand_to_full_mesh_op_strategy = real
 
 
 # whole-mesh rules that give each layout of their first input a strategy of its own (the other inputs told to
