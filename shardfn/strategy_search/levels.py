@@ -21,7 +21,7 @@ __all__ = ["solve_level"]
 
 
 def solve_level(policy: LevelPolicy, t: Terms, profile: cm.DeviceProfile, time_limit_s: float,
-                budget: float | None = None) -> Solution:
+                budget: float | None = None, optional: bool = False) -> Solution:
     """Choose candidates for the level's objective (``policy.objective``) (see the README's *Search* section); levels 0 and 2 within
     ``budget`` bytes of the pricing's memory estimate (the profile's memory where None). ``time_limit_s`` bounds
     all the level's solves together (0: exact elimination and the incumbent only)."""
@@ -39,7 +39,7 @@ def solve_level(policy: LevelPolicy, t: Terms, profile: cm.DeviceProfile, time_l
     if policy.objective == "time":  # (the fastest plan first: it is the answer where it fits)
         try:
             sol = solve(Problem(time_problem.costs, time_problem.edges, (t.memory, budget), t.edge_memory),
-                        time_limit_s)
+                        time_limit_s, optional)
         except Infeasible:
             raise ValueError(
                 f"level={policy.level}: no plan fits the per-rank memory of the {profile.name} profile "

@@ -39,9 +39,10 @@ from .request import PlanRequest
 
 __all__ = ["Region", "plan_with_recompute", "region_groups", "with_recompute"]
 
-# plan_within(problem, terms, final) -> Plan: the level's plan within the memory, raising a ValueError (OverBudget
-# or the level's "no plan fits") where none fits; ``final``: a nominal memory's over-budget plan returned, said
-PlanWithin = Callable[[StrategyProblem, Terms, bool], Plan]
+# plan_within(problem, terms, final, optional=False) -> Plan: the level's plan within the memory, raising a
+# ValueError (OverBudget or the level's "no plan fits") where none fits; ``final``: a nominal memory's over-budget
+# plan returned, said; ``optional``: a try to improve on a plan found, given up where none fits by the deadline
+PlanWithin = Callable[..., Plan]
 
 
 @dataclass(frozen=True)
@@ -153,11 +154,12 @@ def _peak_of(e: ValueError) -> float | None:
 
 
 def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, deadline, took: float) -> Plan:
-    """``plan`` recomputes ``kept`` and every layer of ``group`` and fits: the plan recomputing the fewest of
-    ``group``'s first layers that still fits, of ``_PROBES`` solves. Each layer kept adds about as many bytes to the
-    peak: first what its recompute saves in ``plan`` (its record's), then the slope between the last two peaks
+    """``plan`` recomputes ``kept`` and every layer of ``group`` and fits: the fewest of ``group``'s first layers
+    recomputed that still fit, of ``_PROBES`` solves, and of the plans that fit the fastest (a probe's solve cut
+    short by the time limit may be slower than one recomputing more). Each layer kept adds about as many bytes to
+    the peak: first what its recompute saves in ``plan`` (its record's), then the slope between the last two peaks
     walked; each count tried keeps as many layers as that leaves room for (halfway, where a count tried had no
-    plan, hence no peak). Tried only before ``deadline``, and only where a solve as long as the last fits
+    plan, hence no peak). Tried only before ``deadline``, and only where two solves as long as the last fit
     (``took``: the seconds ``plan`` took; a probe given no time would return a plan no better proven than the
     incumbent's first guess)."""
     budget, lo, hi = request.profile.memory_bytes, 0, len(group)
@@ -166,14 +168,17 @@ def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, de
     if not saved or plan.cost.peak_bytes > budget:  # (a nominal memory's plan returned over it: none fewer fits)
         return plan
     per_layer = sum(saved) / len(saved)
+    best = plan
     for _ in range(_PROBES):
-        if hi - lo <= 1 or time.perf_counter() + took > deadline:
+        # (twice the last solve's time: fewer layers recomputed leave the solve more to decide, and its exact
+        # elimination is not cut at the limit: DeepSeek-V3's third probe took 44.6 s after one of 10.6)
+        if hi - lo <= 1 or time.perf_counter() + 2 * took > deadline:
             break
         start = time.perf_counter()
         m = (lo + hi + 1) // 2 if per_layer is None else hi - int((budget - plan.cost.peak_bytes) // per_layer)
         m = min(max(m, lo + 1), hi - 1)
         try:
-            trial = _planned(problem, request, pricing, terms, [*kept, group[:m]], plan_within, False)
+            trial = _planned(problem, request, pricing, terms, [*kept, group[:m]], plan_within, False, optional=True)
             peak = trial.cost.peak_bytes
         except ValueError as e:  # (no peak where the solve found nothing within its estimate: halved)
             trial, lo, peak = None, m, _peak_of(e)
@@ -185,7 +190,8 @@ def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, de
             (peak - plan.cost.peak_bytes) / (hi - m)
         if trial is not None:
             plan, hi = trial, m
-    return plan
+            best = min(best, trial, key=lambda p: p.cost.total_s)
+    return best
 
 
 def _least_peak(problem, request, pricing, terms, groups, plan_within, deadline: float) -> Plan:
@@ -209,15 +215,17 @@ def _least_peak(problem, request, pricing, terms, groups, plan_within, deadline:
     return _planned(problem, request, pricing, terms, kept, plan_within, True)
 
 
-def _planned(problem, request, pricing, terms, groups, plan_within, final: bool, origin: str = "search") -> Plan:
-    """The plan with ``groups`` recomputed (priced again for them), carrying its recompute records."""
+def _planned(problem, request, pricing, terms, groups, plan_within, final: bool, origin: str = "search",
+             optional: bool = False) -> Plan:
+    """The plan with ``groups`` recomputed (priced again for them), carrying its recompute records; ``optional``:
+    a try to improve on a plan found (given up where it has none within the memory by the deadline)."""
     if groups:
         problem = with_recompute(problem, [r for g in groups for r in g])
     pricing.problem = problem  # (its memos hold for every such problem: recompute changes no candidate list)
     if groups:
         terms = pricing.terms(request.keep_split)
     try:
-        plan = plan_within(problem, terms, final)
+        plan = plan_within(problem, terms, final, optional)
     except ValueError as e:
         if hasattr(e, "plan"):  # OverBudget: its plan shows what it recomputed, and the error says so
             e.plan = dataclasses.replace(e.plan, recompute=records(problem, e.plan, origin))

@@ -70,15 +70,17 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
 
 
 def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, step, deadline: float, problem,
-                   terms, final: bool) -> Plan:
+                   terms, final: bool, optional: bool = False) -> Plan:
     """The level's plan of ``problem`` priced by ``terms`` within the memory, the solve given what is left before
     ``deadline``; a ValueError where none fits (the figures of the closest). ``final``: a nominal memory's (a
-    CPU's) over-budget plan is returned, said."""
+    CPU's) over-budget plan is returned, said. ``optional``: a try that would improve on a plan found (a ValueError
+    where it has none within the memory by ``deadline``)."""
     budget, over = request.profile.memory_bytes, None
     for attempt in range(_BUDGET_ROUNDS):
         try:
             left = max(deadline - time.perf_counter(), 0.0)
-            solution = step("search solve", lambda: solve_level(request.policy, terms, request.profile, left, budget),
+            solution = step("search solve",
+                            lambda: solve_level(request.policy, terms, request.profile, left, budget, optional),
                             lambda s: f"{s.stats.get('ilp_decisions', 0)} decisions left to the integer program, "
                                       + ("optimal" if s.optimal else f"gap {s.gap:.2%}"), f"{left:.1f} s left")
             plan = step("search read-out", lambda: read_plan(problem, request, mesh_spec, pricing, terms, solution),

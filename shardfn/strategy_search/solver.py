@@ -554,7 +554,7 @@ def _unconstrained(costs, edges, time_limit_s: float, shared: _Shared | None = N
                     timed_out=message == "time limit", bound=bound)
 
 
-def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
+def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) -> Solution:
     """The budget by Lagrangian relaxation (its multiplier grown, then set where its bracket's plans cross),
     then, where a gap is left, the integer program with the budget row, from the best plan found."""
     weights, limit = problem.budget
@@ -598,6 +598,8 @@ def _with_budget(problem: Problem, time_limit_s: float) -> Solution:
     lo, hi = 0.0, max(abs(first.objective), 1e-30) / max(weight(first) - limit, 1e-2 * limit, 1e-30)
     rounds, top = 0, at(hi)  # ``top``: the plan at ``hi`` (within the budget); ``over``: the plan at ``lo``
     while not take(hi, top):  # (past the deadline, bigger steps to a plan within the budget)
+        if optional and time.perf_counter() > deadline:
+            raise Infeasible("no plan within the budget found in the time given")
         lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
         if rounds == _LEAST_WEIGHT_AFTER and pairs:  # (the pairs' weights make the least weight no sum of minima:
@@ -777,11 +779,13 @@ def _mixed(problem: Problem, weights: list[np.ndarray], limit: float, over: list
     return Solution(choice, objective(problem, choice), False, "", {"mixed_parts": len(switched)})
 
 
-def solve(problem: Problem, time_limit_s: float = 60.0) -> Solution:
+def solve(problem: Problem, time_limit_s: float = 60.0, optional: bool = False) -> Solution:
     """The cheapest choice (within the budget, if given). Past ``time_limit_s`` the best plan found is returned,
-    with ``optimal`` False and its gap; :class:`Infeasible` only where no choice keeps the budget."""
+    with ``optimal`` False and its gap; :class:`Infeasible` only where no choice keeps the budget, or, for an
+    ``optional`` solve (one whose plan would improve on one already found), where none was found within the
+    budget by then (otherwise the Lagrangian rounds go on past the limit until one is)."""
     if problem.budget is not None:
-        return _with_budget(problem, time_limit_s)
+        return _with_budget(problem, time_limit_s, optional)
     return _unconstrained(problem.costs, problem.edges, time_limit_s)
 
 
