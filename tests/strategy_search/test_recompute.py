@@ -49,6 +49,29 @@ def test_level_2_recomputes_only_where_memory_binds_and_then_fits():
     assert _explain(model, small, level=2).recompute == ()
 
 
+def test_probes_for_fewer_layers_recomputed_keep_the_fastest_plan(monkeypatch):
+    # a probe's solve cut short by the time limit may be slower than the plan recomputing more (DeepSeek-V3's:
+    # 8.76 s estimated against 4.57): the fastest plan that fits is returned, and each probe is optional
+    import dataclasses
+
+    from shardfn.strategy_search import recompute
+
+    real, probes = recompute._planned, []
+
+    def slower_probes(*args, optional=False, **kwargs):
+        plan = real(*args, optional=optional, **kwargs)
+        if optional:
+            probes.append(plan)
+            plan = dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, compute_s=10 * plan.cost.compute_s))
+        return plan
+
+    monkeypatch.setattr(recompute, "_planned", slower_probes)
+    model, x = _big_stack()
+    plan = _explain(model, x, level=2)
+    assert probes and all(len(p.recompute) < len(plan.recompute) for p in probes)
+    assert plan.cost.total_s < min(10 * p.cost.compute_s for p in probes)
+
+
 def test_recompute_is_priced_as_forward_computed_again_and_walked_by_the_one_memory_model():
     # every layer recomputed against none, at one layout (data parallel): the compute grows by the forward of the
     # recomputed values (the plan's figure), the peak drops; the peak is the liveness walk's, as for checkpoint
