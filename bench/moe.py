@@ -1,9 +1,11 @@
 """Expert parallelism measured: a small Mixtral's training step and per-rank memory, side by side in one run.
 
     python bench/moe.py [--world 4] [--layers 2] [--hidden 64] [--ffn 1024] [--experts 8] [--batch 2] [--seq 32]
+                        [--impl grouped_mm|batched_mm]
 
-transformers' MixtralForCausalLM (grouped_mm experts, top-2 routing, no auxiliary loss so that every way's loss is
-the same function of the batch), each rank a slice of the batch, AdamW. Each way runs in its own fresh gloo ranks:
+transformers' MixtralForCausalLM (grouped_mm experts, or --impl batched_mm; top-2 routing, no auxiliary loss so
+that every way's loss is the same function of the batch), each rank a slice of the batch, AdamW. Each way runs in
+its own fresh gloo ranks:
 
 - shardfn, experts split: dataset_strategy="data_parallel", the experts' weights stored split over every rank on
   their expert dim (parameter_plan), the rest searched at level 2: each rank computes its experts' share;
@@ -45,7 +47,7 @@ def _model(args):
     cfg = transformers.MixtralConfig(hidden_size=args.hidden, intermediate_size=args.ffn,
                                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
                                      vocab_size=args.vocab, num_local_experts=args.experts, num_experts_per_tok=2,
-                                     experts_implementation="grouped_mm")
+                                     experts_implementation=args.impl)
     return transformers.MixtralForCausalLM(cfg)
 
 
@@ -114,6 +116,8 @@ def main():
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--impl", default="grouped_mm", choices=("grouped_mm", "batched_mm"),
+                   help="transformers' experts implementation")
     args = p.parse_args()
     results = mp.get_context("spawn").Manager().dict()
     for which in KINDS:
@@ -127,8 +131,9 @@ def main():
             got = results[(w, r)][2]
             assert all(abs(a - b) <= 1e-4 * (k + 1) * max(1.0, abs(b)) for k, (a, b) in
                        enumerate(zip(got, reference))), (w, r, got, reference)
-    print(f"Mixtral, {args.layers} layers, hidden {args.hidden}, {args.experts} experts of {args.ffn} (top 2), "
-          f"{args.world} gloo ranks, batch {args.batch} x {args.seq} per rank, AdamW; the same losses every step")
+    print(f"Mixtral ({args.impl}), {args.layers} layers, hidden {args.hidden}, {args.experts} experts of {args.ffn} "
+          f"(top 2), {args.world} gloo ranks, batch {args.batch} x {args.seq} per rank, AdamW; the same losses every "
+          "step")
     for w in KINDS:
         print(f"  {w:<28} step {ms[w]:8.1f} ms   tensor peak {peak[w]:7.1f} MiB")
     for w in KINDS[:2]:

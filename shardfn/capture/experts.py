@@ -3,10 +3,10 @@
 transformers' experts modules (``grouped_mm``, ``batched_mm`` and ``eager`` implementations, gated, without biases:
 Mixtral, Qwen2-MoE, ...) are captured as one call of :class:`MoEExperts` (the tokens, their top-k experts and
 weights, the experts' global ids, the two expert weights): it runs transformers' own implementation on the experts a
-rank holds, tokens routed elsewhere turned into transformers' expert-parallel sentinels (no compute, no
-contribution). Tokens are independent (a token split needs nothing) and split experts give each rank its experts'
-share of every token (a pending sum), exactly and dropless. Its backward runs the same forward again under autograd
-(one more expert forward a step, for a backward that is transformers' own).
+rank holds, for the (token, slot) pairs routed to them alone (each as a token of one slot, summed back by token:
+no compute for the others). Tokens are independent (a token split needs nothing) and split experts give each rank
+its experts' share of every token (a pending sum), exactly and dropless. Its backward runs the same forward again
+under autograd (one more expert forward a step, for a backward that is transformers' own).
 
 Other experts modules keep their traced ops; there the grouped matmul alone becomes :class:`ExpertMM`:
 
@@ -151,9 +151,15 @@ def _run_experts(hidden, index, weights, experts, gate_up, down, act: str, impl:
     if n == 0:  # a rank holding no expert (an uneven split) contributes nothing
         return hidden.new_zeros(hidden.shape)
     local = index - experts[0]  # experts: this rank's global ids, contiguous
-    local = local.masked_fill((local < 0) | (local >= n), n)  # another rank's expert: a sentinel
+    # the (token, slot) pairs routed to this rank's experts, each run as a token of one slot, summed back by token:
+    # another rank's experts cost nothing here (transformers' sentinels would cost batched_mm a product each)
+    token, slot = ((local >= 0) & (local < n)).nonzero(as_tuple=True)
+    if token.numel() == 0:  # no token routed to them: no contribution
+        return hidden.new_zeros(hidden.shape)
     forward = _ORIGINAL.get(impl) or moe.ExpertsInterface._global_mapping[impl]
-    return forward(_local_experts(gate_up, down, act, n), hidden, local, weights)
+    pairs = forward(_local_experts(gate_up, down, act, n), hidden[token], local[token, slot].unsqueeze(-1),
+                    weights[token, slot].unsqueeze(-1))
+    return hidden.new_zeros(hidden.shape).index_add(0, token, pairs)
 
 
 # transformers' experts forwards by implementation name, as they were before capture; an experts class's own

@@ -386,7 +386,8 @@ def _unmarked(graph: torch.fx.Graph, marker: torch.fx.Node | None) -> None:
 # -- which layers, which calls ----------------------------------------------------------------------------------
 
 def _repeated_layers(root: torch.nn.Module, excluded: set) -> dict[int, tuple[torch.nn.Module, Any, Any, str]]:
-    """id(layer) -> (layer, signature, its attributes alone, path) for the modules of root's ModuleLists and Sequentials that have a twin."""
+    """id(layer) -> (layer, signature, its attributes alone, path) for the modules of root's ModuleLists and
+    Sequentials that have a twin."""
     paths = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     by_signature: dict[Any, list[torch.nn.Module]] = {}
     for m in root.modules():
@@ -395,8 +396,8 @@ def _repeated_layers(root: torch.nn.Module, excluded: set) -> dict[int, tuple[to
                 signature = _signature(layer)
                 if signature is not None and signature not in excluded:
                     by_signature.setdefault(signature, []).append(layer)
-    return {id(layer): (layer, signature, _signature(layer, state=False), paths[id(layer)]) for signature, layers in by_signature.items()
-            if len({id(x) for x in layers}) >= 2 for layer in layers}
+    return {id(layer): (layer, signature, _signature(layer, state=False), paths[id(layer)])
+            for signature, layers in by_signature.items() if len({id(x) for x in layers}) >= 2 for layer in layers}
 
 
 def _signature(layer: torch.nn.Module, state: bool = True) -> Any:

@@ -39,5 +39,6 @@ def test_a_rule_that_enumerates_every_placement_is_asked_once(name, monkeypatch)
     monkeypatch.setattr(adapter, "_enumerated", lambda op, strategy: False)
     monkeypatch.setattr(adapter, "_FOLLOW_THE_FIRST_INPUT", frozenset())
     every = adapter.dtensor_strategies(op, args, {}, mesh)
-    # (asked per combination, slice_scatter on 2 x 2 x 2 stopped at 4,096 of its 125 x 125 combinations, missing strategies)
+    # (asked per combination, slice_scatter on 2 x 2 x 2 stopped at 4,096 of its 125 x 125 combinations, missing
+    # strategies)
     assert asked and set(every) <= set(once) and len(set(once)) == len(once)
