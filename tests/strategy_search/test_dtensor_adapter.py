@@ -7,6 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardfn.strategy_search import _dtensor_adapter as adapter
+from shardfn.strategy_search._dtensor_adapter import _propagator
 from tests.strategy_search.truth import planning
 
 aten = torch.ops.aten
@@ -40,5 +41,6 @@ def test_a_rule_that_enumerates_every_placement_is_asked_once(name, monkeypatch)
     monkeypatch.setattr(adapter, "_FOLLOW_THE_FIRST_INPUT", frozenset())
     every = adapter.dtensor_strategies(op, args, {}, mesh)
     # (asked per combination, slice_scatter on 2 x 2 x 2 stopped at 4,096 of its 125 x 125 combinations, missing
-    # strategies)
-    assert asked and set(every) <= set(once) and len(set(once)) == len(once)
+    # strategies; from torch 2.14 these three are single-dim rules, expanded over the mesh: never asked so)
+    assert bool(asked) == (op in _propagator().op_strategy_funcs)
+    assert set(every) <= set(once) and len(set(once)) == len(once)
