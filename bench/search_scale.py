@@ -22,8 +22,8 @@ returned; and a hand-written Llama-3-8B
 (bench/llama.py: its own RoPE, GQA by repeat_interleave, SDPA) at 32 layers on 8 x 8, with the CPU profile too
 (whose 16 GB makes the memory limit bind: the budgeted search). Targets on this 2-core machine: 8B, 32 layers:
 10 s cold for transformers' model, 5 s for the hand-written one; every row within SHARDFN_SEARCH_TIME_LIMIT's
-20 s of search, but DeepSeek-V3's, whose target is 60 s with a gap of 1% at most (its row runs with the limit at
-60 s unless the variable is set).
+20 s of search, but DeepSeek-V3's, whose target is 60 s from the call with a gap of 1% at most (its row runs with
+the search's limit at 50 s unless the variable is set: its capture takes the rest).
 """
 
 import argparse
@@ -45,7 +45,9 @@ ROWS = [
     ("own-8b", 32, "8x8", "cuda", "dp"), ("own-8b", 32, "8x8", "cpu", "dp"),
     ("deepseek-v3", 61, "16x16", "cuda", "dp"),
 ]
-LIMITS = {"deepseek-v3": "60"}  # SHARDFN_SEARCH_TIME_LIMIT of a row whose target is not the default 20 s
+# SHARDFN_SEARCH_TIME_LIMIT of a row whose target is not the default 20 s: DeepSeek-V3's is 60 s from the call, its
+# capture (6-8 s) included; the search uses what its limit gives it (recompute's probes for fewer layers)
+LIMITS = {"deepseek-v3": "50"}
 # the mesh axes' names by the mesh's rank
 NAMES = {2: ("dp", "tp"), 3: ("dp", "fsdp", "tp")}
 

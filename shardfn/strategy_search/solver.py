@@ -627,7 +627,9 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     if gap <= _GAP:
         best.optimal, best.gap, best.message = True, 0.0, "memory limit binding"
         return best
-    if gap <= _BUDGET_GAP or time.perf_counter() > deadline:
+    # (an optional solve's plan is compared with one found already: no integer program, whose elimination and
+    # fixing are not cut at the limit)
+    if gap <= _BUDGET_GAP or time.perf_counter() > deadline or optional:
         best.gap, best.message = gap, f"memory limit binding: within {gap:.2%} of the best bound"
         best.timed_out = best.timed_out or time.perf_counter() > deadline
         return best
@@ -783,7 +785,8 @@ def solve(problem: Problem, time_limit_s: float = 60.0, optional: bool = False) 
     """The cheapest choice (within the budget, if given). Past ``time_limit_s`` the best plan found is returned,
     with ``optimal`` False and its gap; :class:`Infeasible` only where no choice keeps the budget, or, for an
     ``optional`` solve (one whose plan would improve on one already found), where none was found within the
-    budget by then (otherwise the Lagrangian rounds go on past the limit until one is)."""
+    budget by then (otherwise the Lagrangian rounds go on past the limit until one is). An optional solve ends
+    with its Lagrangian rounds' best plan (no integer program after them)."""
     if problem.budget is not None:
         return _with_budget(problem, time_limit_s, optional)
     return _unconstrained(problem.costs, problem.edges, time_limit_s)
