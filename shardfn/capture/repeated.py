@@ -118,13 +118,13 @@ class LayersTracedOnce:
         if key is None:
             return forward(layer, *args, **kwargs)
         calls = self.calls.setdefault(key, _Calls(signature))
-        if len(calls.traced) < 2 or not calls.copyable:
+        if not calls.copyable:
+            return forward(layer, *args, **kwargs)
+        if len(calls.traced) < 2:
             return self._marked_call(layer, forward, args, kwargs, calls, path)
         return self._copied_call(layer, args, kwargs, calls, path)
 
     def _marked_call(self, layer, forward, args, kwargs, calls: _Calls, path: str) -> Any:
-        if not calls.copyable:
-            return forward(layer, *args, **kwargs)
         number = len(self.marked)
         regions = checkpoint_regions_so_far()
         self.marked.append(_Marked(calls, path, regions))
@@ -173,12 +173,12 @@ class LayersTracedOnce:
         if not self.marked:
             return gm
         segments = _segments(gm, len(self.marked))
-        copied = {id(calls) for calls, *_ in self.copies}
+        copied = {id(calls): calls for calls, *_ in self.copies}  # the kinds of call copied, each once
         # a traced call found unfit to copy (it wrote into its inputs, say) ran on its marked inputs, not on the
         # values themselves: traced again as it runs
         failed = {m.calls.signature for n, m in enumerate(self.marked)
                   if not m.calls.copyable or (id(m.calls) in copied and not _closed(segments[n]))}
-        for calls in {id(calls): calls for calls, *_ in self.copies}.values():
+        for calls in copied.values():
             first, witness = (segments[n] for n in calls.traced[:2])
             if calls.signature not in failed and not _alike(gm, first, witness, function_calls):
                 failed.add(calls.signature)
@@ -235,7 +235,6 @@ def _(tensors, call):
 _INPUTS, _OUTPUTS, _COPY = (torch.ops.shardfn.layer_inputs.default, torch.ops.shardfn.layer_outputs.default,
                             torch.ops.shardfn.layer_copy.default)
 _FUNCTION = torch.ops.shardfn.autograd_function.default  # (capture.functions: a Function call's node)
-_getitem = operator.getitem
 
 
 # -- the graph: segments, their check, their copies -----------------------------------------------------------
@@ -267,7 +266,7 @@ def _segments(gm: torch.fx.GraphModule, n: int) -> list[_Segment]:
 
 
 def _is_item_of(node: torch.fx.Node, of: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target is _getitem and node.args[0] is of
+    return node.op == "call_function" and node.target is operator.getitem and node.args[0] is of
 
 
 def _outside(node: torch.fx.Node) -> bool:
