@@ -27,7 +27,7 @@ import numpy as np
 if TYPE_CHECKING:
     from .solver import _Reducer as Reducer
 
-__all__ = ["drop_dominated", "restricted"]
+__all__ = ["drop_dominated", "restrict", "restricted"]
 
 _BLOCK = 32  # candidates checked at once against those kept before them
 _SAMPLE = 16  # columns of each edge a pair is screened on before all of them
@@ -47,16 +47,21 @@ def drop_dominated(red: Reducer, decisions, deadline: float = math.inf) -> None:
         kept, into = red.op(_undominated, red.costs[v], *(red.adj[v][u] for u in neighbours))
         if len(kept) == len(red.costs[v]):
             continue
-        # (interned: a layer's result depends on the layer before it through their edge; once the layers' kept
-        # candidates agree, their arrays are one object again, and the rest of the layers meet the memo)
-        op = red.op
-        red.costs[v] = op.intern(op(_taken, red.costs[v], kept))
-        for u in neighbours:
-            red.adj[v][u] = op.intern(op(_taken, red.adj[v][u], kept))
-            red.adj[u][v] = op.intern(op(_taken_columns, red.adj[u][v], kept))
-        red.trail.append(("restricted", v, kept, into))
+        restrict(red, v, kept, into)
         if len(kept) == 1:
             red.fix(v, 0)
+
+
+def restrict(red: Reducer, v: int, kept: np.ndarray, into: np.ndarray) -> None:
+    """Keep ``v``'s candidates ``kept`` (``into``: each candidate's position among them, for :func:`restricted`)."""
+    # (interned: a layer's result depends on the layer before it through their edge; once the layers' kept
+    # candidates agree, their arrays are one object again, and the rest of the layers meet the memo)
+    op = red.op
+    red.costs[v] = op.intern(op(_taken, red.costs[v], kept))
+    for u in red.adj[v]:
+        red.adj[v][u] = op.intern(op(_taken, red.adj[v][u], kept))
+        red.adj[u][v] = op.intern(op(_taken_columns, red.adj[u][v], kept))
+    red.trail.append(("restricted", v, kept, into))
 
 
 def _undominated(costs: np.ndarray, *edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

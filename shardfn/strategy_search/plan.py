@@ -17,13 +17,21 @@ from ..config import Precision
 from ..layout import Axis, MeshSpec
 from ._summary import experts_lines, mesh_text, placements_text, recompute_lines, summary_lines
 
-__all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "Recompute", "mesh_text",
+__all__ = ["PLAN_FORMAT", "gap_text", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "Recompute", "mesh_text",
            "parse_placement", "placements_text"]
 
 Placements = tuple[Placement, ...]
 
 # how to_html draws a plan as a page: set by the presentation (shardfn.show.plan_page) with set_page_writer
 _PAGE_WRITER: Callable[[Any, str], str] | None = None
+
+
+def gap_text(gap: float) -> str:
+    """How far a plan not proven best may be from the best: its gap to the best bound, or, where elimination
+    past the time limit kept a shortlist of candidates (solver._SHORTLIST), that no bound is known."""
+    if math.isinf(gap):
+        return "no bound known: past the time limit each large decision kept a shortlist of its candidates"
+    return f"within {gap:.2%} of the best bound"
 
 
 def set_page_writer(write: Callable[[Any, str], str]) -> None:
@@ -188,7 +196,7 @@ class Plan:
         return (f"shardfn plan  mesh [{mesh}]  level {self.level}  "
                 f"compute {self.cost.compute_s * 1e3:.3f} ms  comm {self.cost.comm_s * 1e3:.3f} ms  "
                 f"peak {self.cost.peak_bytes / 2**20:.2f} MiB/rank"
-                + ("" if self.optimal else f"  (best found, within {self.gap:.2%} of the best bound)")
+                + ("" if self.optimal else f"  (best found, {gap_text(self.gap)})")
                 + ("  parameters gathered again in backward" if self.reshard_after_forward else "")
                 + (f"  recompute {sum(r.extra_s for r in self.recompute) * 1e3:.3f} ms" if self.recompute else ""))
 

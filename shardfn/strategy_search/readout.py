@@ -18,7 +18,7 @@ from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes, bucket_unit
 from .candidates import tensor_inputs
 from .gathered import gather_events, gathered_copies
-from .plan import Collective, Cost, InputPlan, NodePlan, Plan
+from .plan import Collective, Cost, InputPlan, NodePlan, Plan, gap_text
 from .pricing import (
     Pricing,
     Terms,
@@ -100,8 +100,8 @@ def _notes(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, ter
     """What the plan says of itself: how the solve ended, why values were gathered, fallbacks, the caller's."""
     notes = [solution.message] if solution.message not in ("optimal", "") else []
     if solution.timed_out:
-        notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is within "
-                     f"{solution.gap:.2%} of the best bound")
+        notes.append(f"the search stopped at its time limit (SHARDFN_SEARCH_TIME_LIMIT): this plan is "
+                     f"{gap_text(solution.gap)}")
     notes += _why_gathered(problem, request, pricing, terms, solution)
     if problem.fallbacks:
         notes.append("replicated fallback for: " + ", ".join(sorted(problem.fallbacks)))

@@ -25,7 +25,7 @@ from ..layout import MeshSpec
 from ..progress import Progress
 from . import cost_model as cm
 from .levels import solve_level
-from .plan import Plan
+from .plan import Plan, gap_text
 from .pricing import Pricing
 from .problem import CandidateLists, build_problem
 from .readout import OverBudget, read_plan
@@ -65,7 +65,7 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
     plan = plan_with_recompute(problem, request, pricing, terms, within, deadline)
     if plan.search.get("timed_out"):  # (said of the plan returned, not of a solve tried and dropped)
         log.warning("shardfn: the strategy search stopped at its time limit (%g s, SHARDFN_SEARCH_TIME_LIMIT); "
-                    "the plan is the best found, within %.2f%% of the best bound", time_limit_s, 100 * plan.gap)
+                    "the plan is the best found, %s", time_limit_s, gap_text(plan.gap))
     return plan
 
 

@@ -70,7 +70,7 @@ import numpy as np
 import torch
 
 from .conditioning import CONDITION_SHARE, condition_all
-from .dominance import drop_dominated, restricted
+from .dominance import drop_dominated, restrict, restricted
 
 __all__ = ["Infeasible", "Problem", "Solution", "objective", "scaled_edges", "solve"]
 
@@ -84,6 +84,9 @@ _BUDGET_GAP = 1e-2
 _MIXED_GAP = 1e-3
 # Rounds of a growing multiplier without a plan within the budget after which the least weight is found exactly
 _LEAST_WEIGHT_AFTER = 8
+# Candidates a decision keeps where elimination runs past the time limit (a product of three 1,296-candidate
+# decisions of a 4-D mesh takes a second; of three of these, a millisecond)
+_SHORTLIST = 64
 # Columns of an integer program HiGHS presolves in a second on this project's machine (2.37 M took 22 s, probing
 # past its time limit): a program larger than the time left allows is not started
 _PROGRAM_COLUMNS_PER_SECOND = 100_000
@@ -206,8 +209,11 @@ class _Reducer:
     eliminated (those a budget weighs: eliminating them would lose their weights)."""
 
     def __init__(self, costs: list[np.ndarray], edges, keep: frozenset[int] = frozenset(),
-                 shared: _Shared | None = None, deadline: float = math.inf):
+                 shared: _Shared | None = None, deadline: float = math.inf, limit: float = math.inf):
         self.op = _Shared() if shared is None else shared
+        # past ``limit`` a product too large for the time is taken on the few candidates each of its decisions
+        # would pick at its neighbours' best replies (:meth:`_shortlist`): the plan is then no longer proven best
+        self.limit, self.shortlisted = limit, False
         self.costs = [self.op.intern(c) for c in costs]
         self.adj: list[dict[int, np.ndarray]] = [{} for _ in self.costs]  # adj[u][v]: matrix oriented u x v
         for u, v, m in edges:
@@ -273,6 +279,11 @@ class _Reducer:
                     touched.add(u)
                 elif len(nbrs) == 2:
                     u, w = sorted(nbrs)  # (the same orientation in every layer: the operands are the same objects)
+                    if len(cv) * len(self.costs[u]) * len(self.costs[w]) > _SHORTLIST ** 3 \
+                            and time.perf_counter() > self.limit:
+                        for x in (v, u, w):
+                            self._shortlist(x)
+                        cv = self.costs[v]
                     best, table = op(_link, self.adj[u][v], cv, self.adj[v][w])
                     self.trail.append(("link", v, u, w, table))
                     self.drop(v)
@@ -280,6 +291,17 @@ class _Reducer:
                     nxt += [u, w]
                     touched.update((u, w))
             queue = sorted(set(nxt) & self.alive, key=lambda v: (len(self.adj[v]), v))
+
+    def _shortlist(self, x: int) -> None:
+        """Keep ``x``'s :data:`_SHORTLIST` candidates that cost least with each neighbour's best reply (the rest
+        are not proven worse: the plan is the best on what is kept)."""
+        if len(self.costs[x]) <= _SHORTLIST or x in self.keep:
+            return
+        neighbours = sorted(self.adj[x])  # (one order in every identical layer: their arrays meet the same memo)
+        kept, into = self.op(_best_replied, self.costs[x], *(self.adj[x][u] for u in neighbours),
+                             *(self.costs[u] for u in neighbours))
+        restrict(self, x, kept, into)
+        self.shortlisted = True
 
     def fix(self, v: int, k: int) -> None:
         """Decide ``v`` (its candidate ``k``): its edges become costs of its neighbours, which may then go."""
@@ -300,6 +322,7 @@ class _Reducer:
         other.alive = set(self.alive)
         other.keep = self.keep
         other.constant = self.constant
+        other.limit, other.shortlisted = self.limit, self.shortlisted
         return other
 
     def local_copy(self, touched: set[int], keep: frozenset[int]) -> "_Reducer":
@@ -308,6 +331,7 @@ class _Reducer:
         each of them with a neighbour outside. Its trail is empty and its constant its own decisions' only."""
         other = object.__new__(_Reducer)
         other.op, other.trail, other.keep, other.constant = self.op, [], keep, 0.0
+        other.limit, other.shortlisted = self.limit, False
         other.costs = {v: self.costs[v] for v in touched}
         other.adj = {v: dict(self.adj[v]) for v in touched}
         other.alive = touched & self.alive
@@ -334,6 +358,19 @@ def _recover(trail: list[tuple], choice: dict[int, int]) -> None:
             _, boundary, table, trails = step
             k = int(table[tuple(choice[b] for b in boundary)])
             _recover(trails[k], choice)
+
+
+def _best_replied(costs: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The :data:`_SHORTLIST` candidates of least cost plus, per neighbour, its best reply (``arrays``: the edges,
+    then the neighbours' costs), in their order; and for every candidate the position of the best kept one."""
+    half = len(arrays) // 2
+    score = costs.copy()
+    for m, c in zip(arrays[:half], arrays[half:]):
+        score += (m + c[None, :]).min(axis=1)
+    kept = np.sort(np.argsort(score, kind="stable")[:_SHORTLIST])
+    into = np.full(len(costs), int(np.argmin(score[kept])))
+    into[kept] = np.arange(len(kept))
+    return kept, into
 
 
 def _incumbent(red: _Reducer) -> dict[int, int]:
@@ -530,7 +567,8 @@ def _residue_terms(red: _Reducer, alive: list[int], choice: dict[int, int]) -> t
 def _unconstrained(costs, edges, time_limit_s: float, shared: _Shared | None = None) -> Solution:
     start = time.perf_counter()
     # (conditioning may take three quarters of the time: what it leaves, the integer program the rest)
-    red = _Reducer(costs, edges, shared=shared, deadline=start + CONDITION_SHARE * time_limit_s)
+    red = _Reducer(costs, edges, shared=shared, deadline=start + CONDITION_SHARE * time_limit_s,
+                   limit=start + time_limit_s)
     alive = sorted(red.alive)
     choice: dict[int, int] = {}
     optimal, gap, message = True, 0.0, "optimal"
@@ -544,10 +582,12 @@ def _unconstrained(costs, edges, time_limit_s: float, shared: _Shared | None = N
         if not optimal:  # the gap in absolute terms: HiGHS's (relative to what it solved) or the simplest bound
             value, bound = _residue_terms(red, alive, choice)
             gap = value - max(bound, value - gap * abs(value) if gap < float("inf") else bound)
+    if red.shortlisted:  # (no bound: what the shortlists dropped is not priced)
+        optimal, gap, message = False, float("inf"), "time limit"
     red.recover(choice)
     ordered = [choice[v] for v in range(len(costs))]
     stats = {"decisions": len(costs), "ilp_decisions": len(alive), "eliminated": len(red.trail),
-             "seconds": time.perf_counter() - start}
+             "seconds": time.perf_counter() - start, **({"shortlisted": _SHORTLIST} if red.shortlisted else {})}
     f = objective(Problem(costs, edges), ordered)
     bound = f if optimal else f - gap
     return Solution(ordered, f, optimal, message, stats, 0.0 if optimal else max(gap, 0.0) / max(abs(f), 1e-30),
@@ -676,7 +716,8 @@ def _budget_program(problem: Problem, weights: list[np.ndarray], limit: float, b
     offset = sum(float(w.min()) for v, w in enumerate(weights) if v not in keep) + \
         sum(float(m.min()) for _, _, m in pairs if np.ptp(m) == 0)
     red = _Reducer(problem.costs, problem.edges, keep=keep, shared=shared,
-                   deadline=time.perf_counter() + CONDITION_SHARE * max(deadline - time.perf_counter(), 0.0))
+                   deadline=time.perf_counter() + CONDITION_SHARE * max(deadline - time.perf_counter(), 0.0),
+                   limit=deadline)
     alive = sorted(red.alive)
     start = restricted(red.trail, dict(enumerate(best.choice)))  # (as the reducer has the candidates)
     choice, optimal, ilp_gap, message = _program(red, alive, start, max(deadline - time.perf_counter(), 0.0),
@@ -687,6 +728,7 @@ def _budget_program(problem: Problem, weights: list[np.ndarray], limit: float, b
     f = objective(problem, ordered)
     if f > best.objective:  # HiGHS found nothing better than the start
         ordered, f = best.choice, best.objective
+    optimal = optimal and not red.shortlisted
     gap = 0.0 if optimal else min(gap, ilp_gap)
     return Solution(ordered, f, optimal, message, {**best.stats, "ilp_decisions": len(alive)}, gap,
                     timed_out=not optimal)

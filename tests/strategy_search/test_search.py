@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import transformers as tf
+from torch.distributed.tensor import Replicate
 
 import shardfn as sf
 from shardfn.strategy_search import levels, search, solver
@@ -147,3 +148,36 @@ def test_a_value_made_by_new_full_from_a_value_needing_a_gradient_needs_none():
     plan = sf.explain(clamped_loss, torch.empty(64, 1024, device="meta", requires_grad=True), world_size=4,
                       in_strategy=((4, 1),))
     assert not [c for c in plan.collectives if c.phase == "backward" and "new_full" in c.where], plan.table()
+
+
+def _mlp(x, w1, w2):
+    h = torch.tanh(x @ w1)
+    return torch.sin(h * torch.sigmoid(h)) @ w2
+
+
+def test_a_plan_of_shortlists_past_the_time_limit_runs_as_the_unsharded_call(monkeypatch):
+    # with no time left after pricing, elimination keeps a shortlist of each large decision (here of 4: this
+    # graph's decisions hold 8-36 candidates on 2 x 2 x 2, a 4-D mesh's hundreds); the plan says so, and runs
+    # sharded as the call runs whole
+    from tests.parity import check_parity
+
+    terms = search.Pricing.terms
+
+    def slow(self, keep_split=()):
+        time.sleep(0.3)
+        return terms(self, keep_split)
+
+    monkeypatch.setattr(search.Pricing, "terms", slow)
+    monkeypatch.setattr(solver, "_SHORTLIST", 4)
+    monkeypatch.setenv("SHARDFN_SEARCH_TIME_LIMIT", "0.2")
+    layout = sf.Layout((2, 2, 2), ("a", "b", "c"))
+
+    def make():
+        return (torch.randn(4, 8, 16), torch.randn(16, 32, requires_grad=True),
+                torch.randn(32, 16, requires_grad=True))
+
+    plan = check_parity(_mlp, make, (layout("a", "None", "None"), None, None), world=8, level=2)
+    assert plan.search["shortlisted"] == 4 and not plan.optimal
+    assert any("no bound known" in n for n in plan.notes), plan.notes
+    whole = (Replicate(),) * 3
+    assert any(o not in (None, whole) for n in plan.nodes.values() for o in n.outputs)  # (it splits values)

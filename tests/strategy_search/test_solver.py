@@ -204,3 +204,45 @@ def test_matches_brute_force_with_a_budget_weighing_pairs(seed):
                              .astype(float)) for u, v in pairs]
     problem.budget = (problem.budget[0], problem.budget[1] + 1.5 * len(pairs))  # (binding in most, over in some)
     _solves_as_brute_force(problem)
+
+
+def _layouts_chain(rng, n: int, k: int) -> Problem:
+    """A chain of values of ``k`` layouts each, moving a value between two layouts costing more than keeping it
+    (as redistributions do), each layout's own cost random."""
+    costs = [rng.uniform(0, 10, size=k) for _ in range(n)]
+    edges = []
+    for u in range(n - 1):
+        m = rng.uniform(1, 3, size=(k, k))
+        np.fill_diagonal(m, 0.0)
+        edges.append((u, u + 1, m))
+    return Problem(costs, edges)
+
+
+def test_past_its_time_limit_elimination_keeps_a_shortlist_of_each_large_decision():
+    # with no time left, a min-plus product of three decisions of more than solver._SHORTLIST candidates is taken
+    # on the shortlists of those that cost least with their neighbours' best replies: fast, and the plan says it
+    # is not proven (no bound known); with time, every candidate is eliminated exactly
+    from shardfn.strategy_search import solver
+
+    rng = np.random.default_rng(3)
+    problem = _layouts_chain(rng, 12, 2 * solver._SHORTLIST)
+    exact = solve(problem, time_limit_s=60.0)
+    assert exact.optimal and "shortlisted" not in exact.stats
+    short = solve(problem, time_limit_s=0.0)
+    assert short.stats["shortlisted"] == solver._SHORTLIST
+    assert not short.optimal and short.timed_out and short.gap == float("inf") and short.bound == -float("inf")
+    assert short.objective == pytest.approx(objective(problem, short.choice))
+    assert exact.objective <= short.objective <= 1.05 * exact.objective
+
+
+def test_a_shortlisted_budget_solve_keeps_the_budget():
+    from shardfn.strategy_search import solver
+
+    rng = np.random.default_rng(4)
+    base = _layouts_chain(rng, 8, 2 * solver._SHORTLIST)
+    weights = [rng.uniform(0, 1, size=len(c)) for c in base.costs]
+    free = solve(base)
+    limit = 0.8 * sum(w[c] for w, c in zip(weights, free.choice))  # binding
+    sol = solve(Problem(base.costs, base.edges, (weights, limit)), time_limit_s=0.0)
+    assert sum(w[c] for w, c in zip(weights, sol.choice)) <= limit
+    assert sol.stats["shortlisted"] == solver._SHORTLIST and not sol.optimal and sol.timed_out
