@@ -10,6 +10,8 @@ test_cost_arrays.py checks both on every pair of layouts). A layout is coded one
 
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Callable, Sequence
 
 import numpy as np
@@ -43,8 +45,26 @@ def codes(placements: Sequence[Placement], partials: dict) -> tuple[int, ...] | 
 
 
 def _local_bytes(shape, cur: np.ndarray, mesh_shape, itemsize: int) -> np.ndarray:
-    """Bytes one rank holds of each layout (rows of ``cur``): as cost_model.local_numel (nested ceil divisions
-    are one ceil division by the product)."""
+    """Bytes one rank holds of each layout (rows of ``cur``), looked up in a table of every code a row can hold
+    (a million rows of a 4-D mesh's pairs: one index computed per row, not a pass per tensor and mesh dim)."""
+    low = min(int(cur.min(initial=R)), R)
+    base = max(len(shape), 1) - low  # (the codes from ``low`` to the last tensor dim)
+    index = np.zeros(len(cur), dtype=np.int64)
+    for d in reversed(range(len(mesh_shape))):
+        index = index * base + (cur[:, d] - low)
+    return _bytes_table(tuple(int(n) for n in shape), tuple(mesh_shape), itemsize, low)[index]
+
+
+@functools.lru_cache(maxsize=256)
+def _bytes_table(shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int, low: int) -> np.ndarray:
+    base = max(len(shape), 1) - low
+    every = np.array(list(itertools.product(range(low, low + base), repeat=len(mesh_shape))), dtype=np.int64)
+    return _computed_bytes(shape, every[:, ::-1], mesh_shape, itemsize)  # (row i: the codes of index i)
+
+
+def _computed_bytes(shape, cur: np.ndarray, mesh_shape, itemsize: int) -> np.ndarray:
+    """As cost_model.local_numel, times ``itemsize`` (nested ceil divisions are one ceil division by the
+    product)."""
     total = np.ones(len(cur), dtype=np.int64)
     for t, size in enumerate(shape):
         ways = np.ones(len(cur), dtype=np.int64)

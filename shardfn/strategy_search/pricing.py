@@ -237,9 +237,10 @@ class Pricing:
                                                                   d.candidates, moved)))
         return edges, impossible
 
-    def violations(self, keep_split, values) -> list[tuple[int, int, np.ndarray]]:
+    def violations(self, keep_split, values, chosen=None) -> list[tuple[int, int, np.ndarray]]:
         """Edges where a pair of choices gathers, in forward, a value of ``values`` that must stay split over the
-        mesh dims ``keep_split``."""
+        mesh dims ``keep_split``. With ``chosen`` (a plan's choice), each matrix holds only the row of the
+        producer's chosen candidate (a plan's notes read no other: a 4-D mesh's matrices are millions of pairs)."""
         found = []
         if not keep_split:
             return found
@@ -250,10 +251,12 @@ class Pricing:
                     continue
                 val = value_node.meta["val"]
                 src_cands = p.decisions[u].candidates
-                key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, keep_split)
+                rows = range(len(src_cands)) if chosen is None else (chosen[u],)
+                key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, keep_split,
+                       None if chosen is None else chosen[u])
 
-                def build(d=d, slot=slot, src_cands=src_cands, out_idx=out_idx, val=val):
-                    src_keys = [sc.outputs[out_idx] for sc in src_cands]
+                def build(d=d, slot=slot, src_cands=src_cands, out_idx=out_idx, val=val, rows=rows):
+                    src_keys = [src_cands[k].outputs[out_idx] for k in rows]
                     dst_keys = [c.inputs[slot] for c in d.candidates]
                     bad = self._gathers(val, src_keys, dst_keys, keep_split)
                     bad[:, [dispatches_tokens(d.node, c, keep_split) for c in d.candidates]] = 0.0
@@ -398,10 +401,11 @@ def _gathers(ops, dims) -> bool:
     return any(o.kind == "all_gather" and o.mesh_dim in dims for o in ops)
 
 
-def gathered_at(decisions, choice, found) -> list[str]:
-    """Where the chosen plan gathers a value that was to stay split: "value -> reader"."""
+def gathered_at(decisions, choice, found, rows: bool = False) -> list[str]:
+    """Where the chosen plan gathers a value that was to stay split: "value -> reader" (``rows``: each matrix of
+    ``found`` is the producer's chosen row alone)."""
     return [f"{decisions[u].name if decisions[u].node.op == 'placeholder' else decisions[u].node.name} -> "
-            f"{decisions[v].name}" for u, v, m in found if m[choice[u], choice[v]]]
+            f"{decisions[v].name}" for u, v, m in found if m[0 if rows else choice[u], choice[v]]]
 
 
 @dataclass(frozen=True)

@@ -320,16 +320,16 @@ def _why_gathered(problem: StrategyProblem, request: PlanRequest, pricing: Prici
              and captured.inputs[i].kind == "input"]
     if not given:
         return []
-    found = [(u, v, m) for u, v, m in pricing.violations(dims, computed_from(captured, given))
+    found = [(u, v, m) for u, v, m in pricing.violations(dims, computed_from(captured, given), choice)
              if decisions[v].node is not None]  # returned whole, as out_strategy asks: not the plan's choice
-    forced = [(u, v, m) for u, v, m in found if m[choice[u]].all()]  # every way to run the reader gathers
-    chose = [(u, v, m) for u, v, m in found if not m[choice[u]].all()]
+    forced = [(u, v, m) for u, v, m in found if m[0].all()]  # every way to run the reader gathers
+    chose = [(u, v, m) for u, v, m in found if not m[0].all()]
     names = ", ".join(captured.inputs[i].name for i in given)
     notes = []
-    at = gathered_at(decisions, choice, forced)
+    at = gathered_at(decisions, choice, forced, rows=True)
     if at:
         notes.append(f"{names} split as given, then gathered where no rule runs on the pieces: {', '.join(at)}")
-    at = gathered_at(decisions, choice, chose)
+    at = gathered_at(decisions, choice, chose, rows=True)
     if at:
         c, m = terms.compute_of(choice), terms.comm_of(choice)
         notes.append(f"{names} split as given, but the level-{request.level} objective gathers it at {', '.join(at)} "
