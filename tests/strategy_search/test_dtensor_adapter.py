@@ -44,3 +44,25 @@ def test_a_rule_that_enumerates_every_placement_is_asked_once(name, monkeypatch)
     # strategies; from torch 2.14 these three are single-dim rules, expanded over the mesh: never asked so)
     assert bool(asked) == (op in _propagator().op_strategy_funcs)
     assert set(every) <= set(once) and len(set(once)) == len(once)
+
+
+def test_local_shapes_are_dtensors_own_rank_by_rank():
+    # asked per coordinate of the mesh dims that split each dim, not per rank: the same shapes as DTensor's own
+    # slicing walked over every rank (uneven, nested, negative dims, empty dims, pending sums)
+    import itertools
+    import random
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    rng = random.Random(0)
+    meshes = {shape: planning(*shape) for shape in [(2,), (3,), (2, 2), (2, 3), (3, 2, 2), (2, 1, 2, 2)]}
+    for _ in range(300):
+        mesh_shape = rng.choice(sorted(meshes))
+        shape = tuple(rng.choice([0, 1, 2, 3, 5, 6, 7, 8, 13]) for _ in range(rng.randint(0, 3)))
+        options = [Replicate(), Partial()] + [Shard(d) for d in range(len(shape))] + ([Shard(-1)] if shape else [])
+        placements = tuple(rng.choice(options) for _ in mesh_shape)
+        walked = [tuple(_compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), placements,
+                                                               skip_offset=True)[0])
+                  for coord in itertools.product(*[range(n) for n in mesh_shape])]
+        assert adapter.local_shapes(shape, placements, meshes[mesh_shape]) == walked, (shape, placements)
