@@ -44,22 +44,15 @@ def codes(placements: Sequence[Placement], partials: dict) -> tuple[int, ...] | 
     return tuple(out)
 
 
-def _local_bytes(shape, cur: np.ndarray, mesh_shape, itemsize: int) -> np.ndarray:
-    """Bytes one rank holds of each layout (rows of ``cur``), looked up in a table of every code a row can hold
-    (a million rows of a 4-D mesh's pairs: one index computed per row, not a pass per tensor and mesh dim)."""
-    low = min(int(cur.min(initial=R)), R)
-    base = max(len(shape), 1) - low  # (the codes from ``low`` to the last tensor dim)
-    index = np.zeros(len(cur), dtype=np.int64)
-    for d in reversed(range(len(mesh_shape))):
-        index = index * base + (cur[:, d] - low)
-    return _bytes_table(tuple(int(n) for n in shape), tuple(mesh_shape), itemsize, low)[index]
-
-
 @functools.lru_cache(maxsize=256)
-def _bytes_table(shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int, low: int) -> np.ndarray:
+def _bytes_table(shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int,
+                 low: int) -> tuple[np.ndarray, np.ndarray]:
+    """The bytes of every layout whose codes lie from ``low`` to the last tensor dim, and the weight of each mesh
+    dim's code in its index: a row's bytes are ``table[(row - low) @ weights]``."""
     base = max(len(shape), 1) - low
+    weights = base ** np.arange(len(mesh_shape), dtype=np.int64)
     every = np.array(list(itertools.product(range(low, low + base), repeat=len(mesh_shape))), dtype=np.int64)
-    return _computed_bytes(shape, every[:, ::-1], mesh_shape, itemsize)  # (row i: the codes of index i)
+    return _computed_bytes(shape, every[:, ::-1], mesh_shape, itemsize), weights  # (row i: the codes of index i)
 
 
 def _computed_bytes(shape, cur: np.ndarray, mesh_shape, itemsize: int) -> np.ndarray:
@@ -81,38 +74,44 @@ def redistribute_seconds(shape, itemsize: int, src: np.ndarray, dst: np.ndarray,
     as the sum of :func:`cost_model.collective_seconds` over :func:`cost_model.redistribute_collectives`; and
     whether each runs an all_gather on a mesh dim of ``gathers_on`` (an all_to_all keeps a value split, its dim
     moved: each rank holds as much as before).
-    ``share(kind, nbytes)``: the latency share of each collective (None: 1)."""
+    ``share(kind, nbytes)``: the latency share of each collective (None: 1).
+    Each step works on the rows it moves alone, and each row's bytes are a lookup by an index kept as it moves
+    (a 4-D mesh's edge pairs a million layouts, most of which move on few of its dims)."""
     cur = src.copy()
     total = np.zeros(len(src))
     gathers = np.zeros(len(src), dtype=bool)
+    low = min(int(src.min(initial=R)), int(dst.min(initial=R)), R)
+    table, weights = _bytes_table(tuple(int(n) for n in shape), tuple(mesh_shape), itemsize, low)
+    index = (cur - low) @ weights
 
-    def collective(mask, kind: str, d: int, nbytes, copied):
-        nonlocal total
-        if mesh_shape[d] <= 1 or not mask.any():
+    def collective(rows, kind: str, d: int, nbytes, copied):
+        if mesh_shape[d] <= 1 or not len(rows):
             return
         alpha, beta, launch = profile.link(links[d]).constants(kind)
         if share is not None:
             ls = share(kind, nbytes)
             alpha, launch = alpha * ls, launch * ls
         hops, part = cm.ring_terms(kind, mesh_shape[d])
-        seconds = launch + 2 * copied / profile.mem_bytes_per_s + hops * alpha + part * nbytes * beta
-        total = np.where(mask, total + seconds, total)
+        total[rows] = total[rows] + (launch + 2 * copied / profile.mem_bytes_per_s + hops * alpha
+                                     + part * nbytes * beta)
         if d in gathers_on and kind == "all_gather":
-            gathers[mask] = True
+            gathers[rows] = True
 
     def move(mask, d: int, t: np.ndarray) -> None:  # (cost_model.redistribute_collectives' move)
-        s = cur[:, d]
-        if mask.any():
-            size = _local_bytes(shape, cur, mesh_shape, itemsize)
-            partial, shard = mask & (s <= P), mask & (s >= 0)
-            collective(partial & (t >= 0), "reduce_scatter", d, size, np.where(t != 0, size, 0))
-            collective(partial & (t < 0), "all_reduce", d, size, 0)
-            collective(shard & (t >= 0), "all_to_all", d, size, 0)
-            gathered = cur.copy()
-            gathered[:, d] = R
-            size = _local_bytes(shape, gathered, mesh_shape, itemsize)
-            collective(shard & (t < 0), "all_gather", d, size, np.where(s != 0, size, 0))
-            cur[:, d] = np.where(mask, t, s)
+        rows = np.flatnonzero(mask)
+        if not len(rows):
+            return
+        s, t, at = cur[rows, d], t[rows], index[rows]
+        size = table[at]
+        for kind, pick in (("reduce_scatter", (s <= P) & (t >= 0)), ("all_reduce", (s <= P) & (t < 0)),
+                           ("all_to_all", (s >= 0) & (t >= 0))):
+            collective(rows[pick], kind, d, size[pick], np.where(t[pick] != 0, size[pick], 0)
+                       if kind == "reduce_scatter" else 0)
+        pick = (s >= 0) & (t < 0)
+        size = table[at[pick] + (R - s[pick]) * weights[d]]  # (the value gathered on ``d``)
+        collective(rows[pick], "all_gather", d, size, np.where(s[pick] != 0, size, 0))
+        cur[rows, d] = t
+        index[rows] = at + (t - s) * weights[d]
 
     n = len(mesh_shape)
     split = np.zeros(len(src), dtype=bool)  # DTensor's order: where a mesh dim splits, innermost out first

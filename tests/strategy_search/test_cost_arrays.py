@@ -20,7 +20,7 @@ def _layouts(ndim, mesh_ndim, masked=False):
 
 @pytest.mark.parametrize("shape, mesh_shape, profile", [
     ((6, 5), (2, 3), cm.CPU), ((64, 4096, 8192), (8, 8, 8), cm.H100), ((7, 1, 3), (2, 1, 4), cm.H100),
-    ((), (4,), cm.CPU), ((3, 16), (4, 2), cm.H100)])
+    ((), (4,), cm.CPU), ((3, 16), (4, 2), cm.H100), ((64, 4096, 16384), (8, 8, 2, 8), cm.H100)])
 def test_every_pair_priced_as_the_scalar_walk_prices_it(shape, mesh_shape, profile):
     # bit for bit: pricing's edge matrices must not move a plan
     links = cm.mesh_links(mesh_shape, profile)
