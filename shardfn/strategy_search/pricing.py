@@ -17,6 +17,7 @@ import torch.fx
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from .. import _pytree_internals as pytree
+from ..capture.graph import checkpoint_region
 from . import cost_arrays
 from . import cost_model as cm
 from .buckets import bucket_bytes
@@ -91,6 +92,7 @@ class Pricing:
         # a recomputed value too, and a parameter's copy gathered again in backward beyond a bucket's bytes. Else
         # free: DeepSeek-V3's level 1 ran attention and a layer's experts whole
         self.every_value = every_value
+        self._recomputed_share = 1.0  # (set by each terms(): the share of a recomputed value counted)
         # each mesh dim's link ("intra"/"inter"), which prices its collectives
         self.links = links if links is not None else cm.mesh_links(problem.mesh_shape, profile)
         self.optimizer_stage = optimizer_stage
@@ -145,6 +147,12 @@ class Pricing:
 
     def terms(self, keep_split: tuple[int, ...] = ()) -> Terms:
         p = self.problem
+        # level 1 counts a recomputed value as a share of one region's: backward brings back one region at a time,
+        # so its values are a transient of one region, not a sum over every layer (Llama-405B's exact level-1
+        # plan kept each layer's input whole over "tp", 43.7e9 bytes a rank walked, to split 126 layers' values
+        # that are never alive together)
+        regions = {p.regions.get(n, checkpoint_region(n)) for n in p.recomputed}
+        self._recomputed_share = 1.0 / max(len(regions), 1)
         compute, savings, memory, reductions = [], [], [], []
         for i, d in enumerate(p.decisions):
             c, s, m, r = self._unary(d, self.held.get(i))
@@ -176,7 +184,7 @@ class Pricing:
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
             kept = d.node in self._saved or (grad and self.every_value)
             kept = kept and (d.node not in p.recomputed or self.every_value)
-            keep = 1 if kept and not view else 0
+            keep = (self._recomputed_share if d.node in p.recomputed else 1) if kept and not view else 0
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
