@@ -92,7 +92,6 @@ class Pricing:
         # a recomputed value too, and a parameter's copy gathered again in backward beyond a bucket's bytes. Else
         # free: DeepSeek-V3's level 1 ran attention and a layer's experts whole
         self.every_value = every_value
-        self._recomputed_share = 1.0  # (set by each terms(): the share of a recomputed value counted)
         # each mesh dim's link ("intra"/"inter"), which prices its collectives
         self.links = links if links is not None else cm.mesh_links(problem.mesh_shape, profile)
         self.optimizer_stage = optimizer_stage
@@ -147,15 +146,10 @@ class Pricing:
 
     def terms(self, keep_split: tuple[int, ...] = ()) -> Terms:
         p = self.problem
-        # level 1 counts a recomputed value as a share of one region's: backward brings back one region at a time,
-        # so its values are a transient of one region, not a sum over every layer (Llama-405B's exact level-1
-        # plan kept each layer's input whole over "tp", 43.7e9 bytes a rank walked, to split 126 layers' values
-        # that are never alive together)
-        regions = {p.regions.get(n, checkpoint_region(n)) for n in p.recomputed}
-        self._recomputed_share = 1.0 / max(len(regions), 1)
+        share = _recomputed_share(p)
         compute, savings, memory, reductions = [], [], [], []
         for i, d in enumerate(p.decisions):
-            c, s, m, r = self._unary(d, self.held.get(i))
+            c, s, m, r = self._unary(d, self.held.get(i), share)
             compute.append(c), savings.append(s), memory.append(m), reductions.append(r)
         edges, impossible = self._edge_terms()
         terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible,
@@ -164,9 +158,9 @@ class Pricing:
         terms.edge_memory = held_copies(p, self._held, self.reshard, bucket_bytes() if self.every_value else None)
         return terms
 
-    def _unary(self, d: Decision, held):
-        """(compute, savings, memory, node reductions) of each candidate of ``d``; once per candidate list and
-        node description (identical layers price their nodes once)."""
+    def _unary(self, d: Decision, held, share: float = 1.0):
+        """(compute, savings, memory, node reductions) of each candidate of ``d`` (a recomputed value's memory
+        times ``share``); once per candidate list and node description (identical layers price theirs once)."""
         p, profile, mesh_shape = self.problem, self.profile, self.mesh_shape
         n = len(d.candidates)
         if d.node is None:
@@ -184,7 +178,7 @@ class Pricing:
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
             kept = d.node in self._saved or (grad and self.every_value)
             kept = kept and (d.node not in p.recomputed or self.every_value)
-            keep = (self._recomputed_share if d.node in p.recomputed else 1) if kept and not view else 0
+            keep = (share if d.node in p.recomputed else 1) if kept and not view else 0
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
@@ -247,21 +241,19 @@ class Pricing:
 
     def violations(self, keep_split, values, chosen=None) -> list[tuple[int, int, np.ndarray]]:
         """Edges where a pair of choices gathers, in forward, a value of ``values`` that must stay split over the
-        mesh dims ``keep_split``. With ``chosen`` (a plan's choice), each matrix holds only the row of the
-        producer's chosen candidate (a plan's notes read no other: a 4-D mesh's matrices are millions of pairs)."""
-        found = []
+        mesh dims ``keep_split``; with ``chosen`` (a plan's choice), only the producer's chosen row of each."""
+        found, p = [], self.problem
         if not keep_split:
             return found
-        p = self.problem
         for v, d in enumerate(p.decisions):
             for slot, (u, out_idx, value_node) in enumerate(d.sources):
                 if value_node not in values:
                     continue
                 val = value_node.meta["val"]
                 src_cands = p.decisions[u].candidates
-                rows = range(len(src_cands)) if chosen is None else (chosen[u],)
-                key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, keep_split,
-                       None if chosen is None else chosen[u])
+                pick = None if chosen is None else chosen[u]
+                rows = range(len(src_cands)) if pick is None else (pick,)
+                key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.dtype, keep_split, pick)
 
                 def build(d=d, slot=slot, src_cands=src_cands, out_idx=out_idx, val=val, rows=rows):
                     src_keys = [src_cands[k].outputs[out_idx] for k in rows]
@@ -323,6 +315,14 @@ def _states_split(placements, mesh_shape, optimizer_stage, ndim) -> int:
     if not optimizer_stage or not whole or (ndim is not None and len(split) >= ndim):
         return 1
     return mesh_shape[whole[0]]
+
+
+def _recomputed_share(problem: StrategyProblem) -> float:
+    """The share of a recomputed value's bytes level 1 counts: backward brings back one region at a time, so a
+    region's values are one region's transient, not a sum over every layer (Llama-405B's exact level-1 plan kept
+    each layer's input whole over "tp", 43.7e9 bytes a rank walked, to split 126 layers' values never alive
+    together)."""
+    return 1.0 / max(len({problem.regions.get(n, checkpoint_region(n)) for n in problem.recomputed}), 1)
 
 
 def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: list, build: Callable[[], Any]):

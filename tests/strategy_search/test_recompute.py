@@ -189,6 +189,7 @@ def test_level_1_counts_a_recomputed_value_as_a_share_of_one_region(monkeypatch)
     # bytes, a value kept whole (Llama-405B's exact level-1 plan had kept each layer's input whole over "tp", 43.7e9
     # bytes a rank walked, to split the values of 126 layers never alive together; now 15.6e9)
     from shardfn.strategy_search import cost_model as cm
+    from shardfn.strategy_search import pricing as pricing_terms
     from shardfn.strategy_search import search
 
     seen = []
@@ -198,7 +199,7 @@ def test_level_1_counts_a_recomputed_value_as_a_share_of_one_region(monkeypatch)
     sf.explain(model, x, world_size=2, in_strategy=(None,), level=1, recompute=True)
     pricing = seen[-1]
     problem = pricing.problem
-    assert pricing._recomputed_share == 0.25 and len(set(problem.regions.values())) == 4
+    assert pricing_terms._recomputed_share(problem) == 0.25 and len(set(problem.regions.values())) == 4
     terms = pricing.terms()
     checked = 0
     for d, memory in zip(problem.decisions, terms.memory):
