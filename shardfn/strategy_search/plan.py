@@ -17,7 +17,7 @@ from ..config import Precision
 from ..layout import Axis, MeshSpec
 from ._summary import experts_lines, mesh_text, placements_text, recompute_lines, summary_lines
 
-__all__ = ["PLAN_FORMAT", "gap_text", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "Recompute", "mesh_text",
+__all__ = ["PLAN_FORMAT", "Collective", "Cost", "InputPlan", "NodePlan", "Plan", "Recompute", "gap_text", "mesh_text",
            "parse_placement", "placements_text"]
 
 Placements = tuple[Placement, ...]

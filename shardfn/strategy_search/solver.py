@@ -18,6 +18,10 @@ Shrinking the problem, each step exact (``_Reducer``):
 * a candidate costing no less than another of the same decision whatever the neighbours pick is dropped, before
   elimination and again on what it leaves (``dominance.py``): the min-plus products above shrink by the cube.
 
+Past the solve's time limit one step is not exact: a product of three decisions of more than ``_SHORTLIST``
+candidates each first keeps that many of each, those that cost least with their neighbours' best replies
+(``_Reducer._shortlist``, restricted in the trail as dominance restricts); the plan then has no bound.
+
 This is dynamic programming on the graph: chains and trees vanish, a transformer layer's residual stream and
 attention fan-out collapse, and repeated layers cost one small matrix product each, so the work grows linearly
 with depth. Eliminated decisions are recovered from their argmin tables after the rest is solved, so the result
@@ -361,8 +365,9 @@ def _recover(trail: list[tuple], choice: dict[int, int]) -> None:
 
 
 def _best_replied(costs: np.ndarray, *arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The :data:`_SHORTLIST` candidates of least cost plus, per neighbour, its best reply (``arrays``: the edges,
-    then the neighbours' costs), in their order; and for every candidate the position of the best kept one."""
+    """The :data:`_SHORTLIST` candidates whose cost, with each neighbour's best reply to it, is least (``arrays``:
+    the edges, then the neighbours' costs), in their order; and each candidate's position among them (a dropped
+    one's: the best kept one's)."""
     half = len(arrays) // 2
     score = costs.copy()
     for m, c in zip(arrays[:half], arrays[half:]):
