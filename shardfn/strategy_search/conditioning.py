@@ -110,6 +110,7 @@ def _merge_runs(red: Reducer, boundary: list[int], runs: list[Reducer]) -> bool:
     else:
         red.constant += float(least)
     red.trail.append(("conditioned", tuple(boundary), table, [run.trail for run in runs]))
+    red.shortlisted = red.shortlisted or any(run.shortlisted for run in runs)  # (a run past the limit: no bound)
     return True
 
 
