@@ -19,6 +19,7 @@ EVERY_RELEASE = {
     "tests/strategy_search/test_rule_truth.py::test_cdist_rule": "an own rule",
     "tests/strategy_search/test_dtensor_rules.py": "DTensor's registry",
     "tests/strategy_search/test_dtensor_adapter.py": "DTensor's full-mesh expansion seen",
+    "tests/strategy_search/test_expansion.py": "DTensor's full-mesh expansion, on placements alone",
     "tests/strategy_search/test_expert_rules.py": "the experts' rules",
     "tests/strategy_search/test_cost_model.py": "the flop counter",
     "tests/strategy_search/test_candidates.py": "candidates from DTensor's strategies",

@@ -36,6 +36,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from .. import _pytree_internals as pytree
 from .._mesh_internals import mesh_without_groups
+from ._expansion import expand_placements
 
 __all__ = ["dtensor_strategies", "has_dtensor_rule", "has_single_dim_rule", "is_local_from_replicate", "local_shapes",
            "strided_shard", "valid_placements"]
@@ -178,8 +179,9 @@ def _with_single_options(schema: OpSchema, chosen) -> OpSchema:
     return OpSchema(schema.op, a, k, schema_info=schema.schema_info)
 
 
-def _single_dim(op, schema: OpSchema, out_meta, mesh, options) -> OpStrategy:
-    # Mirrors _expand_single_dim_strategy_to_mesh, which asserts one option per input; we offer many.
+def _single_dim(op, schema: OpSchema, out_meta, mesh, options) -> OpStrategy | list[Strategy]:
+    # Mirrors _expand_single_dim_strategy_to_mesh, which asserts one option per input; we offer many. The
+    # expansion on placements alone where it covers the rules (_expansion), else DTensor's.
     info = _propagator().op_single_dim_strategy_funcs[op]
     rules = info.func(op, schema.args_meta, schema.kwargs_meta)
     n_in = _get_num_tensor_inputs(schema)
@@ -193,6 +195,13 @@ def _single_dim(op, schema: OpSchema, out_meta, mesh, options) -> OpStrategy:
     rules = _fill_single_dim_strategy_placeholders(shard_kinds, rules)
     inplace = op._schema.name.endswith("_")
     uneven = {"allow_uneven_sharding": info.allow_uneven_sharding} if _EXPANSION_TAKES_UNEVEN else {}
+    if not inplace and not schema.is_out_variant_op():
+        inputs = _input_strategies(schema)
+        found = expand_placements(rules, tuple(mesh.shape), n_out, [tuple(s.shape) for s in inputs],
+                                  [s.strategies[0].output_spec.placements for s in inputs],
+                                  bool(uneven.get("allow_uneven_sharding")))
+        if found is not None:
+            return found
 
     def expand(s: OpSchema) -> OpStrategy:
         return expand_to_full_mesh_op_strategy(
@@ -268,6 +277,17 @@ def _decomposition(op, schema: OpSchema, spec_schema: OpSchema, out_meta, mesh) 
     return expand_to_full_mesh_op_strategy(
         mesh, schema, rules, output_tensor_meta=out_meta, input_index=len(rules[0]) - n_in
     )
+
+
+def _listed(strategy, n_inputs: int) -> list[Strategy]:
+    """(output placements, input placements) of each of DTensor's strategies (inputs unnamed: as the output)."""
+    pairs = []
+    for child in strategy.children if isinstance(strategy, TupleStrategy) else [strategy]:
+        for s in child.strategies:
+            out = _placements(s.output_specs)
+            pairs.append((out, tuple(tuple(x.placements) for x in s.input_specs) if s.input_specs is not None
+                          else (out,) * n_inputs))
+    return pairs
 
 
 def _placements(spec):
@@ -379,16 +399,12 @@ def _strategies(op, args: tuple, kwargs: dict, mesh: DeviceMesh) -> list[Strateg
         strategy = _decomposition(op, schema, spec_schema, out_meta, mesh)
         if strategy is None:
             return None
-    children = strategy.children if isinstance(strategy, TupleStrategy) else [strategy]
+    pairs = strategy if isinstance(strategy, list) else _listed(strategy, len(options))
     # torch 2.11's norm rules give one spec for all of an op's outputs (mean and rstd laid out as the output)
     shared = isinstance(out_meta, (list, tuple)) and not isinstance(out_meta, TensorMeta)
     found: dict = {}
-    for child in children:
-        for s in child.strategies:
-            out = _placements(s.output_specs)
-            if shared and isinstance(s.output_specs, DTensorSpec):
-                out = tuple(None if m is None else out for m in out_meta)
-            ins = (tuple(tuple(x.placements) for x in s.input_specs) if s.input_specs is not None
-                   else (out,) * len(options))
-            found.setdefault((out, ins), None)
+    for out, ins in pairs:
+        if shared and out and isinstance(out[0], Placement):
+            out = tuple(None if m is None else out for m in out_meta)
+        found.setdefault((out, ins), None)
     return list(found)
