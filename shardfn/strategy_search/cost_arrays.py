@@ -77,12 +77,17 @@ def redistribute_seconds(shape, itemsize: int, src: np.ndarray, dst: np.ndarray,
     ``share(kind, nbytes)``: the latency share of each collective (None: 1).
     Each step works on the rows it moves alone, and each row's bytes are a lookup by an index kept as it moves
     (a 4-D mesh's edge pairs a million layouts, most of which move on few of its dims)."""
-    cur = src.copy()
+    n = len(mesh_shape)
+    # (one contiguous small-int column per mesh dim: the steps read and write one dim at a time)
+    cur = [np.ascontiguousarray(src[:, d], dtype=np.int8) for d in range(n)]
+    goal = [np.ascontiguousarray(dst[:, d], dtype=np.int8) for d in range(n)]
     total = np.zeros(len(src))
     gathers = np.zeros(len(src), dtype=bool)
     low = min(int(src.min(initial=R)), int(dst.min(initial=R)), R)
     table, weights = _bytes_table(tuple(int(n) for n in shape), tuple(mesh_shape), itemsize, low)
-    index = (cur - low) @ weights
+    index = np.zeros(len(src), dtype=np.int64)
+    for d in range(n):
+        index += (cur[d].astype(np.int64) - low) * weights[d]
 
     def collective(rows, kind: str, d: int, nbytes, copied):
         if mesh_shape[d] <= 1 or not len(rows):
@@ -101,31 +106,30 @@ def redistribute_seconds(shape, itemsize: int, src: np.ndarray, dst: np.ndarray,
         rows = np.flatnonzero(mask)
         if not len(rows):
             return
-        s, t, at = cur[rows, d], t[rows], index[rows]
+        s, t, at = cur[d][rows], t[rows], index[rows]
         size = table[at]
         for kind, pick in (("reduce_scatter", (s <= P) & (t >= 0)), ("all_reduce", (s <= P) & (t < 0)),
                            ("all_to_all", (s >= 0) & (t >= 0))):
             collective(rows[pick], kind, d, size[pick], np.where(t[pick] != 0, size[pick], 0)
                        if kind == "reduce_scatter" else 0)
         pick = (s >= 0) & (t < 0)
-        size = table[at[pick] + (R - s[pick]) * weights[d]]  # (the value gathered on ``d``)
+        size = table[at[pick] + (R - s[pick].astype(np.int64)) * weights[d]]  # (the value gathered on ``d``)
         collective(rows[pick], "all_gather", d, size, np.where(s[pick] != 0, size, 0))
-        cur[rows, d] = t
-        index[rows] = at + (t - s) * weights[d]
+        cur[d][rows] = t
+        index[rows] = at + (t.astype(np.int64) - s) * weights[d]
 
-    n = len(mesh_shape)
     split = np.zeros(len(src), dtype=bool)  # DTensor's order: where a mesh dim splits, innermost out first
     for d in range(n):
-        split |= (src[:, d] >= 0) & (mesh_shape[d] > 1)
+        split |= (cur[d] >= 0) & (mesh_shape[d] > 1)
     for d in reversed(range(n)):
-        t = dst[:, d].copy()
+        t = goal[d]
         nested = np.zeros(len(src), dtype=bool)  # a split of that tensor dim on an outer mesh dim differs
         for i in range(d):
-            nested |= (cur[:, i] == t) != (dst[:, i] == t)
-        t = np.where((t >= 0) & nested, R, t)
-        move(split & (cur[:, d] != t), d, t)
+            nested |= (cur[i] == t) != (goal[i] == t)
+        t = np.where((t >= 0) & nested, np.int8(R), t)
+        move(split & (cur[d] != t), d, t)
     for d in range(n):  # then, from the outermost in, whatever is still off
-        move(cur[:, d] != dst[:, d], d, dst[:, d])
+        move(cur[d] != goal[d], d, goal[d])
     return total, gathers
 
 
@@ -179,6 +183,8 @@ def edge_seconds(shape, itemsize: int, grad_itemsize: int, src_keys: list, dst_k
     if any(acc for _, acc in src_keys):  # an edge that moves the value resolves its gradient's pending sums
         resolved, _ = pair_seconds(shape, grad_itemsize, arriving, [_gradient_target(c, False) for c in src],
                                    mesh_shape, profile, links, share)
-        stays = np.array([[acc and s == t for s, (_, acc) in zip(src, src_keys)] for t in dst], dtype=bool)
+        ids: dict = {}
+        src_ids, dst_ids = (np.array([ids.setdefault(c, len(ids)) for c in cs]) for cs in (src, dst))
+        stays = (dst_ids[:, None] == src_ids[None, :]) & np.array([acc for _, acc in src_keys], dtype=bool)
         back = np.where(stays, back, resolved)
     return fwd + back.T
