@@ -1,6 +1,7 @@
-"""Graph inputs (parameters, arguments) gathered whole for their readers: the copies a rank holds while they are
-read, and the flat buffers exec gathers them through (exec.passes._fuse_gather: a bucket's pieces concatenated,
-gathered into one flat buffer, each input copied out of it)."""
+"""Values read in another layout than they are made in: graph inputs (parameters, arguments) gathered whole for
+their readers, the copies a rank holds while they are read and the flat buffers exec gathers them through
+(exec.passes._fuse_gather: a bucket's pieces concatenated, gathered into one flat buffer, each input copied out
+of it); and computed values each reader redistributes on its own (:func:`read_copies`)."""
 
 from __future__ import annotations
 
@@ -15,33 +16,38 @@ from .buckets import assign_buckets, bucket_bytes, bucket_unit
 from .problem import StrategyProblem
 from .saved import backward_readers, reads_input
 
-__all__ = ["Gathered", "gathered_copies", "gather_events", "held_copies"]
+__all__ = ["Gathered", "gathered_copies", "gather_events", "held_copies", "read_copies"]
 
 
 @dataclasses.dataclass
 class Gathered:
     """One gathered copy of a graph input (or of a value computed from inputs alone): its per-rank bytes, its
     readers in program order, those whose backward reads it, whether it is a parameter's, its bucket's number
-    and the unit its bucket holds (buckets.bucket_unit)."""
+    and the unit its bucket holds (buckets.bucket_unit); ``bucket`` None: a reader's own copy of a computed
+    value (:func:`read_copies`), made as it runs, through no flat buffer; ``again``: such a copy made again in
+    backward (its reader's region is recomputed)."""
 
     nbytes: int
     readers: list[torch.fx.Node]
     backward: list[torch.fx.Node]
     param: bool
-    bucket: int = 0
+    bucket: int | None = 0
     unit: str = ""
+    again: bool = False
 
 
 def _from_inputs(problem: StrategyProblem) -> tuple[set, set]:
-    """The values computed from parameters alone (the parameters among them), and from graph inputs alone."""
+    """The values exec gathers as graph inputs (exec.passes._from_inputs, its buckets): a graph input, a value made
+    from one by ops of one input each (a parameter's cast, its transpose), or a concatenation of such; the
+    parameters' among them. (A value computed from several inputs, an activation, is its readers' to copy.)"""
     captured = problem.captured
-    from_params, from_inputs = ({n for n, gi in zip(captured.placeholders, captured.inputs) if kinds(gi.kind)}
-                                for kinds in (lambda k: k == "param", lambda k: True))
+    kinds = {n: gi.kind == "param" for n, gi in zip(captured.placeholders, captured.inputs)}
     for node in captured.gm.graph.nodes:
-        for found in (from_params, from_inputs):
-            if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= found:
-                found.add(node)
-    return from_params, from_inputs
+        ins = node.all_input_nodes
+        if node.op == "call_function" and ins and (len(ins) == 1 or node.target is torch.ops.aten.cat.default) \
+                and all(a in kinds for a in ins):
+            kinds[node] = all(kinds[a] for a in ins)
+    return {n for n, param in kinds.items() if param}, set(kinds)
 
 
 def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], dict[int, int]]:
@@ -81,6 +87,37 @@ def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], d
     return found, flat
 
 
+def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], frozenset]:
+    """The copies the plan's readers make of computed values (not of graph inputs: :func:`gathered_copies`), and
+    the (node, slot) reads they serve. Exec lays out each read on its own (interpret.placed), so a reader that
+    reads a value in another layout than its producer's makes a copy of the read layout's bytes (a collective's
+    result, or a slice: DTensor clones a shard), alive while it runs; where its backward reads the input, the
+    copy is what autograd keeps, until that backward (and the value itself only where another backward reads it
+    as made: saved.saved_until's ``copied``); a recomputed reader's copy is made again for its backward. Read
+    through a view (a transpose), the copy lives as the view does:
+    until the view's last reader, or the first backward read through it."""
+    _, from_inputs = _from_inputs(problem)
+    mesh, found, copied = problem.mesh_shape, [], set()
+    for d, c in zip(problem.decisions, chosen):
+        if d.node is None or d.node.op != "call_function":
+            continue
+        for slot, (u, out_idx, value) in enumerate(d.sources):
+            val, made = value.meta["val"], chosen[u].outputs[out_idx]
+            if value in from_inputs or not isinstance(val, torch.Tensor) or made is None \
+                    or tuple(made) == tuple(c.inputs[slot]):
+                continue
+            copy = Gathered(cm.local_numel(val.shape, c.inputs[slot], mesh) * val.element_size(), [d.node], [],
+                            False, None, again=d.node in problem.recomputed)
+            if cm.is_view_op(d.node):
+                copy.readers = _through_views(d.node) or [d.node]
+                copy.backward = backward_readers(d.node, problem.needs_grad)
+            elif d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad):
+                copy.backward = [d.node]
+            copied.add((d.node, slot))
+            found.append(copy)
+    return found, frozenset(copied)
+
+
 def _unit(value: torch.fx.Node, names: dict) -> str:
     """The bucket unit of a graph input's gathered copy (of a value computed from inputs: its first input's; ""
     for an argument's, as exec fuses them)."""
@@ -96,7 +133,8 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
     to backward (an argument's; a parameter's unless ``reshard``: FSDP's reshard after forward), until its last
     backward read. With ``reshard`` the backward gathers each bucket's parameters again: its flat buffer lives
     from its first backward read to its last, each copy around its own backward reads (exec copies it out where
-    it is first read). ``order``: each node's place in the program."""
+    it is first read). A reader's own copy (``bucket`` None) is made as its first reader runs and goes after its
+    last, or after the first backward read (made again for the backward reads where ``again``). ``order``: each node's place in the program."""
     fwd_add, fwd_drop, bwd_add, bwd_drop = {}, {}, {}, {}
 
     def at(events, node, nbytes):
@@ -104,7 +142,19 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
 
     buckets: dict[int, list[Gathered]] = {}
     for g in copies:
-        buckets.setdefault(g.bucket, []).append(g)
+        if g.bucket is not None:
+            buckets.setdefault(g.bucket, []).append(g)
+            continue
+        # a reader's own copy: made as its first reader runs, gone after its last or the first backward read
+        readers, backward = (sorted(rs, key=order.__getitem__) for rs in (g.readers, g.backward))
+        at(fwd_add, readers[0], g.nbytes)
+        if grad and backward and not g.again:
+            at(bwd_drop, backward[0], g.nbytes)
+        else:
+            at(fwd_drop, readers[-1], g.nbytes)
+        if grad and backward and g.again:
+            at(bwd_add, backward[-1], g.nbytes)
+            at(bwd_drop, backward[0], g.nbytes)
     for b, gs in buckets.items():
         first = gs[0].readers[0]  # copies are in the order first read
         at(fwd_add, first, flat[b] + sum(g.nbytes for g in gs))
@@ -127,10 +177,10 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
 
 def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
                 beyond: float | None = None) -> list[tuple[int, int, np.ndarray]]:
-    """The bytes of gathered copies each pair of choices keeps from forward to backward, as the liveness walk
-    (:func:`gather_events`) keeps them: for each edge carrying a value computed from graph inputs alone to a
-    reader whose backward reads it (directly or through a view), a rank holds the copy in the reader's layout
-    wherever that is larger than the value's own. The budget weighs these pairs with the decisions' own bytes
+    """The bytes of copies each pair of choices keeps from forward to backward, as the liveness walk
+    (:func:`gather_events`) keeps them: for each edge to a reader whose backward reads the value (directly or
+    through a view), a rank holds the copy in the reader's layout wherever that is larger than the value's own
+    (a gathered input's, or a reader's own copy of an activation: :func:`read_copies`). The budget weighs these pairs with the decisions' own bytes
     (a level-2 plan that gathers a layer's weights whole keeps them for backward: FSDP without resharding).
     ``reshard`` (level 1): parameters are gathered again in backward, so their copies are not kept; where
     ``beyond`` is given (a bucket's bytes), each counts its bytes beyond it: a bucket's worth is what bucketed
@@ -139,7 +189,7 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
     priced once)."""
     if not problem.needs_grad:
         return []
-    from_params, from_inputs = _from_inputs(problem)
+    from_params, _ = _from_inputs(problem)
     mesh, found = problem.mesh_shape, []
     for v, d in enumerate(problem.decisions):
         if d.node is None or d.node.op != "call_function":
@@ -148,7 +198,7 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
         for slot, (u, out_idx, value) in enumerate(d.sources):
             val = value.meta["val"]
             over = (beyond if reshard and value in from_params else 0.0)  # (None: not counted)
-            if value not in from_inputs or over is None or not isinstance(val, torch.Tensor):
+            if over is None or not isinstance(val, torch.Tensor):
                 continue
             if not (backward_readers(d.node, problem.needs_grad) if view else
                     d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad)):

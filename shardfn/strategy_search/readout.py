@@ -17,7 +17,7 @@ from ..layout import MeshSpec
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes, bucket_unit
 from .candidates import tensor_inputs
-from .gathered import gather_events, gathered_copies
+from .gathered import gather_events, gathered_copies, read_copies
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan, gap_text
 from .pricing import (
     Pricing,
@@ -404,10 +404,12 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     gathered.gather_events says (``reshard``: gathered again in backward, as level 1 does).
     """
     sizes = _NodeBytes(problem, chosen, optimizer_stage)
-    until = saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad) if problem.needs_grad else {}
-    saving = {v: r for v, r in until.items() if v in kept}
     nodes = list(problem.captured.gm.graph.nodes)
-    events = gather_events(*gathered_copies(problem, chosen), {n: i for i, n in enumerate(nodes)}, reshard,
+    reads, copied = read_copies(problem, chosen)
+    until = saved_until(nodes, problem.needs_grad, copied) if problem.needs_grad else {}
+    saving = {v: r for v, r in until.items() if v in kept}
+    gathered, flat = gathered_copies(problem, chosen)
+    events = gather_events(gathered + reads, flat, {n: i for i, n in enumerate(nodes)}, reshard,
                            bool(problem.needs_grad))
     at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held, events[:2])
     if not problem.needs_grad:

@@ -22,14 +22,17 @@ from .registry import REGISTRY
 __all__ = ["backward_readers", "reads_input", "saved_until"]
 
 
-def saved_until(nodes: list[torch.fx.Node], needs_grad: set) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Each value (an op's, not a view's) some backward reads -> the node whose backward reads it last."""
+def saved_until(nodes: list[torch.fx.Node], needs_grad: set,
+                copied: frozenset = frozenset()) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Each value (an op's, not a view's) some backward reads -> the node whose backward reads it last.
+    ``copied``: the (reader, slot) reads a plan makes of a copy in another layout (gathered.read_copies): a
+    backward that reads such a copy keeps the copy, not the value."""
     order = {n: i for i, n in enumerate(nodes)}
     until = {}
     for v in nodes:
         if v.op != "call_function" or is_view_op(v) or is_getitem(v):
             continue
-        readers = backward_readers(v, needs_grad)
+        readers = backward_readers(v, needs_grad, copied)
         if REGISTRY.reads_output(v.target) and v in needs_grad:
             readers.append(v)
         if readers:
@@ -37,16 +40,17 @@ def saved_until(nodes: list[torch.fx.Node], needs_grad: set) -> dict[torch.fx.No
     return until
 
 
-def backward_readers(v: torch.fx.Node, needs_grad: set) -> list[torch.fx.Node]:
-    """The ops whose backward reads ``v``, directly or through views of it and getitems of its outputs."""
+def backward_readers(v: torch.fx.Node, needs_grad: set, copied: frozenset = frozenset()) -> list[torch.fx.Node]:
+    """The ops whose backward reads ``v``, directly or through views of it and getitems of its outputs (not
+    through a ``copied`` read: see :func:`saved_until`)."""
     found = []
     for user in v.users:
         if user.op != "call_function":
             continue
         if is_view_op(user) or is_getitem(user):
-            found += backward_readers(user, needs_grad)
+            found += backward_readers(user, needs_grad, copied)
         elif user in needs_grad:  # its backward runs
-            found += [user] if any(a is v and reads_input(user, k, needs_grad)
+            found += [user] if any(a is v and (user, k) not in copied and reads_input(user, k, needs_grad)
                                    for k, a in enumerate(tensor_inputs(user))) else []
     return found
 

@@ -284,6 +284,32 @@ def test_gathered_inputs_are_held_while_read():
         again.cost.peak_bytes
 
 
+def test_an_activation_read_in_another_layout_is_its_readers_copy():
+    # cumprod down the rows reads x @ w whole: x (4096, 256) arrives split by rows, so the plan splits mm and
+    # gathers its (4096, 4) result, not x. Exec makes that copy as cumprod runs (no bucket, no flat buffer) and
+    # cumprod's backward keeps it, not mm's split value, which goes after its last reader. Per rank, fp32:
+    # x 2048 x 256; w 16 x 4 x 4 (an argument needing a gradient: no optimizer states); mm (2048, 4)
+    import shardfn as sf
+
+    def f(x, w):
+        return torch.cumprod(x @ w, dim=0)
+
+    x, w = torch.randn(4096, 256), torch.randn(256, 4, requires_grad=True)
+    plan = sf.explain(f, x, w, world_size=2, in_strategy=((2, 1), (1, 1)), out_strategy=((2, 1),), level=2)
+    assert plan.nodes["mm"].outputs == ((Shard(0),),) and plan.nodes["cumprod"].inputs == ((Replicate(),),)
+    xb, wb, mm, whole = 2048 * 256 * 4, 256 * 4 * 4, 2048 * 4 * 4, 4096 * 4 * 4
+    forward = {n.name: n.live_bytes for n in plan.nodes.values()}
+    # cumprod: the copy and its own result; then mm's value goes (its one backward reader keeps the copy)
+    assert forward == {"input 0": xb, "input 1": xb + wb, "mm": xb + wb + mm, "cumprod": xb + wb + mm + 2 * whole,
+                       "detach": xb + wb + 2 * whole}
+    # the exit returns the output split (mm's worth); cumprod's value goes there (no backward reads it); its
+    # gradient arrives whole, mm's is made: the copy is alive as cumprod's backward runs, gone by mm's, which
+    # makes w's gradient
+    end = xb + wb + whole + mm
+    assert plan.nodes["cumprod"].backward_live_bytes == end + whole + mm == plan.cost.peak_bytes
+    assert plan.nodes["mm"].backward_live_bytes == end + whole + mm - whole + wb
+
+
 def test_the_memory_line_runs_through_the_backward_and_its_peak_is_the_plans():
     import shardfn as sf
     from tests.models import CheckpointedStack, GPTBlock
