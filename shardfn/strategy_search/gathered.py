@@ -89,15 +89,17 @@ def gathered_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], d
 
 def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], frozenset]:
     """The copies the plan's readers make of computed values (not of graph inputs: :func:`gathered_copies`), and
-    the (node, slot) reads they serve. Exec lays out each read on its own (interpret.placed), so a reader that
-    reads a value in another layout than its producer's makes a copy of the read layout's bytes (a collective's
-    result, or a slice: DTensor clones a shard), alive while it runs; where its backward reads the input, the
-    copy is what autograd keeps, until that backward (and the value itself only where another backward reads it
-    as made: saved.saved_until's ``copied``); a recomputed reader's copy is made again for its backward. Read
-    through a view (a transpose), the copy lives as the view does:
-    until the view's last reader, or the first backward read through it."""
+    the (node, slot) reads they serve. A value read in another layout than its producer's is redistributed into
+    a copy of the read layout's bytes (a collective's result, or a slice: DTensor clones a shard); the traced
+    program makes one per value and layout (AOTAutograd's common-subexpression pass merges the readers' equal
+    redistributions), made as its first reader runs and alive until its last; where a backward reads it, it is
+    what autograd keeps (collectives' results are saved, never recomputed), until the last of those backwards
+    (and the value itself only where another backward reads it as made: saved.saved_until's ``copied``). Read
+    through a view (a transpose), it lives as the view does: until the view's last reader, or the backward
+    reads through it. Where every backward that reads it is recomputed, it is made again for them."""
     _, from_inputs = _from_inputs(problem)
-    mesh, found, copied = problem.mesh_shape, [], set()
+    mesh, copies, copied = problem.mesh_shape, {}, set()
+    kept: dict[tuple, bool] = {}  # (a copy some backward that is not recomputed reads)
     for d, c in zip(problem.decisions, chosen):
         if d.node is None or d.node.op != "call_function":
             continue
@@ -106,16 +108,22 @@ def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], froze
             if value in from_inputs or not isinstance(val, torch.Tensor) or made is None \
                     or tuple(made) == tuple(c.inputs[slot]):
                 continue
-            copy = Gathered(cm.local_numel(val.shape, c.inputs[slot], mesh) * val.element_size(), [d.node], [],
-                            False, None, again=d.node in problem.recomputed)
+            key = (value, tuple(c.inputs[slot]))
+            copy = copies.setdefault(key, Gathered(cm.local_numel(val.shape, c.inputs[slot], mesh)
+                                                   * val.element_size(), [], [], False, None))
             if cm.is_view_op(d.node):
-                copy.readers = _through_views(d.node) or [d.node]
-                copy.backward = backward_readers(d.node, problem.needs_grad)
-            elif d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad):
-                copy.backward = [d.node]
+                copy.readers += _through_views(d.node) or [d.node]
+                backward = backward_readers(d.node, problem.needs_grad)
+            else:
+                copy.readers.append(d.node)
+                backward = [d.node] if d.node in problem.needs_grad and \
+                    reads_input(d.node, slot, problem.needs_grad) else []
+            copy.backward += backward
+            kept[key] = kept.get(key, False) or any(b not in problem.recomputed for b in backward)
             copied.add((d.node, slot))
-            found.append(copy)
-    return found, frozenset(copied)
+    for key, copy in copies.items():
+        copy.again = bool(copy.backward) and not kept[key]
+    return list(copies.values()), frozenset(copied)
 
 
 def _unit(value: torch.fx.Node, names: dict) -> str:

@@ -308,6 +308,15 @@ def test_an_activation_read_in_another_layout_is_its_readers_copy():
     end = xb + wb + whole + mm
     assert plan.nodes["cumprod"].backward_live_bytes == end + whole + mm == plan.cost.peak_bytes
     assert plan.nodes["mm"].backward_live_bytes == end + whole + mm - whole + wb
+    # a second reader in that layout reads the same copy (the traced program redistributes once): cumsum adds
+    # its own result alone
+    def g(x, w):
+        h = x @ w
+        return torch.cumprod(h, dim=0), torch.cumsum(h, dim=0)
+
+    both = sf.explain(g, x, w, world_size=2, in_strategy=((2, 1), (1, 1)), out_strategy=((2, 1), (2, 1)), level=2)
+    assert both.nodes["cumsum"].inputs == ((Replicate(),),) and "mm_1" not in both.nodes
+    assert both.nodes["cumsum"].live_bytes == xb + wb + mm + 3 * whole
 
 
 def test_the_memory_line_runs_through_the_backward_and_its_peak_is_the_plans():
