@@ -65,16 +65,18 @@ def _is_index(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def _check_recompute(recompute: Any) -> bool | None | tuple[tuple[str, bool], ...]:
-    """None, True, False, or per module a dict {layer pattern: True or False}, kept as a tuple of pairs."""
+def _check_recompute(recompute: Any) -> bool | str | None | tuple[tuple[str, bool], ...]:
+    """None, True, False, "selective", or per module a dict {layer pattern: True or False}, kept as a tuple of
+    pairs."""
     if isinstance(recompute, dict) and recompute and all(
             isinstance(k, str) and k and isinstance(v, bool) for k, v in recompute.items()):
         return tuple(recompute.items())
-    if recompute is None or isinstance(recompute, bool):
+    if recompute is None or isinstance(recompute, bool) or recompute == "selective":
         return recompute
     raise ValueError(
         f"recompute must be None (the search decides: where the plan does not fit the memory, and at level 1 "
-        f"where it lowers the peak), False (never), True (every layer), or per module a dict of layer names "
+        f"where it lowers the peak), False (never), True (every layer), 'selective' (every layer but its "
+        f"matmuls and attention, whose results are kept), or per module a dict of layer names "
         f"(as str(plan) shows them; a glob such as 'model.layers.*', or a module above them) to True (always) "
         f"or False (never), the rest left to the search; got {recompute!r}")
 
@@ -248,7 +250,7 @@ class ShardConfig:
     # program for every size), False keeps one program per size; {argument: dims} names some up front
     dynamic: Any = None
     # None: the search decides; False: never; True: every layer; per module: (layer pattern, True or False) pairs
-    recompute: bool | None | tuple[tuple[str, bool], ...] = None
+    recompute: bool | str | None | tuple[tuple[str, bool], ...] = None
 
     @classmethod
     def make(cls, fn: Callable, *, module: nn.Module | None, in_strategy: Any, out_strategy: Any,

@@ -154,8 +154,8 @@ def recompute_lines(plan) -> list[str]:
     not keep and the forward seconds it computes again (per region)."""
     runs: list[list] = []
     for r in plan.recompute:
-        if runs and runs[-1][0].origin == r.origin and _index_free(runs[-1][0].region) == _index_free(r.region) \
-                != r.region:
+        if runs and runs[-1][0].origin == r.origin and runs[-1][0].selective == r.selective \
+                and _index_free(runs[-1][0].region) == _index_free(r.region) != r.region:
             runs[-1].append(r)
         else:
             runs.append([r])
@@ -164,9 +164,11 @@ def recompute_lines(plan) -> list[str]:
         first, last = run[0].region, run[-1].region
         label = _run_label(first, last, len(run))
         why = {"search": "chosen by the search", "recompute=True": "recompute=True",
+               "recompute=selective": "recompute='selective'",
                "recompute=": "asked for in recompute=", "checkpoint": "checkpointed by hand"}.get(run[0].origin,
                                                                                          run[0].origin)
-        lines.append(f"recompute {label}  ({why}): {_mib(run[0].saved_bytes)} a rank not kept, "
+        how = ", selectively: matmuls and attention kept" if run[0].selective and "selective" not in why else ""
+        lines.append(f"recompute {label}  ({why}{how}): {_mib(run[0].saved_bytes)} a rank not kept, "
                      f"{run[0].extra_s * 1e3:.3f} ms of forward again" + (" each" if len(run) > 1 else ""))
     return lines
 

@@ -127,6 +127,7 @@ class Recompute:
     nodes: tuple[str, ...]  # its ops (node names), which exec marks as torch.utils.checkpoint's are (none: by hand)
     saved_bytes: int  # per-rank bytes not kept from forward to backward
     extra_s: float  # the cost model's seconds of forward computed again
+    selective: bool = False  # its matmuls' and attention's results kept, the ops between them computed again
 
     def __post_init__(self):
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -405,7 +406,8 @@ def _decode(data: dict) -> Plan:
         pending_grads=frozenset(str(n) for n in data.get("pending_grads", ())),
         precision=_precision(data.get("precision")),
         recompute=[Recompute(str(r["region"]), str(r["origin"]), tuple(str(n) for n in r["nodes"]),
-                             int(r["saved_bytes"]), float(r["extra_s"])) for r in data.get("recompute", ())],
+                             int(r["saved_bytes"]), float(r["extra_s"]), bool(r.get("selective", False)))
+                   for r in data.get("recompute", ())],
     )
 
 

@@ -60,6 +60,8 @@ class StrategyProblem:
     # the region of each op of a region the search recomputes (the layer's path; :mod:`.recompute`): the
     # read-out's walk brings its values back where the backward enters it, as for a checkpointed one
     regions: dict[torch.fx.Node, str] = field(default_factory=dict)
+    # of those regions, the ones recomputed selectively (their matmuls' and attention's results kept)
+    selective: frozenset[str] = frozenset()
 
 
 class CandidateLists:

@@ -7,12 +7,18 @@ are computed again when the backward reaches it (random draws are kept: computed
 memory model is the read-out's one liveness walk (``readout._live_bytes``), which brings a region's values back
 when the backward enters it; pricing counts a recomputed value's forward once more and keeps none of its bytes.
 
+A region may also be recomputed selectively (Megatron's selective recompute, torchtitan's op-level policy): its
+matmuls' and attention's results are kept, and only the cheap ops between them (norms, activations, rotary
+embeddings, casts) are computed again: less memory saved, for much less forward again. Each layer offers both;
+the selective one, saving more bytes per second computed again, is tried first, the whole layer after it.
+
 Identical layers (one name but for the index, the same ops on the same shapes) decide alike: they form one group.
 The policy (``PlanRequest.recompute``): None lets the search decide: at levels 0 and 2, only where the plan does
 not fit the memory without it, groups added in order of bytes saved per second of forward computed again until
 the plan fits (level 2 keeps the fastest plan where memory allows), and of the last group added only as many of
 its layers (its first ones) as the memory needs (:func:`_fewest`); at level 1, every group that lowers the peak.
-True recomputes every region; False none. Regions the user checkpointed stay checkpointed in every case.
+True recomputes every region; "selective" every region selectively; False none. Regions the user checkpointed
+stay checkpointed in every case.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import operator
 import re
 import time
 from dataclasses import dataclass
@@ -48,10 +55,27 @@ PlanWithin = Callable[..., Plan]
 @dataclass(frozen=True)
 class Region:
     name: str  # the layer's path
-    nodes: tuple[torch.fx.Node, ...]  # its ops in program order: exec marks them all, as checkpoint's region
+    nodes: tuple[torch.fx.Node, ...]  # its ops in program order that exec marks, as checkpoint's region
     recomputed: frozenset[torch.fx.Node]  # those whose values are not kept: read only inside it, not random
     saved_whole: int  # bytes of those values, whole (what recomputing saves, before any split)
     seconds_whole: float  # their forward's seconds, whole on one device (what recomputing costs)
+    selective: bool = False  # its matmuls and attention left out (kept: _KEPT_SELECTIVELY)
+
+
+# the ops a selective recompute keeps (by their name in aten): the expensive ones, whose results it saves
+_KEPT_SELECTIVELY = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+})
+
+
+def _kept_selectively(node: torch.fx.Node) -> bool:
+    """A matmul or an attention, or an item of one's results."""
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], torch.fx.Node) and _kept_selectively(node.args[0])
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target._schema.name.split("::")[-1] in _KEPT_SELECTIVELY
 
 
 def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,
@@ -125,6 +149,9 @@ def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: s
               if g]
     if kept is not None and not groups:
         return kept
+    if request.recompute == "selective":
+        return _planned(problem, request, pricing, terms, [g for g in groups if g[0].selective], plan_within, True,
+                        "recompute=selective")
     if request.recompute is True or not groups:
         return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
     if request.policy.recomputes_to_lower_peak:
@@ -244,8 +271,10 @@ def _names(groups) -> str:
 def with_recompute(problem: StrategyProblem, regions: list[Region]) -> StrategyProblem:
     """``problem`` with ``regions`` recomputed: their values are not kept (pricing, the read-out's walk)."""
     where = {n: r.name for r in regions for n in r.nodes}
+    whole = {r.name for r in regions if not r.selective}  # (a layer recomputed whole and selectively: whole)
+    selective = (problem.selective - whole) | {r.name for r in regions if r.selective and r.name not in whole}
     return dataclasses.replace(problem, recomputed=problem.recomputed | {n for r in regions for n in r.recomputed},
-                               regions={**problem.regions, **where})
+                               regions={**problem.regions, **where}, selective=frozenset(selective))
 
 
 def region_groups(problem: StrategyProblem, profile: cm.DeviceProfile) -> list[list[Region]]:
@@ -265,10 +294,14 @@ def region_groups(problem: StrategyProblem, profile: cm.DeviceProfile) -> list[l
             layers.setdefault(layer_of(module_path(node)), []).append(node)
     groups: dict[tuple, list[Region]] = {}
     for name, nodes in layers.items():
-        region = _region(problem, name, nodes, profile)
-        if region.saved_whole > 0:
-            # (by what it recomputes: a layer may also hold a value every layer reads, made once: dropout's scalar)
-            groups.setdefault(_likeness(name, [n for n in nodes if n in region.recomputed]), []).append(region)
+        whole = _region(problem, name, nodes, profile)
+        part = _region(problem, name, [n for n in nodes if not _kept_selectively(n)], profile, nodes)
+        for region in (whole, part) if part.recomputed != whole.recomputed else (whole,):
+            if region.saved_whole > 0:
+                # (by what it recomputes: a layer may also hold a value every layer reads, made once: dropout's
+                # scalar)
+                groups.setdefault((region.selective, _likeness(name, [n for n in nodes if n in region.recomputed])),
+                                  []).append(region)
     # each group's layers in program order, by their last op read (graph order may hoist a layer's first ops, and
     # an unread item of a multi-output op may trail the graph), as records() orders them
     order = {n: i for i, n in enumerate(captured.gm.graph.nodes)}
@@ -277,8 +310,11 @@ def region_groups(problem: StrategyProblem, profile: cm.DeviceProfile) -> list[l
     return sorted(in_order, key=lambda g: -g[0].saved_whole / max(g[0].seconds_whole, 1e-15))
 
 
-def _region(problem: StrategyProblem, name: str, nodes: list[torch.fx.Node], profile: cm.DeviceProfile) -> Region:
-    inside = set(nodes)
+def _region(problem: StrategyProblem, name: str, nodes: list[torch.fx.Node], profile: cm.DeviceProfile,
+            layer: list[torch.fx.Node] | None = None) -> Region:
+    """The region of ``nodes``, of the layer's ops ``layer`` (the same where None; else a selective region: the
+    layer's ops but those it keeps)."""
+    inside = set(nodes if layer is None else layer)
     recomputed = frozenset(n for n in nodes if n in problem.needs_grad and n.users and set(n.users) <= inside
                            and _replayable(n))
     saved = seconds = 0.0
@@ -288,7 +324,7 @@ def _region(problem: StrategyProblem, name: str, nodes: list[torch.fx.Node], pro
             saved += sum(v.numel() * v.element_size() for v in vals)
             seconds += cm.compute_seconds(cm.node_flops(n), cm.node_bytes(n), 1, profile,
                                           vals[0].dtype if vals else torch.float32)
-    return Region(name, tuple(nodes), recomputed, int(saved), seconds)
+    return Region(name, tuple(nodes), recomputed, int(saved), seconds, layer is not None)
 
 
 def _replayable(node: torch.fx.Node) -> bool:
@@ -333,7 +369,8 @@ def records(problem: StrategyProblem, plan: Plan, origin: str) -> tuple[Recomput
                 saved += sum(cm.local_numel(v.shape, pl, problem.mesh_shape) * v.element_size()
                              for v, pl in zip(vals, np_.outputs) if pl is not None)
         if isinstance(key, str):
-            out.append(Recompute(key, origin, tuple(n.name for n in nodes), int(saved), extra))
+            out.append(Recompute(key, origin, tuple(n.name for n in nodes), int(saved), extra,
+                                 key in problem.selective))
         else:  # a region the user checkpointed: named by the layer of its first op
             where = layer_of(module_path(nodes[0])) if module_path(nodes[0]) else "fn"
             out.append(Recompute(f"checkpoint {key} ({where})", "checkpoint", (), int(saved), extra))

@@ -81,9 +81,10 @@ class PlanRequest:
     # moves of arguments that arrive from other ranks (submesh.arrival_records)
     notes: tuple[str, ...] = ()
     arrivals: tuple[Collective, ...] = ()
-    # recompute in backward (strategy_search.recompute): None the search decides, False never, True every layer;
-    # per module, (layer pattern, True or False) pairs: those layers always or never, the rest as None
-    recompute: bool | None | tuple[tuple[str, bool], ...] = None
+    # recompute in backward (strategy_search.recompute): None the search decides, False never, True every layer,
+    # "selective" every layer but its matmuls and attention; per module, (layer pattern, True or False) pairs:
+    # those layers always or never, the rest as None
+    recompute: bool | str | None | tuple[tuple[str, bool], ...] = None
 
     @property
     def policy(self) -> LevelPolicy:
