@@ -156,12 +156,20 @@ def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: s
         return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
     if request.policy.recomputes_to_lower_peak:
         return _least_peak(problem, request, pricing, terms, groups, plan_within, deadline)
-    for k in range(1, len(groups) + 1):  # groups by bytes saved per second computed again, until the plan fits
+    k = 1
+    while k <= len(groups):  # groups by bytes saved per second computed again, until the plan fits
+        if kept is not None and time.perf_counter() > deadline:
+            return kept  # (a plan that fits is there: past the limit no more is tried)
         start = time.perf_counter()
         try:
-            plan = _planned(problem, request, pricing, terms, groups[:k], plan_within, k == len(groups) and not kept)
+            # (with a plan that fits found, each try is optional: given up where it has none by the limit)
+            plan = _planned(problem, request, pricing, terms, groups[:k], plan_within, k == len(groups) and not kept,
+                            optional=kept is not None)
         except ValueError:
             if k < len(groups):
+                # (past the limit the rest all at once: a try that cannot fit takes a solve to say so, 5-7 s
+                # each for Llama-405B's, whose layers selectively and its two small regions did not fit)
+                k = len(groups) if time.perf_counter() > deadline else k + 1
                 continue
             if kept is not None:
                 return kept

@@ -641,14 +641,16 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     # gap closes (the 70B's budget was kept at about twice that price; a millionth of the cost per byte of the
     # budget took it 9 rounds to reach)
     lo, hi = 0.0, max(abs(first.objective), 1e-30) / max(weight(first) - limit, 1e-2 * limit, 1e-30)
-    rounds, top = 0, at(hi)  # ``top``: the plan at ``hi`` (within the budget); ``over``: the plan at ``lo``
+    rounds, top, least = 0, at(hi), None  # ``top``: the plan at ``hi`` (within the budget); ``over``: at ``lo``
     while not take(hi, top):  # (past the deadline, bigger steps to a plan within the budget)
         if optional and time.perf_counter() > deadline:
             raise Infeasible("no plan within the budget found in the time given")
         lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
-        if rounds == _LEAST_WEIGHT_AFTER and pairs:  # (the pairs' weights make the least weight no sum of minima:
-            # found exactly, once the multiplier has grown this far without a plan within the budget)
+        if least is None and pairs and (rounds == _LEAST_WEIGHT_AFTER or time.perf_counter() > deadline):
+            # (the pairs' weights make the least weight no sum of minima: found exactly, once the multiplier has
+            # grown this far without a plan within the budget, or at once past the deadline, where each round is
+            # as long: Llama-405B's recompute tries that could not fit took 8 rounds of 1.5-2.5 s to say so)
             least = _unconstrained(weights, pairs, 0.0)
             if _weight(weights, pairs, least.choice) > limit * (1 + 1e-12):
                 raise Infeasible("no assignment satisfies the budget")
