@@ -142,7 +142,8 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
     backward read. With ``reshard`` the backward gathers each bucket's parameters again: its flat buffer lives
     from its first backward read to its last, each copy around its own backward reads (exec copies it out where
     it is first read). A reader's own copy (``bucket`` None) is made as its first reader runs and goes after its
-    last, or after the first backward read (made again for the backward reads where ``again``). ``order``: each node's place in the program."""
+    last, or after the first backward read (made again for the backward reads where ``again``). ``order``: each
+    node's place in the program."""
     fwd_add, fwd_drop, bwd_add, bwd_drop = {}, {}, {}, {}
 
     def at(events, node, nbytes):
@@ -185,11 +186,12 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
 
 def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
                 beyond: float | None = None) -> list[tuple[int, int, np.ndarray]]:
-    """The bytes of copies each pair of choices keeps from forward to backward, as the liveness walk
-    (:func:`gather_events`) keeps them: for each edge to a reader whose backward reads the value (directly or
-    through a view), a rank holds the copy in the reader's layout wherever that is larger than the value's own
-    (a gathered input's, or a reader's own copy of an activation: :func:`read_copies`). The budget weighs these pairs with the decisions' own bytes
-    (a level-2 plan that gathers a layer's weights whole keeps them for backward: FSDP without resharding).
+    """The bytes of copies each pair of choices keeps from forward to backward: for each edge to a reader whose
+    backward reads the value (directly or through a view), a rank holds the copy in the reader's layout wherever
+    that is larger than the value's own (a gathered input's, or a reader's copy of an activation). Per edge: the
+    walk (:func:`gather_events`, :func:`read_copies`) keeps one copy per value and layout, so readers that read a
+    value alike are over-counted here, and a copy as large as the value (an all-to-all's) is not counted. The
+    budget weighs these pairs with the decisions' own bytes (a level-2 plan that gathers a layer's weights whole keeps them for backward: FSDP without resharding).
     ``reshard`` (level 1): parameters are gathered again in backward, so their copies are not kept; where
     ``beyond`` is given (a bucket's bytes), each counts its bytes beyond it: a bucket's worth is what bucketed
     gathers hold anyway (two at most), a copy larger than a bucket is memory no bucketing bounds (level 1's
