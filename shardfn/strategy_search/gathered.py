@@ -191,7 +191,8 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
     that is larger than the value's own (a gathered input's, or a reader's copy of an activation). Per edge: the
     walk (:func:`gather_events`, :func:`read_copies`) keeps one copy per value and layout, so readers that read a
     value alike are over-counted here, and a copy as large as the value (an all-to-all's) is not counted. The
-    budget weighs these pairs with the decisions' own bytes (a level-2 plan that gathers a layer's weights whole keeps them for backward: FSDP without resharding).
+    budget weighs these pairs with the decisions' own bytes (a level-2 plan that gathers a layer's weights whole
+    keeps them for backward: FSDP without resharding).
     ``reshard`` (level 1): parameters are gathered again in backward, so their copies are not kept; where
     ``beyond`` is given (a bucket's bytes), each counts its bytes beyond it: a bucket's worth is what bucketed
     gathers hold anyway (two at most), a copy larger than a bucket is memory no bucketing bounds (level 1's
