@@ -648,11 +648,9 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
         lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
         if least is None and pairs and (rounds == _LEAST_WEIGHT_AFTER or time.perf_counter() > deadline):
-            # (the pairs' weights make the least weight no sum of minima: found exactly, once the multiplier has
-            # grown this far without a plan within the budget, or at once past the deadline, where each round is
-            # as long: Llama-405B's recompute tries that could not fit took 8 rounds of 1.5-2.5 s to say so)
-            least = _unconstrained(weights, pairs, 0.0)
-            if _weight(weights, pairs, least.choice) > limit * (1 + 1e-12):
+            # (the least weight, exactly: after this many rounds without a plan within the budget, or past the
+            # deadline at once: Llama-405B's tries that could not fit took 8 rounds of 1.5-2.5 s to say so)
+            if _weight(weights, pairs, (least := _unconstrained(weights, pairs, 0.0)).choice) > limit * (1 + 1e-12):
                 raise Infeasible("no assignment satisfies the budget")
             take(math.inf, least)  # (a plan within it: the bracket's upper end, should none come sooner)
         if best is not None and rounds >= 4 * _LEAST_WEIGHT_AFTER:  # (only the least weight's plan keeps it)
