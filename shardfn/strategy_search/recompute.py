@@ -42,6 +42,7 @@ from ._summary import layer_of
 from .plan import Plan, Recompute
 from .pricing import _BACKWARD_FACTOR, Pricing, Terms
 from .problem import StrategyProblem
+from .registry import REGISTRY
 from .request import PlanRequest
 
 __all__ = ["Region", "plan_with_recompute", "region_groups", "with_recompute"]
@@ -59,23 +60,14 @@ class Region:
     recomputed: frozenset[torch.fx.Node]  # those whose values are not kept: read only inside it, not random
     saved_whole: int  # bytes of those values, whole (what recomputing saves, before any split)
     seconds_whole: float  # their forward's seconds, whole on one device (what recomputing costs)
-    selective: bool = False  # its matmuls and attention left out (kept: _KEPT_SELECTIVELY)
-
-
-# the ops a selective recompute keeps (by their name in aten): the expensive ones, whose results it saves
-_KEPT_SELECTIVELY = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution", "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
-})
+    selective: bool = False  # its matmuls and attention left out (kept: the registry's kept_selectively)
 
 
 def _kept_selectively(node: torch.fx.Node) -> bool:
     """A matmul or an attention, or an item of one's results."""
     if node.target is operator.getitem:
         return isinstance(node.args[0], torch.fx.Node) and _kept_selectively(node.args[0])
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.name.split("::")[-1] in _KEPT_SELECTIVELY
+    return REGISTRY.kept_selectively(node.target)
 
 
 def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,

@@ -199,6 +199,11 @@ class RuleRegistry:
         """Its result carries no gradient from its tensor inputs (read for shape, dtype and device, or detached)."""
         return self._in("no_gradient", op)
 
+    def kept_selectively(self, op) -> bool:
+        """A selective recompute keeps its results (a matmul's, an attention's): by the aten name of ``op``."""
+        return isinstance(op, torch._ops.OpOverload) and \
+            op._schema.name.split("::")[-1] in self._tables["kept_selectively"]
+
     def core_ops(self) -> frozenset[str]:
         """The names of the ops every model leans on (replicating one for want of its rule is an error)."""
         return frozenset(str(op) for op in self._tables["core"])
@@ -290,6 +295,14 @@ REGISTRY.describe("no_gradient", {
 # ops whose gradient is their input's, reshaped: a gradient reduced after them is the input's own (pricing)
 REGISTRY.describe("reshapes_gradient", {aten.t.default, aten.view.default, aten._unsafe_view.default,
                                         aten.transpose.int, aten.permute.default})
+
+# the expensive ops whose results a selective recompute keeps (recompute), by their aten name: the ops between
+# them are computed again
+REGISTRY.describe("kept_selectively", {
+    "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "convolution", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+})
 
 # ops every model leans on: running one of them replicated because its rule could not be read would make every
 # plan silently serial, so that is an error naming the torch release instead (problem)
