@@ -45,7 +45,9 @@ def main() -> None:
     split = sorted({names[m] for n in calls for m, p in enumerate(n.inputs[4]) if not p.is_replicate()})
     print(f"planned in {took:.1f} s (optimal: {plan.optimal}, gap {(plan.gap or 0):.2%}); process peak "
           f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
-    print(f"experts calls: {len(calls)}, expert weights used as {calls[0].inputs[4]}, tokens {calls[0].inputs[0]}: "
+    runs = sorted({n.run for n in calls})
+    print(f"experts calls: {len(calls)} (run: {', '.join(runs)}), expert weights used as {calls[0].inputs[4]}, "
+          f"tokens {calls[0].inputs[0]}: "
           f"experts split over {split or 'nothing'}")
     print(f"peak {plan.cost.peak_bytes / 2**30:.1f} GiB a rank; step {plan.cost.compute_s * 1e3:.0f} ms compute + "
           f"{plan.cost.comm_s * 1e3:.0f} ms communication (estimated)")

@@ -14,9 +14,9 @@ import functools
 import torch
 import torch.distributed as dist
 
-__all__ = ["LocalTensorMode", "PerRankBoolError", "PerRankWriteError", "init_fake_world", "local_tensor_mode",
-           "local_values", "not_simulated", "per_rank_bools_refused", "per_rank_ints", "plain_writes_once",
-           "zero_tensors_materialized"]
+__all__ = ["LocalTensorMode", "PerRankBoolError", "PerRankWriteError", "group_rank_lists", "init_fake_world",
+           "local_tensor_mode", "local_values", "not_simulated", "per_rank_bools_refused", "per_rank_ints",
+           "plain_writes_once", "world_op", "world_ops_run_whole", "zero_tensors_materialized"]
 
 
 def init_fake_world(world_size: int) -> None:
@@ -142,6 +142,51 @@ def zero_tensors_materialized():
         return run(func, ranks, args, kwargs, **kw)
 
     lt._for_each_rank_run_func = materialized
+    try:
+        yield
+    finally:
+        lt._for_each_rank_run_func = run
+
+
+# ops that communicate inside (an exchange whose sizes the data decides): LocalTensorMode would run each rank's
+# call alone, its collectives on the fake group exchanging nothing; these run once for every rank together
+_WORLD_OPS: dict = {}
+
+
+def world_op(op, fn) -> None:
+    """Run ``op`` in a simulated world as ``fn(per_rank)``: ``per_rank`` each rank's (args, kwargs) of ordinary
+    tensors, the result each rank's output (a dict by rank), which ``fn`` computes with every rank's values at
+    hand, as the ranks' exchanges would."""
+    _WORLD_OPS[op] = fn
+
+
+def group_rank_lists(group_name: str) -> list[list[int]]:
+    """Every group of ranks a collective on ``group_name`` (one mesh dim's group, seen from this process) runs
+    over in the simulated world: that group and its copies along the other mesh dims, as LocalTensorMode finds
+    them for its own collectives."""
+    from torch.distributed._local_tensor._c10d import _prepare_collective_groups
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    ranks, offsets, _ = _prepare_collective_groups(_resolve_process_group(group_name))
+    return [[offset + r for r in ranks] for offset in offsets]
+
+
+@contextlib.contextmanager
+def world_ops_run_whole():
+    """Inside, an op given to :func:`world_op` runs once for all ranks (its function), not once per rank."""
+    import torch.distributed._local_tensor as lt
+    import torch.utils._pytree as pytree
+
+    run = lt._for_each_rank_run_func
+
+    def whole(func, ranks, args, kwargs, **kw):
+        fn = _WORLD_OPS.get(func)
+        if fn is None:
+            return run(func, ranks, args, kwargs, **kw)
+        per_rank = {r: pytree.tree_map(lambda a: lt._map_to_rank_local_val(a, r), (args, kwargs)) for r in ranks}
+        return lt._combine_rank_results(fn(per_rank), None)
+
+    lt._for_each_rank_run_func = whole
     try:
         yield
     finally:

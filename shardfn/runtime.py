@@ -386,7 +386,8 @@ def simulated_world(world_size: int, local_tensors: bool = True) -> Iterator[Non
     try:
         if local_tensors:
             with _simulation.LocalTensorMode(world_size), _simulation.per_rank_bools_refused(), \
-                    _simulation.plain_writes_once(), _simulation.zero_tensors_materialized():
+                    _simulation.plain_writes_once(), _simulation.zero_tensors_materialized(), \
+                    _simulation.world_ops_run_whole():
                 yield
         else:
             yield

@@ -2,6 +2,11 @@
 the unsharded model (tests/moe_models.py): losses, the load-balancing loss, every gradient (router included) and
 the parameters after AdamW steps equal, on 4 simulated ranks and on 4 real gloo ranks."""
 
+import contextlib
+import dataclasses
+import os
+import tempfile
+
 import pytest
 import torch.distributed as dist
 from torch.distributed._local_tensor import local_tensor_mode
@@ -35,6 +40,49 @@ def test_data_parallel_with_split_expert_storage_trains_like_unsharded():
     with simulated_world(WORLD):
         _, split = train_and_compare("mixtral", "grouped_mm", WORLD, _simulated_slice, ranks=WORLD, steps=2)
     assert split, "the plan gathered the experts' weights"
+
+
+@contextlib.contextmanager
+def _bytes_priced_over_latency():
+    """Plans priced on links whose collectives cost their bytes alone (no latency, no launch): there sending each
+    (token, slot) pair to its expert's rank moves k/n of the gather's bytes and wins at this test's few tokens,
+    as it does at real size on any link (Mixtral-8x7B on 8 x 8 H100s: bench/moe_plan.py)."""
+    from shardfn.strategy_search import cost_model as cm
+
+    quick = cm.Link(0.0, 1 / 2e9, 0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "profile.json")
+        cm.save_profile(dataclasses.replace(cm.CPU, intra_node=quick, inter_node=quick), path)
+        saved = os.environ.get("SHARDFN_PROFILE")
+        os.environ["SHARDFN_PROFILE"] = path
+        try:
+            yield
+        finally:
+            os.environ.pop("SHARDFN_PROFILE")
+            if saved is not None:
+                os.environ["SHARDFN_PROFILE"] = saved
+
+
+def _dispatched(model, ids) -> bool:
+    import shardfn as sf
+
+    plan = sf.explain(model, ids, kwargs=dict(labels=ids, use_cache=False))
+    calls = [n for n in plan.nodes.values() if n.op == "MoEExperts.apply"]
+    moved = {c.kind for c in plan.collectives if c.where.endswith("(dispatch)")}  # (the group's experts gathered)
+    said = [line for line in str(plan).splitlines() if line.startswith("experts ")]
+    return bool(calls) and all(n.run == "dispatch" for n in calls) and moved == {"all_gather", "all_to_all"} \
+        and all("all_to_all" in line for line in said)
+
+
+# the batch split over the ranks, the experts stored split over them: each (token, slot) pair sent to the rank
+# holding its expert and back (all_to_all), the tokens never gathered; every number as unsharded
+@pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "batched_mm"),
+                                        ("deepseek_v3", "grouped_mm")])
+def test_tokens_dispatched_to_their_experts_train_like_unsharded(name, impl):
+    with simulated_world(WORLD), _bytes_priced_over_latency():
+        _, dispatched = train_and_compare(name, impl, WORLD, _simulated_slice, ranks=WORLD, steps=2,
+                                          checked=_dispatched)
+    assert dispatched, "the plan did not dispatch the tokens to their experts"
 
 
 def _new_empty_split(model, ids) -> bool:
@@ -135,6 +183,13 @@ def _train_body(name, impl):
     return train_and_compare(name, impl, dist.get_world_size())
 
 
+def _dispatched_body():
+    world, rank = dist.get_world_size(), dist.get_rank()
+    with _bytes_priced_over_latency():
+        return train_and_compare("mixtral", "grouped_mm", world, lambda t: t.chunk(world)[rank], steps=2,
+                                 checked=_dispatched)
+
+
 def _deepseek_body():
     world, rank = dist.get_world_size(), dist.get_rank()
     return train_and_compare("deepseek_v3", "grouped_mm", world, lambda t: t.chunk(world)[rank], steps=2,
@@ -153,3 +208,9 @@ def test_deepseek_v3_trains_like_unsharded_on_real_ranks(gloo4):
     # layer captured as a copy of the first (shardfn.capture.repeated), as on simulated ranks
     results = gloo4.run(_deepseek_body)
     assert all(r[1] for r in results), "the plan did not split the experts or made MLA's keys whole"
+
+
+def test_tokens_dispatched_to_their_experts_on_real_ranks(gloo4):
+    # the traced per-rank graphs: the dispatch's all_to_alls on gloo, with this step's counts
+    results = gloo4.run(_dispatched_body)
+    assert all(r[1] for r in results), "the plan did not dispatch the tokens to their experts"

@@ -18,6 +18,7 @@ from ._dtensor_internals import is_masked_sum
 from ._graph_internals import annotated_as
 from .pieces import (VIEW_CALLS, conform, contiguous, from_local, local_piece, map_leaves, piece_shape, placed,
                      redistribute, settled, sized_to_piece, view_of_piece)
+from .expert_dispatch import dispatched
 from .precision import Casts
 
 __all__ = ["Interpreter", "node_plans"]
@@ -108,7 +109,7 @@ class Interpreter:
             piece_shape(t.shape, t.placements, self.mesh) is not None for t in leaves if isinstance(t, DTensor)) \
             and all(piece_shape(v.shape, p, self.mesh) is not None
                     for v, p in zip(val if isinstance(val, (tuple, list)) else [val], np_.outputs))
-        if np_.run == "local" or on_pieces:
+        if np_.run in ("local", "dispatch") or on_pieces:
             piece = local_piece(np_.outputs, self.shared)
             local_args, local_kwargs = map_leaves(lambda a: piece(a) if isinstance(a, DTensor) else a,
                                                    (args, kwargs))
@@ -117,7 +118,8 @@ class Interpreter:
                 local_args = sized_to_piece(local_args, at, val.shape, np_.outputs[0], self.mesh)
                 if local_args is None:
                     return placed(node.target(*args, **kwargs), np_.outputs[0], self.mesh)
-            out = node.target(*local_args, **local_kwargs)
+            call = dispatched(node.target, np_.inputs, self.mesh) if np_.run == "dispatch" else node.target
+            out = call(*local_args, **local_kwargs)
             if isinstance(out, torch.Tensor):
                 return from_local(out, self.mesh, np_.outputs[0], val, self.layouts_now)
             if not isinstance(out, (tuple, list)):  # None, or a Python value (an op run for its checks)

@@ -188,7 +188,10 @@ def _experts_text(node, mesh) -> str:
             continue
         w = getattr(weight[m], "dim", None) if weight[m].is_shard() else None
         tokens_split = tokens is not None and tokens[m].is_shard()
-        if w == 0:
+        if w == 0 and tokens_split:
+            parts.append(f"split over {name} (1/{size} of the experts a rank; each token sent to its experts' "
+                         f"ranks over {name} and back: all_to_all)")
+        elif w == 0:
             parts.append(f"split over {name} (1/{size} of the experts a rank; every token's share from each "
                          f"rank's experts summed over {name})")
         elif w is not None:

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..capture.experts import ExpertMM, MoEExperts
+from . import cost_model as cm
 from ._dtensor_adapter import valid_placements
 from .candidates import Candidate, _per_mesh_dim, tensor_inputs
 from .registry import register_rule
@@ -71,14 +72,50 @@ def dispatches_tokens(node: torch.fx.Node, cand: Candidate, mesh_dims) -> bool:
 
 # MoEExperts (hidden (T, H), top-k index and weights (T, k), the experts' global ids (E,), gate_up (E, 2I, H),
 # down (E, H, I)): tokens are independent, so a token split runs on its pieces; split experts give each rank its
-# experts' share of every token, the output (and the gradients of the tokens and routing weights) pending sums.
+# experts' share of every token, the output (and the gradients of the tokens and routing weights) pending sums;
+# tokens and experts split over one mesh dim send each (token, slot) pair to the rank holding its expert and back
+# (exec.expert_dispatch: run mode "dispatch", over one mesh dim a call)
 _MOE_CHOICES = [
     ((R,), (R,) * 6),
     ((Shard(0),), (Shard(0),) * 3 + (R,) * 3),  # tokens
     ((Partial(),), (R,) * 3 + (Shard(0),) * 3),  # experts
+    ((Shard(0),), (Shard(0),) * 6),  # dispatch
 ]
+
+
+def dispatch_dims(inputs) -> tuple[int, ...]:
+    """The mesh dims over which a MoEExperts call's layouts (its inputs' placements) split both its tokens and its
+    experts: there each pair is sent to its expert's rank (all_to_all), not computed where the tokens are."""
+    tokens, experts = inputs[EXPERT_INPUTS[MoEExperts][0]], inputs[EXPERT_INPUTS[MoEExperts][1]]
+    return tuple(m for m, (t, e) in enumerate(zip(tokens, experts)) if t == Shard(0) and e == Shard(0))
 
 
 @register_rule(MoEExperts)
 def _moe_experts(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
-    return _valid(node, mesh, _MOE_CHOICES)
+    found = []
+    for c in _valid(node, mesh, _MOE_CHOICES):
+        dims = len(dispatch_dims(c.inputs))
+        if dims <= 1:  # (one group a call: over two dims at once it would be their flattened group's)
+            found.append(Candidate(c.outputs, c.inputs, "dispatch") if dims else c)
+    return found
+
+
+def dispatch_collectives(node: torch.fx.Node, cand: Candidate, mesh_shape, grad: bool) -> tuple[list, list]:
+    """(forward, backward) collectives a ``dispatch`` candidate of MoEExperts runs inside its call, over its
+    dispatch mesh dim (exec.expert_dispatch): each way the group's experts (small) and the counts, forward the
+    pairs' token rows out (with each pair's expert and weight) and their results back, backward the token rows
+    with their gradients out and the tokens' and weights' gradients back. A pair goes out where the group holds
+    its expert: every pair, but where the experts are split along other mesh dims too (a share of them then)."""
+    (m,) = dispatch_dims(cand.inputs)
+    hidden, index, weights = (a.meta["val"] for a in tensor_inputs(node)[:3])
+    n, others = mesh_shape[m], 1
+    for j, p in enumerate(cand.inputs[EXPERT_INPUTS[MoEExperts][1]]):
+        others *= mesh_shape[j] if j != m and p == Shard(0) else 1
+    pairs = n * cm.local_numel(index.shape, cand.inputs[1], mesh_shape) // others  # the group's, all ranks'
+    rows = pairs * hidden.size(1) * hidden.element_size()
+    small = [cm.CommOp("all_gather", m, 16 * n), cm.CommOp("all_to_all", m, 8 * n * n)]
+    routing = pairs * (index.element_size() + weights.element_size())
+    fwd = [*small, cm.CommOp("all_to_all", m, rows + routing), cm.CommOp("all_to_all", m, rows)]
+    bwd = [*small, cm.CommOp("all_to_all", m, 2 * rows + routing),
+           cm.CommOp("all_to_all", m, rows + pairs * weights.element_size())] if grad else []
+    return fwd, bwd

@@ -22,7 +22,7 @@ from . import cost_arrays
 from . import cost_model as cm
 from .buckets import bucket_bytes
 from .candidates import Candidate
-from .expert_rules import dispatches_tokens
+from .expert_rules import dispatch_collectives, dispatches_tokens
 from .gathered import held_copies
 from .problem import Decision, StrategyProblem
 from .registry import REGISTRY
@@ -468,7 +468,7 @@ def node_collectives(d: Decision, c: Candidate, held, grad: bool, mesh_shape,
     arrives as a pending sum (the read-out knows them from the chosen readers; None: wherever one may)."""
     if d.node is None:
         return [], []
-    fwd, bwd = [], []
+    fwd, bwd = dispatch_collectives(d.node, c, mesh_shape, grad) if c.rule == "dispatch" else ([], [])
     if c.accumulate and not passes_on(d, c):  # a view's sum is resolved where its input's is
         val = _first_output(d.node)
         bwd += cm.accumulated_collectives(val.shape, _grad_item(val, grad_dtype), c.outputs[0], mesh_shape,

@@ -259,7 +259,8 @@ class _Collectives:
                                     self.summed[i])
         bwd = self._synced(bwd, d.node)
         entry = held is not None and held != c.outputs[0]  # else its readers' gradients summed
-        what = f"{d.name} (entry)" if entry else f"{d.name} (summed)"
+        what = f"{d.name} (entry)" if entry else f"{d.name} (dispatch)" if c.rule == "dispatch" else \
+            f"{d.name} (summed)"
         placeholder = d.node is not None and d.node.op == "placeholder"
         if placeholder:  # a graph input's gradient, handed back
             grad_dtype = self.terms.grad_dtypes.get(d.node) or d.node.meta["val"].dtype

@@ -4,6 +4,8 @@ and derives nothing again.
   factory    : made whole, then laid out as planned (a factory op's own rule);
   random     : drawn whole from the seed, then laid out, so a seed gives eager's numbers;
   local      : the op (a Function's call, a shardfn rule's op) called on each rank's pieces;
+  dispatch   : a mixture-of-experts call on each rank's tokens and experts, each (token, slot) pair sent to the
+               rank holding its expert and back (exec.expert_dispatch; the mesh dim: expert_rules.dispatch_dims);
   pieces     : an op DTensor's rule runs on its operands' pieces as they are: called on them directly, without
                DTensor's propagation on every call (where the pieces are even; else as dtensor);
   piece_view : a view run on its operand's piece, its size argument the piece's (where that dim is whole; else
@@ -25,7 +27,7 @@ from .registry import REGISTRY
 
 __all__ = ["RUN_MODES", "run_mode", "runs_on_pieces", "view_on_pieces"]
 
-RUN_MODES = ("factory", "random", "local", "pieces", "piece_view", "dtensor", "input", "output")
+RUN_MODES = ("factory", "random", "local", "dispatch", "pieces", "piece_view", "dtensor", "input", "output")
 
 
 def run_mode(node: torch.fx.Node, rule: str, inputs, outputs, graph_writes: bool) -> str:

@@ -2,6 +2,8 @@
 out and run on each rank's pieces, gives the whole op's result, and its backward on the pieces the whole op's
 gradients, laid out as exec hands them back (a replicated input of a split or pending-sum result: a pending sum)."""
 
+import functools
+
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -12,6 +14,7 @@ import transformers.integrations.moe  # noqa: E402,F401 - the experts implementa
 from shardfn.capture import capture  # noqa: E402
 from shardfn.capture.experts import ExpertMM, MoEExperts, bounds_of  # noqa: E402
 from shardfn.capture.functions import FunctionCall  # noqa: E402
+from shardfn.exec.expert_dispatch import dispatched  # noqa: E402
 from shardfn.strategy_search import candidates as C  # noqa: E402
 from tests.strategy_search.truth import MESHES, _candidates_on_meshes, check_candidate, failures, op_node  # noqa: E402
 
@@ -47,20 +50,23 @@ def _gradient_failures(target, args) -> list[str]:
     grad = torch.randn_like(target(*args)[0])
     wanted = [i for i, a in enumerate(args) if a.is_floating_point()]
 
-    def vjp(*tensors):
+    def vjp(*tensors, call=target):
         ins = [t.detach().requires_grad_() if i in wanted else t for i, t in enumerate(tensors[:-1])]
-        (out,) = target(*ins)
+        out = call(*ins)
+        out = out if isinstance(out, torch.Tensor) else out[0]
         return list(torch.autograd.grad(out, [ins[i] for i in wanted], tensors[-1]))
 
     expected = vjp(*args, grad)
     found = []
     for shape, mesh, cand in _candidates_on_meshes(op_node(target, args, {}), MESHES):
+        # (a dispatch candidate runs as exec runs it, its tokens sent to their experts' ranks and back)
+        call = dispatched(target, cand.inputs, mesh) if cand.rule == "dispatch" else target
         working = {m for pl in cand.outputs for m, p in enumerate(pl) if not p.is_replicate()}
         grads = tuple(tuple(Partial() if m in working and p.is_replicate() else p for m, p in enumerate(cand.inputs[i]))
                       for i in wanted)
         out_grad = tuple(Replicate() if p.is_partial() else p for p in cand.outputs[0])
-        why = check_candidate(vjp, (*args, grad), {}, expected, C.Candidate(grads, (*cand.inputs, out_grad), "local"),
-                              mesh)
+        why = check_candidate(functools.partial(vjp, call=call), (*args, grad), {}, expected,
+                              C.Candidate(grads, (*cand.inputs, out_grad), "local"), mesh)
         if why:
             found.append(f"{shape} {cand.inputs} -> {cand.outputs}: {why}")
     return found
@@ -80,8 +86,15 @@ def test_moe_experts_rule_offers_the_expert_split():
 
     fn, args = _moe_case("grouped_mm")
     cands = C.node_candidates(op_node(_call_target(fn, args), args, {}), planning(2, 2), set())
-    experts = [c for c in cands if c.inputs[4] == (Shard(0), Shard(0))]
+    experts = [c for c in cands if c.inputs[4] == (Shard(0), Shard(0)) and c.inputs[0] == (Replicate(), Replicate())]
     assert experts and all(c.outputs[0] == (Partial(), Partial()) for c in experts)
+    # tokens and experts split over one mesh dim: each pair dispatched to its expert's rank, the result split as
+    # the tokens; over both dims at once it is not offered (one group a call)
+    dispatch = [c for c in cands if c.rule == "dispatch"]
+    assert {(c.inputs[0], c.inputs[4], c.outputs[0]) for c in dispatch} >= {
+        ((Shard(0), Replicate()), (Shard(0), Shard(0)), (Shard(0), Partial())),
+        ((Shard(0), Shard(0)), (Shard(0), Replicate()), (Shard(0), Shard(0)))}
+    assert not [c for c in cands if c.inputs[0] == c.inputs[4] == (Shard(0), Shard(0))]
     assert any(c.inputs[0] == (Shard(0), Replicate()) and c.inputs[4] == (Replicate(), Shard(0)) for c in cands)
 
 

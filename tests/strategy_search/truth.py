@@ -23,6 +23,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from shardfn.layout import Axis, MeshSpec
 from shardfn.runtime import planning_mesh, simulated_world
+from shardfn.exec.expert_dispatch import dispatched
 from shardfn.exec.pieces import sized_to_piece
 from shardfn.strategy_search import candidates as C
 from shardfn.strategy_search.registry import REGISTRY
@@ -125,7 +126,8 @@ def check_candidate(op, args, kwargs, expected, cand: C.Candidate, mesh: DeviceM
         at = REGISTRY.size_argument(op)
         if at is not None and cand.rule == "local":  # a sized factory: each rank's piece made as exec makes it
             local_args = sized_to_piece(local_args, at, expected.shape, cand.outputs[0], mesh)
-        out = _outputs(op(*local_args, **local_kwargs))
+        call = dispatched(op, cand.inputs, mesh) if cand.rule == "dispatch" else op  # (as exec calls it)
+        out = _outputs(call(*local_args, **local_kwargs))
     except Exception as e:  # noqa: BLE001 - a candidate the kernel refuses is a wrong candidate
         return f"raised {type(e).__name__}: {str(e)[:200]}"
     if dispatch:
