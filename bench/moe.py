@@ -8,7 +8,10 @@ that every way's loss is the same function of the batch), each rank a slice of t
 its own fresh gloo ranks:
 
 - shardfn, experts split: dataset_strategy="data_parallel", the experts' weights stored split over every rank on
-  their expert dim (parameter_plan), the rest searched at level 2: each rank computes its experts' share;
+  their expert dim (parameter_plan), the rest searched at level 2: each rank computes its experts' share (at
+  this size the search gathers the tokens to the experts and reduce-scatters the results back);
+- shardfn, tokens dispatched: the same, planned on links priced by their bytes alone (no latency), where the
+  search sends each (token, slot) pair to its expert's rank and back (all_to_all; asserted from the plan);
 - shardfn, experts replicated: the same with the experts' weights asked whole (data parallelism, as DDP);
 - FSDP2: fully_shard on every decoder layer and the root (the experts gathered whole in each layer).
 
@@ -38,7 +41,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from bench._tensor_peak import TensorPeak, local  # noqa: E402
 from tests.harness import free_port  # noqa: E402
 
-KINDS = ("shardfn, experts split", "shardfn, experts replicated", "FSDP2")
+KINDS = ("shardfn, experts split", "shardfn, tokens dispatched", "shardfn, experts replicated", "FSDP2")
 
 
 def _model(args):
@@ -60,10 +63,30 @@ def _wrapped(model, which, args):
         for layer in model.model.layers:
             fully_shard(layer)
         return fully_shard(model)
-    ways = args.world if which == "shardfn, experts split" else 1
+    ways = 1 if which == "shardfn, experts replicated" else args.world
     experts = {f"model.layers.{i}.mlp.experts.{w}": (ways, 1, 1)
                for i in range(args.layers) for w in ("gate_up_proj", "down_proj")}
     return sf.shard(model, in_strategy=(None,), dataset_strategy="data_parallel", parameter_plan=experts, level=2)
+
+
+def _bytes_only_links(rank: int) -> None:
+    """Plan on the CPU profile with collectives priced by their bytes alone (SHARDFN_PROFILE)."""
+    import dataclasses
+    import tempfile
+
+    from shardfn.strategy_search import cost_model as cm
+
+    link = cm.Link(0.0, cm.CPU.intra_node.beta_s_per_byte, 0.0)
+    path = os.path.join(tempfile.gettempdir(), f"shardfn-bench-moe-{os.getpid()}-{rank}.json")
+    cm.save_profile(dataclasses.replace(cm.CPU, intra_node=link, inter_node=link), path)
+    os.environ["SHARDFN_PROFILE"] = path
+
+
+def _dispatches(model, ids) -> bool:
+    import shardfn as sf
+
+    plan = sf.explain(model, ids, kwargs=dict(labels=ids, use_cache=False))
+    return all(n.run == "dispatch" for n in plan.nodes.values() if n.op == "MoEExperts.apply")
 
 
 def worker(rank, args, port, which, results):
@@ -72,6 +95,8 @@ def worker(rank, args, port, which, results):
     import shardfn as sf
 
     sf.init()
+    if which == "shardfn, tokens dispatched":
+        _bytes_only_links(rank)
     torch.manual_seed(0)
     model = _wrapped(_model(args), which, args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
@@ -101,6 +126,8 @@ def worker(rank, args, port, which, results):
             dist.all_reduce(whole)
             whole /= args.world
         losses.append(float(whole))
+    if which == "shardfn, tokens dispatched":
+        assert _dispatches(model, ids), "the plan did not dispatch the tokens"
     results[(which, rank)] = (statistics.median(times), peak, losses)
     dist.barrier()
 
@@ -136,10 +163,12 @@ def main():
           "step")
     for w in KINDS:
         print(f"  {w:<28} step {ms[w]:8.1f} ms   tensor peak {peak[w]:7.1f} MiB")
-    for w in KINDS[:2]:
+    for w in KINDS[:3]:
         print(f"  ratio {w} / FSDP2: step {ms[w] / ms['FSDP2']:.3f}, tensor peak {peak[w] / peak['FSDP2']:.3f}")
-    print(f"  experts split / replicated: step {ms[KINDS[0]] / ms[KINDS[1]]:.3f}, "
-          f"tensor peak {peak[KINDS[0]] / peak[KINDS[1]]:.3f}")
+    print(f"  experts split / replicated: step {ms[KINDS[0]] / ms[KINDS[2]]:.3f}, "
+          f"tensor peak {peak[KINDS[0]] / peak[KINDS[2]]:.3f}")
+    print(f"  tokens dispatched / gathered (experts split): step {ms[KINDS[1]] / ms[KINDS[0]]:.3f}, "
+          f"tensor peak {peak[KINDS[1]] / peak[KINDS[0]]:.3f}")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,39 @@ def test_tokens_dispatched_to_their_experts_train_like_unsharded(name, impl):
     assert dispatched, "the plan did not dispatch the tokens to their experts"
 
 
+def test_data_parallel_generate_with_the_tokens_dispatched_gives_each_rank_its_rows():
+    # generate() with its cache, each rank its own row, the experts stored split: every step (the prompt, then one
+    # token a row) sends each rank's pairs to their experts' ranks; each rank's tokens and scores as unsharded
+    import copy
+
+    import torch
+
+    import shardfn as sf
+    from shardfn.runtime import simulated_map
+    from tests.moe_models import expert_plan, make
+
+    with simulated_world(WORLD), _bytes_priced_over_latency():
+        torch.manual_seed(0)
+        reference = make("mixtral").eval()
+        reference.config.output_router_logits = False
+        model = sf.shard(copy.deepcopy(reference), in_strategy={}, parameter_plan=expert_plan(WORLD),
+                         dataset_strategy="data_parallel", level=2)
+        ids = torch.randint(0, 64, (WORLD, 5))
+        kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_scores=True,
+                      return_dict_in_generate=True)
+        mine = lambda t: simulated_map(t, lambda r, v: v[r][r:r + 1].clone())  # noqa: E731
+        with torch.no_grad():
+            want = reference.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            got = model.generate(mine(ids), attention_mask=mine(torch.ones_like(ids)), **kwargs)
+            for r in range(WORLD):
+                assert torch.equal(on_rank(got.sequences, r), on_rank(want.sequences, r)[r:r + 1])
+                for g, w in zip(got.scores, want.scores):
+                    torch.testing.assert_close(on_rank(g, r), on_rank(w, r)[r:r + 1], rtol=1e-5, atol=1e-5)
+            one = mine(ids[:, :1])
+            plan = sf.explain(model, one, kwargs=dict(attention_mask=mine(torch.ones_like(ids[:, :1]))))
+        assert [n.run for n in plan.nodes.values() if n.op == "MoEExperts.apply"] == ["dispatch"] * 2
+
+
 def _new_empty_split(model, ids) -> bool:
     import shardfn as sf
 
