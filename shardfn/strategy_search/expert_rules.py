@@ -94,8 +94,9 @@ def dispatch_dims(inputs) -> tuple[int, ...]:
 def _moe_experts(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate]:
     found = []
     for c in _valid(node, mesh, _MOE_CHOICES):
-        dims = len(dispatch_dims(c.inputs))
-        if dims <= 1:  # (one group a call: over two dims at once it would be their flattened group's)
+        dims = dispatch_dims(c.inputs)
+        # one group a call (over two dims at once it would be their flattened group's), of more than one rank
+        if len(dims) <= 1 and all(mesh.shape[m] > 1 for m in dims):
             found.append(Candidate(c.outputs, c.inputs, "dispatch") if dims else c)
     return found
 
