@@ -82,11 +82,12 @@ def _bytes_only_links(rank: int) -> None:
     os.environ["SHARDFN_PROFILE"] = path
 
 
-def _dispatches(model, ids) -> bool:
+def _experts_runs(model, ids) -> str:
+    """How the plan runs the experts calls: "dispatch" (all_to_all), "local" (gathered tokens or whole)."""
     import shardfn as sf
 
     plan = sf.explain(model, ids, kwargs=dict(labels=ids, use_cache=False))
-    return all(n.run == "dispatch" for n in plan.nodes.values() if n.op == "MoEExperts.apply")
+    return ",".join(sorted({n.run for n in plan.nodes.values() if n.op == "MoEExperts.apply"}))
 
 
 def worker(rank, args, port, which, results):
@@ -126,9 +127,9 @@ def worker(rank, args, port, which, results):
             dist.all_reduce(whole)
             whole /= args.world
         losses.append(float(whole))
-    if which == "shardfn, tokens dispatched":
-        assert _dispatches(model, ids), "the plan did not dispatch the tokens"
-    results[(which, rank)] = (statistics.median(times), peak, losses)
+    runs = "" if which == "FSDP2" else _experts_runs(model, ids)
+    assert which != "shardfn, tokens dispatched" or runs == "dispatch", "the plan did not dispatch the tokens"
+    results[(which, rank)] = (statistics.median(times), peak, losses, runs)
     dist.barrier()
 
 
@@ -162,7 +163,9 @@ def main():
           f"(top 2), {args.world} gloo ranks, batch {args.batch} x {args.seq} per rank, AdamW; the same losses every "
           "step")
     for w in KINDS:
-        print(f"  {w:<28} step {ms[w]:8.1f} ms   tensor peak {peak[w]:7.1f} MiB")
+        runs = results[(w, 0)][3]
+        print(f"  {w:<28} step {ms[w]:8.1f} ms   tensor peak {peak[w]:7.1f} MiB" +
+              (f"   (experts run: {runs})" if runs else ""))
     for w in KINDS[:3]:
         print(f"  ratio {w} / FSDP2: step {ms[w] / ms['FSDP2']:.3f}, tensor peak {peak[w] / peak['FSDP2']:.3f}")
     print(f"  experts split / replicated: step {ms[KINDS[0]] / ms[KINDS[2]]:.3f}, "
