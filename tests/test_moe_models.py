@@ -77,7 +77,7 @@ def _dispatched(model, ids) -> bool:
 # the batch split over the ranks, the experts stored split over them: each (token, slot) pair sent to the rank
 # holding its expert and back (all_to_all), the tokens never gathered; every number as unsharded
 @pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "batched_mm"),
-                                        ("deepseek_v3", "grouped_mm")])
+                                        ("deepseek_v3", "grouped_mm"), ("qwen2_moe", "eager")])
 def test_tokens_dispatched_to_their_experts_train_like_unsharded(name, impl):
     with simulated_world(WORLD), _bytes_priced_over_latency():
         _, dispatched = train_and_compare(name, impl, WORLD, _simulated_slice, ranks=WORLD, steps=2,
