@@ -602,13 +602,15 @@ def _unconstrained(costs, edges, time_limit_s: float, shared: _Shared | None = N
 def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) -> Solution:
     """The budget by Lagrangian relaxation (its multiplier grown, then set where its bracket's plans cross),
     then, where a gap is left, the integer program with the budget row, from the best plan found."""
-    weights, limit = problem.budget
+    (weights, limit), pairs = problem.budget, problem.budget_edges
     weights = [np.asarray(w, dtype=float) for w in weights]
-    pairs = problem.budget_edges
-    if sum(float(w.min()) for w in weights) + sum(float(m.min()) for _, _, m in pairs) > limit * (1 + 1e-12):
-        raise Infeasible("no assignment satisfies the budget")
     deadline = time.perf_counter() + time_limit_s
     shared = _Shared()  # the rounds' arrays, hashed once, and what they compute alike, computed once
+    # the least weight exactly, first (memory alone eliminates fast, its layouts tie): a try that cannot fit says
+    # so before any round (Llama-405B's recompute tries had spent 8.6 s on two rounds to learn it)
+    least = _unconstrained(weights, pairs, 0.0) if pairs else None
+    if (_weight(weights, pairs, least.choice) if least else sum(float(w.min()) for w in weights)) > limit * (1 + 1e-12):
+        raise Infeasible("no assignment satisfies the budget")
 
     def at(mu: float) -> Solution:
         return _unconstrained(_priced(problem.costs, weights, mu),
@@ -641,18 +643,16 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     # gap closes (the 70B's budget was kept at about twice that price; a millionth of the cost per byte of the
     # budget took it 9 rounds to reach)
     lo, hi = 0.0, max(abs(first.objective), 1e-30) / max(weight(first) - limit, 1e-2 * limit, 1e-30)
-    rounds, top, least = 0, at(hi), None  # ``top``: the plan at ``hi`` (within the budget); ``over``: at ``lo``
+    rounds, top, taken = 0, at(hi), False  # ``top``: the plan at ``hi`` (within the budget); ``over``: at ``lo``
     while not take(hi, top):  # (past the deadline, bigger steps to a plan within the budget)
         if optional and time.perf_counter() > deadline:
             raise Infeasible("no plan within the budget found in the time given")
         lo, hi = hi, hi * (8 if time.perf_counter() < deadline else 64)
         rounds += 1
-        if least is None and pairs and (rounds == _LEAST_WEIGHT_AFTER or time.perf_counter() > deadline):
-            # (the least weight, exactly: after this many rounds without a plan within the budget, or past the
-            # deadline at once: Llama-405B's tries that could not fit took 8 rounds of 1.5-2.5 s to say so)
-            if _weight(weights, pairs, (least := _unconstrained(weights, pairs, 0.0)).choice) > limit * (1 + 1e-12):
-                raise Infeasible("no assignment satisfies the budget")
-            take(math.inf, least)  # (a plan within it: the bracket's upper end, should none come sooner)
+        if not taken and (rounds == _LEAST_WEIGHT_AFTER or time.perf_counter() > deadline):
+            if least is None:  # (no pairs: the least weight is each decision's least)
+                least = _unconstrained(weights, [], 0.0)
+            taken = take(math.inf, least)  # (a plan within it: the bracket's upper end, should none come sooner)
         if best is not None and rounds >= 4 * _LEAST_WEIGHT_AFTER:  # (only the least weight's plan keeps it)
             hi, top = math.inf, least
             break
