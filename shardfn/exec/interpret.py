@@ -16,9 +16,9 @@ from ..strategy_search.plan import NodePlan, Plan
 from ..strategy_search.registry import REGISTRY
 from ._dtensor_internals import is_masked_sum
 from ._graph_internals import annotated_as
+from .expert_dispatch import dispatched
 from .pieces import (VIEW_CALLS, conform, contiguous, from_local, local_piece, map_leaves, piece_shape, placed,
                      redistribute, settled, sized_to_piece, view_of_piece)
-from .expert_dispatch import dispatched
 from .precision import Casts
 
 __all__ = ["Interpreter", "node_plans"]
