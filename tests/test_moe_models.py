@@ -179,6 +179,41 @@ def test_experts_over_one_mesh_dim_of_two():
     assert "data-fact='experts'" in render_page(plan)
 
 
+def test_tokens_dispatched_over_one_mesh_dim_of_two():
+    # a 2 x 2 mesh, the batch over both dims, the experts stored split over "ep": each call dispatches the tokens
+    # over one dim (its all_to_all on that dim's groups alone); loss and every gradient as unsharded
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    import shardfn as sf
+    from tests.moe_models import LAYERS, batch, make
+
+    mesh = sf.Layout((2, 2), ("dp", "ep"))
+    experts = {f"model.layers.{i}.mlp.experts.{w}": mesh("ep", "None", "None")
+               for i in range(LAYERS) for w in ("gate_up_proj", "down_proj")}
+    with simulated_world(WORLD), _bytes_priced_over_latency():
+        torch.manual_seed(0)
+        reference = make("mixtral")
+        model = sf.shard(copy.deepcopy(reference), in_strategy={"input_ids": mesh(("dp", "ep"), "None")},
+                         parameter_plan=experts, level=2, dataset_strategy="data_parallel")
+        ids, kwargs = batch(0)
+        mine = _simulated_slice(ids)  # each rank its row of the batch
+        out, ref = model(mine, labels=mine, use_cache=False), reference(ids, **kwargs)
+        out.loss.backward()
+        ref.loss.backward()
+        for r in range(WORLD):
+            torch.testing.assert_close(on_rank(out.loss, r), on_rank(ref.loss, r))
+        for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for r in range(WORLD):
+                torch.testing.assert_close(on_rank(g, r), on_rank(q.grad, r), rtol=1e-4, atol=1e-5, msg=n)
+        plan = sf.explain(model, mine, kwargs=dict(labels=mine, use_cache=False))
+    calls = [n for n in plan.nodes.values() if n.op == "MoEExperts.apply"]
+    assert calls and all(n.run == "dispatch" for n in calls), [(n.run, n.inputs[0], n.inputs[4]) for n in calls]
+    assert {c.mesh_dims for c in plan.collectives if c.where.endswith("(dispatch)")} in ({(0,)}, {(1,)})
+
+
 def test_experts_split_unevenly_train_like_unsharded():
     # 6 experts over 4 ranks as DTensor lays them out: 2, 2, 2 and none (that rank contributes nothing)
     with simulated_world(WORLD):
