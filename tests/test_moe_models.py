@@ -138,13 +138,27 @@ def test_deepseek_v3_trains_like_unsharded_with_its_keys_made_split():
     assert split
 
 
+def _loss_and_gradients_alike(model, out, reference, ref) -> None:
+    """One backward of each: the losses and every parameter's gradient equal on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    out.loss.backward()
+    ref.loss.backward()
+    for r in range(WORLD):
+        torch.testing.assert_close(on_rank(out.loss, r), on_rank(ref.loss, r))
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for r in range(WORLD):
+            torch.testing.assert_close(on_rank(g, r), on_rank(q.grad, r), rtol=1e-4, atol=1e-5, msg=n)
+
+
 def test_experts_over_one_mesh_dim_of_two():
     # a 2 x 2 mesh: the tokens given split over "dp", the experts stored split over "ep": the experts run split over
     # "ep"; loss and every gradient as unsharded
     import copy
 
     import torch
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     import shardfn as sf
     from tests.moe_models import LAYERS, batch, make
@@ -159,14 +173,7 @@ def test_experts_over_one_mesh_dim_of_two():
                          parameter_plan=experts, level=2)
         ids, kwargs = batch(0)
         out, ref = model(ids, **kwargs), reference(ids, **kwargs)
-        out.loss.backward()
-        ref.loss.backward()
-        for r in range(WORLD):
-            torch.testing.assert_close(on_rank(out.loss, r), on_rank(ref.loss, r))
-        for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            for r in range(WORLD):
-                torch.testing.assert_close(on_rank(g, r), on_rank(q.grad, r), rtol=1e-4, atol=1e-5, msg=n)
+        _loss_and_gradients_alike(model, out, reference, ref)
         plan = sf.explain(model, ids, kwargs=kwargs)
     calls = [n for n in plan.nodes.values() if n.op == "MoEExperts.apply"]
     assert calls and all(n.inputs[4][1] == Shard(0) for n in calls)
@@ -184,8 +191,6 @@ def test_tokens_dispatched_over_one_mesh_dim_of_two():
     # over one dim (its all_to_all on that dim's groups alone); loss and every gradient as unsharded
     import copy
 
-    from torch.distributed.tensor import DTensor
-
     import shardfn as sf
     from tests.moe_models import LAYERS, batch, make
 
@@ -200,14 +205,7 @@ def test_tokens_dispatched_over_one_mesh_dim_of_two():
         ids, kwargs = batch(0)
         mine = _simulated_slice(ids)  # each rank its row of the batch
         out, ref = model(mine, labels=mine, use_cache=False), reference(ids, **kwargs)
-        out.loss.backward()
-        ref.loss.backward()
-        for r in range(WORLD):
-            torch.testing.assert_close(on_rank(out.loss, r), on_rank(ref.loss, r))
-        for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            for r in range(WORLD):
-                torch.testing.assert_close(on_rank(g, r), on_rank(q.grad, r), rtol=1e-4, atol=1e-5, msg=n)
+        _loss_and_gradients_alike(model, out, reference, ref)
         plan = sf.explain(model, mine, kwargs=dict(labels=mine, use_cache=False))
     calls = [n for n in plan.nodes.values() if n.op == "MoEExperts.apply"]
     assert calls and all(n.run == "dispatch" for n in calls), [(n.run, n.inputs[0], n.inputs[4]) for n in calls]
