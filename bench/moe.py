@@ -40,6 +40,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from bench._tensor_peak import TensorPeak, local  # noqa: E402
 from tests.harness import free_port  # noqa: E402
+from tests.moe_models import bytes_priced_over_latency  # noqa: E402
 
 KINDS = ("shardfn, experts split", "shardfn, tokens dispatched", "shardfn, experts replicated", "FSDP2")
 
@@ -69,19 +70,6 @@ def _wrapped(model, which, args):
     return sf.shard(model, in_strategy=(None,), dataset_strategy="data_parallel", parameter_plan=experts, level=2)
 
 
-def _bytes_only_links(rank: int) -> None:
-    """Plan on the CPU profile with collectives priced by their bytes alone (SHARDFN_PROFILE)."""
-    import dataclasses
-    import tempfile
-
-    from shardfn.strategy_search import cost_model as cm
-
-    link = cm.Link(0.0, cm.CPU.intra_node.beta_s_per_byte, 0.0)
-    path = os.path.join(tempfile.gettempdir(), f"shardfn-bench-moe-{os.getpid()}-{rank}.json")
-    cm.save_profile(dataclasses.replace(cm.CPU, intra_node=link, inter_node=link), path)
-    os.environ["SHARDFN_PROFILE"] = path
-
-
 def _experts_runs(model, ids) -> str:
     """How the plan runs the experts calls: "dispatch" (all_to_all), "local" (gathered tokens or whole)."""
     import shardfn as sf
@@ -96,8 +84,9 @@ def worker(rank, args, port, which, results):
     import shardfn as sf
 
     sf.init()
+    priced = contextlib.ExitStack()  # (held until the worker ends: its plan is made and explained here)
     if which == "shardfn, tokens dispatched":
-        _bytes_only_links(rank)
+        priced.enter_context(bytes_priced_over_latency())
     torch.manual_seed(0)
     model = _wrapped(_model(args), which, args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
@@ -130,6 +119,7 @@ def worker(rank, args, port, which, results):
     runs = "" if which == "FSDP2" else _experts_runs(model, ids)
     assert which != "shardfn, tokens dispatched" or runs == "dispatch", "the plan did not dispatch the tokens"
     results[(which, rank)] = (statistics.median(times), peak, losses, runs)
+    priced.close()
     dist.barrier()
 
 

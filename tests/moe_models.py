@@ -4,7 +4,11 @@ equal."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
+import os
+import tempfile
 from typing import Callable
 
 import torch
@@ -106,3 +110,24 @@ def train_and_compare(name: str, impl: str, world: int, rank_slice: Callable | N
     if checked is not None:  # what else the plan must do (it is given the model and the call's tokens)
         split = split and checked(model, rank_slice(ids) if rank_slice else ids)
     return losses, split
+
+
+@contextlib.contextmanager
+def bytes_priced_over_latency():
+    """Plans priced on links whose collectives cost their bytes alone (no latency, no launch): there sending each
+    (token, slot) pair to its expert's rank moves k/n of the gather's bytes and wins at this test's few tokens,
+    as it does at real size (Mixtral-8x7B on 8 x 8 H100s: bench/moe_plan.py). Read where a plan is made."""
+    from shardfn.strategy_search import cost_model as cm
+
+    quick = cm.Link(0.0, 1 / 2e9, 0.0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "profile.json")
+        cm.save_profile(dataclasses.replace(cm.CPU, intra_node=quick, inter_node=quick), path)
+        saved = os.environ.get("SHARDFN_PROFILE")
+        os.environ["SHARDFN_PROFILE"] = path
+        try:
+            yield
+        finally:
+            os.environ.pop("SHARDFN_PROFILE")
+            if saved is not None:
+                os.environ["SHARDFN_PROFILE"] = saved

@@ -2,11 +2,6 @@
 the unsharded model (tests/moe_models.py): losses, the load-balancing loss, every gradient (router included) and
 the parameters after AdamW steps equal, on 4 simulated ranks and on 4 real gloo ranks."""
 
-import contextlib
-import dataclasses
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,7 +11,7 @@ pytest.importorskip("transformers")
 
 from shardfn.runtime import simulated_world  # noqa: E402
 from tests.harness import on_rank  # noqa: E402
-from tests.moe_models import train_and_compare  # noqa: E402
+from tests.moe_models import bytes_priced_over_latency, train_and_compare  # noqa: E402
 
 WORLD = 4
 
@@ -43,27 +38,6 @@ def test_data_parallel_with_split_expert_storage_trains_like_unsharded():
     assert split, "the plan gathered the experts' weights"
 
 
-@contextlib.contextmanager
-def _bytes_priced_over_latency():
-    """Plans priced on links whose collectives cost their bytes alone (no latency, no launch): there sending each
-    (token, slot) pair to its expert's rank moves k/n of the gather's bytes and wins at this test's few tokens,
-    as it does at real size on any link (Mixtral-8x7B on 8 x 8 H100s: bench/moe_plan.py)."""
-    from shardfn.strategy_search import cost_model as cm
-
-    quick = cm.Link(0.0, 1 / 2e9, 0.0)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "profile.json")
-        cm.save_profile(dataclasses.replace(cm.CPU, intra_node=quick, inter_node=quick), path)
-        saved = os.environ.get("SHARDFN_PROFILE")
-        os.environ["SHARDFN_PROFILE"] = path
-        try:
-            yield
-        finally:
-            os.environ.pop("SHARDFN_PROFILE")
-            if saved is not None:
-                os.environ["SHARDFN_PROFILE"] = saved
-
-
 def _dispatched(model, ids) -> bool:
     import shardfn as sf
 
@@ -80,7 +54,7 @@ def _dispatched(model, ids) -> bool:
 @pytest.mark.parametrize("name, impl", [("mixtral", "grouped_mm"), ("qwen2_moe", "batched_mm"),
                                         ("deepseek_v3", "grouped_mm"), ("qwen2_moe", "eager")])
 def test_tokens_dispatched_to_their_experts_train_like_unsharded(name, impl):
-    with simulated_world(WORLD), _bytes_priced_over_latency():
+    with simulated_world(WORLD), bytes_priced_over_latency():
         _, dispatched = train_and_compare(name, impl, WORLD, _simulated_slice, ranks=WORLD, steps=2,
                                           checked=_dispatched)
     assert dispatched, "the plan did not dispatch the tokens to their experts"
@@ -97,7 +71,7 @@ def test_data_parallel_generate_with_the_tokens_dispatched_gives_each_rank_its_r
     from shardfn.runtime import simulated_map
     from tests.moe_models import expert_plan, make
 
-    with simulated_world(WORLD), _bytes_priced_over_latency():
+    with simulated_world(WORLD), bytes_priced_over_latency():
         torch.manual_seed(0)
         reference = make("mixtral").eval()
         reference.config.output_router_logits = False
@@ -197,7 +171,7 @@ def test_tokens_dispatched_over_one_mesh_dim_of_two():
     mesh = sf.Layout((2, 2), ("dp", "ep"))
     experts = {f"model.layers.{i}.mlp.experts.{w}": mesh("ep", "None", "None")
                for i in range(LAYERS) for w in ("gate_up_proj", "down_proj")}
-    with simulated_world(WORLD), _bytes_priced_over_latency():
+    with simulated_world(WORLD), bytes_priced_over_latency():
         torch.manual_seed(0)
         reference = make("mixtral")
         model = sf.shard(copy.deepcopy(reference), in_strategy={"input_ids": mesh(("dp", "ep"), "None")},
@@ -265,7 +239,7 @@ def _dispatched_in_traced_graphs(model, ids) -> bool:
 
 def _dispatched_body():
     world, rank = dist.get_world_size(), dist.get_rank()
-    with _bytes_priced_over_latency():
+    with bytes_priced_over_latency():
         return train_and_compare("mixtral", "grouped_mm", world, lambda t: t.chunk(world)[rank], steps=2,
                                  checked=_dispatched_in_traced_graphs)
 
