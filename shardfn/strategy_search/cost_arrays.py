@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from . import cost_model as cm
 
-__all__ = ["R", "P", "codes", "edge_seconds", "redistribute_seconds"]
+__all__ = ["R", "P", "PairMemo", "codes", "edge_seconds", "pair_seconds", "redistribute_seconds"]
 
 R, P = -1, -2
 
@@ -140,16 +140,68 @@ def _distinct(keys: list) -> tuple[np.ndarray, np.ndarray]:
     return np.array(list(pos), dtype=np.int64).reshape(len(pos), -1), idx
 
 
+class _PairTable:
+    """The figures of one (tensor, collectives' pricing) for every pair of the layouts met so far: a square
+    matrix over the codes in the order met, NaN where a pair was not asked for yet."""
+
+    def __init__(self):
+        self.index: dict[tuple[int, ...], int] = {}
+        self.seconds = np.full((0, 0), np.nan)
+        self.gathers = np.zeros((0, 0), dtype=bool)
+
+    def rows(self, coded: np.ndarray) -> np.ndarray:
+        """Each code's row and column (new codes added; the matrices grow by doubling)."""
+        out = np.array([self.index.setdefault(c, len(self.index)) for c in map(tuple, coded.tolist())],
+                       dtype=np.int64)
+        if len(self.index) > len(self.seconds):
+            n, old = max(2 * len(self.seconds), len(self.index), 64), len(self.seconds)
+            seconds, gathers = np.full((n, n), np.nan), np.zeros((n, n), dtype=bool)
+            seconds[:old, :old], gathers[:old, :old] = self.seconds, self.gathers
+            self.seconds, self.gathers = seconds, gathers
+        return out
+
+
+class PairMemo:
+    """:func:`pair_seconds`' figures kept per tensor shape and pricing, and per pair of layouts: a model's edges
+    pair the same layouts of the same shapes again and again (Llama-3.1-405B's 297 candidate-list pairs ask for
+    35 million pairs of layouts, 7.8 million of them distinct), so each is computed once. Figures are per row
+    (:func:`redistribute_seconds` computes each pair alone), so a memoized one is bit for bit a fresh one."""
+
+    def __init__(self):
+        self._tables: dict[tuple, _PairTable] = {}
+
+    def table(self, key: tuple) -> _PairTable:
+        return self._tables.setdefault(key, _PairTable())
+
+
 def pair_seconds(shape, itemsize: int, srcs: list, dsts: list, mesh_shape, profile, links,
-                 share: Callable | None = None, gathers_on: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+                 share: Callable | None = None, gathers_on: Sequence[int] = (),
+                 memo: PairMemo | None = None) -> tuple[np.ndarray, np.ndarray]:
     """:func:`redistribute_seconds` of every coded layout of ``srcs`` to every one of ``dsts``, as matrices
-    (each distinct pair computed once)."""
+    (each distinct pair computed once; with ``memo``, once for every call given it)."""
     a, i = _distinct(srcs)
     b, j = _distinct(dsts)
-    seconds, gathers = redistribute_seconds(shape, itemsize, np.repeat(a, len(b), 0), np.tile(b, (len(a), 1)),
-                                            mesh_shape, profile, links, share, gathers_on)
+    if memo is None:
+        seconds, gathers = redistribute_seconds(shape, itemsize, np.repeat(a, len(b), 0),
+                                                np.tile(b, (len(a), 1)), mesh_shape, profile, links, share,
+                                                gathers_on)
+        seconds, gathers = seconds.reshape(len(a), len(b)), gathers.reshape(len(a), len(b))
+    else:
+        table = memo.table((tuple(int(n) for n in shape), itemsize, tuple(mesh_shape), id(profile), tuple(links),
+                            share, tuple(gathers_on)))
+        ra, rb = table.rows(a), table.rows(b)
+        block = np.ix_(ra, rb)
+        seconds = table.seconds[block]
+        missing_a, missing_b = np.nonzero(np.isnan(seconds))
+        if len(missing_a):
+            new, gathered = redistribute_seconds(shape, itemsize, a[missing_a], b[missing_b], mesh_shape, profile,
+                                                 links, share, gathers_on)
+            table.seconds[ra[missing_a], rb[missing_b]] = new
+            table.gathers[ra[missing_a], rb[missing_b]] = gathered
+            seconds[missing_a, missing_b] = new
+        gathers = table.gathers[block]
     pick = np.ix_(i, j)
-    return seconds.reshape(len(a), len(b))[pick], gathers.reshape(len(a), len(b))[pick]
+    return seconds[pick], gathers[pick]
 
 
 def _gradient_target(code: tuple[int, ...], accumulate: bool) -> tuple[int, ...]:
@@ -165,24 +217,27 @@ def _gradient_arriving(code: tuple[int, ...], pend: Sequence[bool]) -> tuple[int
 
 
 def edge_seconds(shape, itemsize: int, grad_itemsize: int, src_keys: list, dst_keys: list, mesh_shape, profile,
-                 links, grad: bool, share: Callable | None = None) -> np.ndarray | None:
+                 links, grad: bool, share: Callable | None = None,
+                 memo: PairMemo | None = None) -> np.ndarray | None:
     """Pricing's edge matrix: for producer keys (output layout, accumulates) and consumer keys (input layout,
     pending sums), the seconds of the forward redistribution plus, with ``grad``, its backward dual (the
-    gradient's collectives bearing ``share`` of their latency). None where a layout has no code."""
+    gradient's collectives bearing ``share`` of their latency). None where a layout has no code. ``memo``: as
+    :func:`pair_seconds`'."""
     partials: dict = {}
     src = [codes(p, partials) for p, _ in src_keys]
     dst = [codes(p, partials) for p, _ in dst_keys]
     if None in src or None in dst:
         return None
-    fwd, _ = pair_seconds(shape, itemsize, src, dst, mesh_shape, profile, links)
+    fwd, _ = pair_seconds(shape, itemsize, src, dst, mesh_shape, profile, links, memo=memo)
     if not grad:
         return fwd
     arriving = [_gradient_arriving(c, pd) for c, (_, pd) in zip(dst, dst_keys)]
     back, _ = pair_seconds(shape, grad_itemsize, arriving, [_gradient_target(c, acc) for c, (_, acc) in
-                                                            zip(src, src_keys)], mesh_shape, profile, links, share)
+                                                            zip(src, src_keys)], mesh_shape, profile, links, share,
+                           memo=memo)
     if any(acc for _, acc in src_keys):  # an edge that moves the value resolves its gradient's pending sums
         resolved, _ = pair_seconds(shape, grad_itemsize, arriving, [_gradient_target(c, False) for c in src],
-                                   mesh_shape, profile, links, share)
+                                   mesh_shape, profile, links, share, memo=memo)
         ids: dict = {}
         src_ids, dst_ids = (np.array([ids.setdefault(c, len(ids)) for c in cs]) for cs in (src, dst))
         stays = (dst_ids[:, None] == src_ids[None, :]) & np.array([acc for _, acc in src_keys], dtype=bool)

@@ -100,6 +100,7 @@ class Pricing:
         self.mesh_shape = problem.mesh_shape
         self._edges, self._unaries, self._violations, self._comm, self._held = {}, {}, {}, {}, {}  # memos
         self._nodes = {}  # node -> what pricing reads of it, the same in every try (recompute's too)
+        self._pairs = cost_arrays.PairMemo()  # each pair of layouts of a shape priced once
         # values some backward reads, needing a gradient or not (a mask read by attention's backward): kept
         self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
             if problem.needs_grad else set()
@@ -133,7 +134,7 @@ class Pricing:
         (cost_arrays, the same figures), else one pair at a time."""
         small = cost_arrays.edge_seconds(val.shape, val.element_size(), _grad_item(val, grad_dtype), src_keys,
                                          dst_keys, self.mesh_shape, self.profile, self.links, grad,
-                                         self.share.many if handed_back else None)
+                                         self.share.many if handed_back else None, self._pairs)
         if small is None:
             small = np.array([[self.comm(val, s, t, pd, grad, acc, handed_back, grad_dtype)[2] for t, pd in dst_keys]
                               for s, acc in src_keys])
@@ -273,7 +274,7 @@ class Pricing:
         a, b = [cost_arrays.codes(s, partials) for s in srcs], [cost_arrays.codes(t, partials) for t in dsts]
         if None not in a and None not in b:
             return cost_arrays.pair_seconds(val.shape, val.element_size(), a, b, self.mesh_shape, self.profile,
-                                            self.links, gathers_on=keep_split)[1].astype(float)
+                                            self.links, gathers_on=keep_split, memo=self._pairs)[1].astype(float)
         src_keys, src_idx = _distinct(srcs)
         dst_keys, dst_idx = _distinct(dsts)
         bad = np.array([[float(_gathers(self.comm(val, s, t, (), False, False)[0], keep_split)) for t in dst_keys]

@@ -64,3 +64,31 @@ def test_layouts_without_a_code_are_left_to_the_scalar_walk():
     assert ca.codes((Shard(1), strided), {}) is None
     assert ca.edge_seconds((4,), 4, 4, [((strided,), False)], [((Replicate(),), (False,))], (2,), cm.CPU,
                            ("intra",), False) is None
+
+
+def test_a_memo_gives_each_pair_as_computed_alone():
+    # pricing keeps one memo for a whole plan: calls that overlap, differ in shape, share or kept dims, or meet a
+    # code first in a later call (the tables grow) must each get the figures a call without it gets
+    mesh_shape, profile = (2, 2, 2), cm.H100
+    links = cm.mesh_links(mesh_shape, profile)
+    rng = random.Random(1)
+    memo = ca.PairMemo()
+    share = _BucketShare(2**12, 4)
+    for call in range(12):
+        shape = ((8, 6, 4), (16, 6))[call % 2]
+        layouts = _layouts(len(shape), 3, masked=True)
+        partials = {}
+        srcs = [ca.codes(s, partials) for s in rng.sample(layouts, min(20 + 15 * call, len(layouts)))]
+        dsts = [ca.codes(t, partials) for t in rng.sample(layouts, 30)]
+        srcs += srcs[:3]  # (repeated codes)
+        kwargs = dict(share=share.many if call % 3 else None, gathers_on=(0,) if call % 4 == 1 else ())
+        alone = ca.pair_seconds(shape, 4, srcs, dsts, mesh_shape, profile, links, **kwargs)
+        memoized = ca.pair_seconds(shape, 4, srcs, dsts, mesh_shape, profile, links, memo=memo, **kwargs)
+        for a, b in zip(alone, memoized):
+            assert a.shape == b.shape and (a == b).all()
+    keys = [(s, acc) for s in _layouts(3, 3)[::5] for acc in (False, True)]
+    dst_keys = [(t, pd) for t in _layouts(3, 3)[::7] for pd in ((False,) * 3, (True, False, True))]
+    for _ in range(2):  # (the second time from the memo)
+        got = ca.edge_seconds((8, 6, 4), 4, 2, keys, dst_keys, mesh_shape, profile, links, True, share.many, memo)
+        want = ca.edge_seconds((8, 6, 4), 4, 2, keys, dst_keys, mesh_shape, profile, links, True, share.many)
+        assert (got == want).all()
