@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-__all__ = ["expand_placements"]
+__all__ = ["expand_placements", "shardable"]
 
 Placements = tuple[Placement, ...]
 
@@ -35,10 +35,11 @@ def expand_placements(rules: Sequence[Sequence[Placement | None]], mesh_shape: t
     if not all(isinstance(d, int) for shape in shapes for d in shape):
         return None
     shardable: dict = {}
+    mixed: dict = {}  # (an operand's placements recur across combinations: each tested once)
     found = []
     for combo in itertools.product(rules, repeat=len(mesh_shape)):
         specs = [None if column[0] is None else column for column in zip(*combo)]
-        if any(_mixed_pending(s) for s in specs if s is not None):
+        if any(mixed[s] if s in mixed else mixed.setdefault(s, _mixed_pending(s)) for s in specs if s is not None):
             continue
         ins = tuple(s for s in specs[n_out:] if s is not None)
         if len(ins) != len(shapes) or (n_out == 1 and specs[0] is None):
@@ -57,21 +58,23 @@ def _mixed_pending(placements: Placements) -> bool:
     return len(kinds) > 1 and not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"})
 
 
+def shardable(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
+    """DTensor's is_tensor_shardable for Replicate, Shard and pending placements on sizes known as numbers: no dim
+    split into more pieces than it has elements, none past the last."""
+    pieces = [1] * len(shape)
+    for size, p in zip(mesh_shape, placements):
+        if type(p) is Shard:
+            if p.dim >= len(shape):
+                return False
+            pieces[p.dim] *= size
+            if shape[p.dim] < pieces[p.dim]:
+                return False
+    return True
+
+
 def _fits(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...], memo: dict, i: int) -> bool:
-    """DTensor's is_tensor_shardable: no dim split into more pieces than it has elements, none past the last."""
     key = (i, placements)
     hit = memo.get(key)
     if hit is None:
-        pieces = [1] * len(shape)
-        hit = True
-        for size, p in zip(mesh_shape, placements):
-            if type(p) is Shard:
-                if p.dim >= len(shape):
-                    hit = False
-                    break
-                pieces[p.dim] *= size
-                if shape[p.dim] < pieces[p.dim]:
-                    hit = False
-                    break
-        memo[key] = hit
+        hit = memo[key] = shardable(shape, placements, mesh_shape)
     return hit

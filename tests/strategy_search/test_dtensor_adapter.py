@@ -66,3 +66,23 @@ def test_local_shapes_are_dtensors_own_rank_by_rank():
                                                                skip_offset=True)[0])
                   for coord in itertools.product(*[range(n) for n in mesh_shape])]
         assert adapter.local_shapes(shape, placements, meshes[mesh_shape]) == walked, (shape, placements)
+
+
+def test_valid_placements_are_those_dtensor_can_lay_out():
+    # decided on the numbers (once per shape and mesh shape): the same as DTensor's is_tensor_shardable asked
+    # about each combination, sizes smaller than the mesh dims included
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._ops.utils import is_tensor_shardable
+
+    for mesh_shape in [(2,), (3,), (2, 2), (2, 3), (3, 2, 2), (2, 1, 2, 2)]:
+        mesh = planning(*mesh_shape)
+        for shape in [(), (1,), (2,), (5,), (6, 1), (3, 4), (4, 2, 13), (2, 0, 3), (12, 7)]:
+            meta = TensorMeta(shape=torch.Size(shape), stride=(), dtype=torch.float32)
+            per_dim = [Replicate()] + [Shard(d) for d in range(len(shape))]
+            want = [c for c in itertools.product(per_dim, repeat=len(mesh_shape))
+                    if is_tensor_shardable(meta.shape, DTensorSpec(mesh, c, tensor_meta=meta))]
+            assert adapter.valid_placements(shape, mesh) == want, (shape, mesh_shape)
+            assert adapter.valid_placements(torch.Size(shape), mesh) == want
