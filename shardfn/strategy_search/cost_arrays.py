@@ -197,9 +197,12 @@ def pair_seconds(shape, itemsize: int, srcs: list, dsts: list, mesh_shape, profi
             new, gathered = redistribute_seconds(shape, itemsize, a[missing_a], b[missing_b], mesh_shape, profile,
                                                  links, share, gathers_on)
             table.seconds[ra[missing_a], rb[missing_b]] = new
-            table.gathers[ra[missing_a], rb[missing_b]] = gathered
+            if gathers_on:
+                table.gathers[ra[missing_a], rb[missing_b]] = gathered
             seconds[missing_a, missing_b] = new
-        gathers = table.gathers[block]
+        gathers = table.gathers[block] if gathers_on else np.zeros(seconds.shape, dtype=bool)
+    if len(a) == len(srcs) and len(b) == len(dsts):  # (each distinct already, in order: no repeats to spread)
+        return seconds, gathers
     pick = np.ix_(i, j)
     return seconds[pick], gathers[pick]
 

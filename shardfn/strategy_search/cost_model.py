@@ -364,8 +364,8 @@ def node_flops(node) -> int:
     autograd.Function's call counts the ops its forward ran at capture."""
     if isinstance(node.target, FunctionCall):
         return sum(_op_flops(op, args, kwargs, out) for op, args, kwargs, out in node.target.forward_ops)
-    if not isinstance(node.target, torch._ops.OpOverload):
-        return 0
+    if not isinstance(node.target, torch._ops.OpOverload) or node.target.overloadpacket not in flop_registry:
+        return 0  # (before the key: most ops are views and elementwise, which it does not count)
     args, kwargs = pytree.tree_map(lambda x: x.meta["val"] if isinstance(x, torch.fx.Node) else x,
                                    (node.args, node.kwargs))
     return _op_flops(node.target, args, kwargs, node.meta.get("val"))
