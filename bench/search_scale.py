@@ -26,7 +26,7 @@ hand-written Llama-3-8B
 10 s cold for transformers' model, 5 s for the hand-written one; every row within SHARDFN_SEARCH_TIME_LIMIT's
 20 s of search, but DeepSeek-V3's, whose target is 60 s from the call with a gap of 1% at most (its row runs with
 the search's limit at 50 s unless the variable is set: its capture takes the rest). The 405B's row is over it
-today: its candidates and pricing alone take 35-40 s on the 4-D mesh, and the solve, left no time, keeps a
+today (25 s cold: capture 3, candidates 4.7, pricing 4.6, the solves and read-out about 12), and its solve, left little time, keeps a
 shortlist of each large decision (its plan then has no bound: "gap" prints inf).
 """
 
