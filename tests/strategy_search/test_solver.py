@@ -235,6 +235,29 @@ def test_past_its_time_limit_elimination_keeps_a_shortlist_of_each_large_decisio
     assert exact.objective <= short.objective <= 1.05 * exact.objective
 
 
+def test_a_product_forecast_to_end_past_the_limit_is_shortlisted_before_it_starts(monkeypatch):
+    # the forecast (its elements at the rate measured so far), not the clock once the limit has passed, decides:
+    # forecast past a limit still ahead, every large product is shortlisted; with no limit, none; and a product
+    # computed already for an identical layer is forecast to cost nothing: identical links decide alike
+    from shardfn.strategy_search import solver
+
+    rng = np.random.default_rng(5)
+    problem = _layouts_chain(rng, 10, 2 * solver._SHORTLIST)
+    problem.costs = [c / 10 for c in problem.costs]  # (below any move's cost: no candidate dominated)
+    monkeypatch.setattr(solver._Shared, "link_seconds", lambda self, *operands: 3600.0)
+    ahead = solve(problem, time_limit_s=60.0)
+    assert ahead.stats["shortlisted"] == solver._SHORTLIST and not ahead.optimal
+    assert "shortlisted" not in solve(problem, time_limit_s=float("inf")).stats
+    monkeypatch.undo()
+    shared = solver._Shared()
+    m = rng.uniform(0, 1, size=(4, 5))
+    c_v, c_vw = rng.uniform(0, 1, size=5), rng.uniform(0, 1, size=(5, 3))
+    assert shared.link_seconds(m, c_v, c_vw) == pytest.approx(4 * 5 * 3 * 1e-9)  # (no rate measured yet)
+    shared(solver._link, m, c_v, c_vw)
+    assert shared.link_seconds(m, c_v, c_vw) == 0.0
+    assert shared.link_seconds(m.copy(), c_v, c_vw) > 0.0
+
+
 def test_a_shortlisted_budget_solve_keeps_the_budget():
     from shardfn.strategy_search import solver
 
