@@ -92,8 +92,7 @@ class Pricing:
         # a recomputed value too, and a parameter's copy gathered again in backward beyond a bucket's bytes. Else
         # free: DeepSeek-V3's level 1 ran attention and a layer's experts whole
         self.every_value = every_value
-        # each mesh dim's link ("intra"/"inter"), which prices its collectives
-        self.links = links if links is not None else cm.mesh_links(problem.mesh_shape, profile)
+        self.links = links if links is not None else cm.mesh_links(problem.mesh_shape, profile)  # dims' links
         self.optimizer_stage = optimizer_stage
         self.grad_dtypes = {n: reduce_dtype for n in problem.trainable
                             if reduce_dtype is not None and n.meta["val"].dtype != reduce_dtype}
@@ -101,7 +100,6 @@ class Pricing:
         self._edges, self._unaries, self._violations, self._comm, self._held = {}, {}, {}, {}, {}  # memos
         self._nodes = {}  # node -> what pricing reads of it, the same in every try (recompute's too)
         self._pairs = cost_arrays.PairMemo()  # each pair of layouts of a shape priced once
-        self._held_lists: dict = {}  # held_copies' list per problem's decisions (recompute's tries share it)
         # values some backward reads, needing a gradient or not (a mask read by attention's backward): kept
         self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
             if problem.needs_grad else set()
@@ -157,18 +155,8 @@ class Pricing:
         terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible,
                       grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
-        terms.edge_memory = self._held_copies(p)
+        terms.edge_memory = held_copies(p, self._held, self.reshard, bucket_bytes() if self.every_value else None)
         return terms
-
-    def _held_copies(self, p: StrategyProblem) -> list:
-        """gathered.held_copies of ``p``: the same for every try of recompute (it reads the decisions and what
-        needs a gradient, which recompute leaves as they are), found once (0.5 s a try for Llama-405B)."""
-        beyond = bucket_bytes() if self.every_value else None
-        key = (id(p.decisions), id(p.needs_grad), self.reshard, beyond)
-        hit = self._held_lists.get(key)
-        if hit is None or hit[0] is not p.decisions or hit[1] is not p.needs_grad:
-            hit = self._held_lists[key] = (p.decisions, p.needs_grad, held_copies(p, self._held, self.reshard, beyond))
-        return hit[2]
 
     def _unary(self, d: Decision, held, share: float = 1.0):
         """(compute, savings, memory, node reductions) of each candidate of ``d`` (a recomputed value's memory

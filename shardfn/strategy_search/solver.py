@@ -640,9 +640,7 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     def weight(sol: Solution) -> float:
         return _weight(weights, pairs, sol.choice)
 
-    # (half the time: a plan over the budget takes a second solve at least, which past the limit still runs, its
-    # large products shortlisted: Llama-405B's 1.8 s)
-    first = at(0.0, 0.5)
+    first = at(0.0, 0.5)  # (half the time: a plan over the budget takes a second solve at least)
     if weight(first) <= limit:
         return first
     best, bound, over = None, first.bound, first
