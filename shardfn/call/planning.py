@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Callable
 
 import torch
@@ -32,7 +33,7 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
     """Bind (unless ``call`` is the call bound already), capture and plan one call signature (local: no
     communication). ``dynamic``: {argument tensor number: dims} traced as symbols; the search plans at this
     call's sizes."""
-    config = engine.config
+    config, started = engine.config, time.perf_counter()  # (the search's time limit counts the capture)
     with runtime.outside_simulation():
         call = call or bind(config, engine.fn, engine.name, args, kwargs, world)
         fixed = param_specs(engine, world)
@@ -52,7 +53,7 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
                                 profile, accumulate, engine.optimizer_stage,
                                 pending_grads=engine.grad_targets.keys(), arrivals=moves,
                                 notes=((_dynamic_note(captured, dynamic),) if dynamic else ()) + moved + cut_note)
-        plan = make_plan(planned, runtime.planning_mesh(mesh_spec, device), mesh_spec, request, progress)
+        plan = make_plan(planned, runtime.planning_mesh(mesh_spec, device), mesh_spec, request, progress, started)
     params, buffers = engine.state()
     return Planned(captured, plan, mesh_spec, tuple(parameters.slot(engine.module, n) for n in params),
                    tuple(parameters.slot(engine.module, n) for n in buffers), dict(dynamic or {}), request)

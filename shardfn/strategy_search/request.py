@@ -20,9 +20,9 @@ Placements = tuple[Placement, ...]
 
 
 def search_time_limit() -> float:
-    """Seconds the whole search may take, from its first step to the plan (``SHARDFN_SEARCH_TIME_LIMIT``, default
-    20; the capture before it is not counted). Past it the search returns the best plan found, says so on the
-    ``shardfn`` logger, and explain() shows its gap."""
+    """Seconds planning a call may take, from its capture's start to the plan (``SHARDFN_SEARCH_TIME_LIMIT``,
+    default 20). Past it the search returns the best plan found, says so on the ``shardfn`` logger, and explain()
+    shows its gap."""
     value = os.environ.get("SHARDFN_SEARCH_TIME_LIMIT", "20")
     try:
         limit = float(value)
@@ -66,7 +66,7 @@ class PlanRequest:
     # mesh dims over which the batch stays split (data parallelism): values computed from the inputs split there
     # are not gathered over them in forward, wherever a plan can avoid it
     keep_split: tuple[int, ...] = ()
-    time_limit_s: float | None = None  # the whole search's budget in seconds (None: search_time_limit())
+    time_limit_s: float | None = None  # planning's seconds, the capture's included (None: search_time_limit())
     # accumulation without sync (sf.no_sync): parameters' gradients are not all-reduced in this program
     accumulate: bool = False
     # a sharded optimizer's stage (sf.shard_optimizer): 1 splits the optimizer states of whole parameters over

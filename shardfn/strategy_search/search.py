@@ -7,7 +7,8 @@
 
 Each step says on the ``shardfn`` logger what it starts on and, when it ends, its size and time (:mod:`..progress`:
 INFO for a large call or a plan that takes over a second, else DEBUG), so a user waiting on a large plan sees it
-move. ``SHARDFN_SEARCH_TIME_LIMIT`` bounds the four steps together. Nothing a search builds outlives it.
+move. ``SHARDFN_SEARCH_TIME_LIMIT`` bounds the four steps together, and the capture before them where the caller
+says when it started. Nothing a search builds outlives it.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ __all__ = ["PlanMemoryWarning", "make_plan"]
 
 log = logging.getLogger("shardfn")
 _BUDGET_ROUNDS = 3  # solves a plan over the memory gets before the error
+# The read-out's seconds as a share of pricing's, reserved after the last solve (it walks what pricing priced:
+# Llama-405B's 1.0 s after pricing's 4.5 at level 2, 1.2-1.3 s after 3.7 at level 1)
+_READ_OUT_SHARE = 0.35
 
 
 class PlanMemoryWarning(UserWarning):
@@ -44,12 +48,13 @@ class PlanMemoryWarning(UserWarning):
 
 
 def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, request: PlanRequest,
-              progress: Progress | None = None) -> Plan:
-    """The plan of one captured call. Its time limit bounds the whole search, from here to the plan (the capture
-    before it is not the search's): the solve takes what the steps before it left, and past the limit the best
-    plan found so far is the answer, its gap to the best bound in its notes."""
+              progress: Progress | None = None, started: float | None = None) -> Plan:
+    """The plan of one captured call. Its time limit bounds the whole search, from ``started`` (the capture's
+    start on time.perf_counter, where the caller captured it; else now) to the plan: the solve takes what the
+    steps before it left, less the read-out's share, and past the limit the best plan found so far is the
+    answer, its gap to the best bound in its notes."""
     time_limit_s = request.time_limit_s if request.time_limit_s is not None else search_time_limit()
-    deadline = time.perf_counter() + time_limit_s
+    deadline = (time.perf_counter() if started is None else started) + time_limit_s
     step = progress if progress is not None else Progress()
     problem = step("search candidates", lambda: build_problem(captured, mesh, request, CandidateLists()),
                    lambda p: f"{len(p.decisions)} decisions, {sum(len(d.candidates) for d in p.decisions)} candidates",
@@ -59,10 +64,12 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
     pricing = Pricing(problem, request.profile, request.held(), request.optimizer_stage, request.reduce_dtype,
                       links, reshard=request.policy.regathers and request.grad,
                       every_value=request.policy.objective == "memory")
+    priced_from = time.perf_counter()
     terms = step("search pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
+    solved_by = deadline - _READ_OUT_SHARE * (time.perf_counter() - priced_from)  # (the read-out after it)
     # the regions backward computes again are chosen around the level's solve (recompute.py)
-    within = functools.partial(_within_budget, request, mesh_spec, pricing, step, deadline)
-    plan = plan_with_recompute(problem, request, pricing, terms, within, deadline)
+    within = functools.partial(_within_budget, request, mesh_spec, pricing, step, solved_by)
+    plan = plan_with_recompute(problem, request, pricing, terms, within, solved_by)
     if plan.search.get("timed_out"):  # (said of the plan returned, not of a solve tried and dropped)
         log.warning("shardfn: the strategy search stopped at its time limit (%g s, SHARDFN_SEARCH_TIME_LIMIT); "
                     "the plan is the best found, %s", time_limit_s, gap_text(plan.gap))

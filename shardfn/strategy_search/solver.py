@@ -173,6 +173,9 @@ class _Shared:
         self._memo: dict = {}
         # seconds per element of the link products computed so far (:meth:`link_seconds`' forecast)
         self._link_elements, self._link_seconds = 0, 0.0
+        # seconds a reducer took from its first shortlist to the end of its elimination, and the large decisions
+        # it had left then (:meth:`tail_seconds`' forecast)
+        self._tail_decisions, self._tail_seconds = 0, 0.0
 
     def intern(self, a: np.ndarray) -> np.ndarray:
         seen = self._interned.get(id(a))
@@ -203,8 +206,23 @@ class _Shared:
         the rate measured so far (a nanosecond each before any)."""
         if self._key(_link, (c_uv, c_v, c_vw)) in self._memo:
             return 0.0
-        rate = self._link_seconds / self._link_elements if self._link_elements else 1e-9
-        return c_uv.size * c_vw.shape[1] * rate
+        return c_uv.size * c_vw.shape[1] * self._link_rate()
+
+    def _link_rate(self) -> float:
+        return self._link_seconds / self._link_elements if self._link_elements else 1e-9
+
+    def tail_seconds(self, large: int) -> float:
+        """The forecast seconds of eliminating ``large`` decisions of more than :data:`_SHORTLIST` candidates
+        each once they are shortlisted (each its shortlist found and a product on it, or a memo hit for an
+        identical layer): at the rate the tails so far took per decision, before any at half a shortlisted
+        product's elements each."""
+        if self._tail_decisions:
+            return large * self._tail_seconds / self._tail_decisions
+        return large * _SHORTLIST ** 3 / 2 * self._link_rate()  # (Llama-405B's: 90-140 us a decision measured)
+
+    def tail_taken(self, large: int, seconds: float) -> None:
+        self._tail_decisions += large
+        self._tail_seconds += seconds
 
 
 def _plus(a, b):
@@ -245,6 +263,10 @@ class _Reducer:
         self.alive = set(range(len(self.costs)))
         self.keep = keep
         self.constant = 0.0  # the cost of what was decided outright (a decision fixed, or left with no edge)
+        # dominance and conditioning leave elimination its shortlisted tail before the limit (a 4-D mesh's
+        # decisions: dominance had taken three quarters of the time, then elimination shortlisted all it met)
+        large = sum(1 for c in self.costs if len(c) > _SHORTLIST)
+        deadline = min(deadline, limit - self.op.tail_seconds(large))
         # dominated candidates dropped before elimination (its min-plus products shrink by the cube: DeepSeek-V3's
         # half as long) and again on what it leaves (its edges are sums over paths: more is dominated there)
         for _ in range(2):
@@ -275,7 +297,11 @@ class _Reducer:
     def eliminate(self, start) -> None:
         op = self.op
         queue = sorted(start, key=lambda v: (len(self.adj[v]), v))
+        tail = None  # (the clock and the large decisions left at the first shortlist)
         while queue:
+            # the decisions whose products may need a shortlist: the rest of the elimination past that point
+            # takes about their tail each (:meth:`_Shared.tail_seconds`), reserved before the limit
+            large = sum(1 for v in self.alive if len(self.costs[v]) > _SHORTLIST and v not in self.keep)
             nxt, touched = [], set()
             for v in queue:
                 if v not in self.alive or v in self.keep:
@@ -302,12 +328,17 @@ class _Reducer:
                     touched.add(u)
                 elif len(nbrs) == 2:
                     u, w = sorted(nbrs)  # (the same orientation in every layer: the operands are the same objects)
-                    # (a product that would end past the limit, not computed for an identical layer already)
-                    if len(cv) * len(self.costs[u]) * len(self.costs[w]) > _SHORTLIST ** 3 and time.perf_counter() \
-                            + op.link_seconds(self.adj[u][v], cv, self.adj[v][w]) > self.limit:
-                        for x in (v, u, w):
-                            self._shortlist(x)
-                        cv = self.costs[v]
+                    # a product that would end past the limit with the shortlisted tail after it (one computed
+                    # for an identical layer already costs nothing and is taken as computed)
+                    if len(cv) * len(self.costs[u]) * len(self.costs[w]) > _SHORTLIST ** 3:
+                        forecast = op.link_seconds(self.adj[u][v], cv, self.adj[v][w])
+                        now = time.perf_counter()
+                        if forecast and now + forecast + op.tail_seconds(large) > self.limit:
+                            tail = tail or (now, large)
+                            for x in (v, u, w):
+                                self._shortlist(x)
+                            cv = self.costs[v]
+                        large -= 1
                     best, table = op(_link, self.adj[u][v], cv, self.adj[v][w])
                     self.trail.append(("link", v, u, w, table))
                     self.drop(v)
@@ -315,6 +346,8 @@ class _Reducer:
                     nxt += [u, w]
                     touched.update((u, w))
             queue = sorted(set(nxt) & self.alive, key=lambda v: (len(self.adj[v]), v))
+        if tail is not None:
+            op.tail_taken(tail[1], time.perf_counter() - tail[0])
 
     def _shortlist(self, x: int) -> None:
         """Keep ``x``'s :data:`_SHORTLIST` candidates that cost least with each neighbour's best reply (the rest
@@ -640,6 +673,11 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     def weight(sol: Solution) -> float:
         return _weight(weights, pairs, sol.choice)
 
+    large = sum(1 for c in problem.costs if len(c) > _SHORTLIST)
+
+    def time_up() -> bool:  # (no solve can end in time: its elimination shortlisted from the start, at the least)
+        return time.perf_counter() + shared.tail_seconds(large) >= deadline
+
     first = at(0.0, 0.5)  # (half the time: a plan over the budget takes a second solve at least)
     if weight(first) <= limit:
         return first
@@ -678,7 +716,7 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
             break
         top = at(hi)
     best, gap = _mixed_in(problem, weights, limit, over, best, bound)
-    while rounds < 40 and time.perf_counter() < deadline and hi > lo * (1 + 1e-2) and gap > _MIXED_GAP:
+    while rounds < 40 and not time_up() and hi > lo * (1 + 1e-2) and gap > _MIXED_GAP:
         ends = (_line(problem, weights, pairs, over), _line(problem, weights, pairs, top))
         mid = _crossing(lo, hi, *ends)
         sol = at(mid)
@@ -694,9 +732,9 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
         return best
     # (an optional solve's plan is compared with one found already: no integer program, whose elimination and
     # fixing are not cut at the limit)
-    if gap <= _BUDGET_GAP or time.perf_counter() > deadline or optional:
+    if gap <= _BUDGET_GAP or time_up() or optional:
         best.gap, best.message = gap, f"memory limit binding: within {gap:.2%} of the best bound"
-        best.timed_out = best.timed_out or time.perf_counter() > deadline
+        best.timed_out = best.timed_out or time_up()
         return best
     return _budget_program(problem, weights, limit, best, gap, deadline, shared)
 
