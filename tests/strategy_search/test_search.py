@@ -102,23 +102,28 @@ def _tangled(x, y, z, w):
     return (x @ y) @ z + (x @ w) @ z + (y @ w) * (x @ z) + (z @ w) @ (y @ x)
 
 
+@pytest.mark.parametrize("slow", ["capture", "pricing"])
 @pytest.mark.parametrize("level", [0, 1, 2])
-def test_the_time_limit_bounds_the_whole_search_not_its_solve_alone(monkeypatch, caplog, level):
-    # steps before the solve that use up the limit leave it none: the plan is the best found at once (exact
-    # elimination, then the incumbent), its gap in its notes; no integer program runs past the limit
+def test_the_time_limit_bounds_the_whole_planning_not_its_solve_alone(monkeypatch, caplog, level, slow):
+    # steps before the solve that use up the limit (the capture's included) leave it none: the plan is the best
+    # found at once (exact elimination, then the incumbent), its gap in its notes; no integer program runs past
+    # the limit
+    from shardfn.call import planning
+
     args = [torch.empty(64, 64, device="meta", requires_grad=True) for _ in range(4)]
     timed = sf.explain(_tangled, *args, world_size=8, in_strategy=(None,) * 4, level=level)
     assert timed.search["ilp_decisions"] > 0 and timed.optimal
-    terms = search.Pricing.terms
+    owner, name = (search.Pricing, "terms") if slow == "pricing" else (planning, "_capture")
+    step = getattr(owner, name)
 
-    def slow(self, keep_split=()):
+    def slowed(*a, **k):
         time.sleep(0.3)
-        return terms(self, keep_split)
+        return step(*a, **k)
 
     def past_the_limit(*args, **kwargs):
         raise AssertionError("the integer program ran with no time left")
 
-    monkeypatch.setattr(search.Pricing, "terms", slow)
+    monkeypatch.setattr(owner, name, slowed)
     monkeypatch.setattr(solver, "_program", past_the_limit)
     monkeypatch.setenv("SHARDFN_SEARCH_TIME_LIMIT", "0.2")
     with caplog.at_level(logging.WARNING, logger="shardfn"):

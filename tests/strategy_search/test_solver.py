@@ -249,6 +249,15 @@ def test_a_product_forecast_to_end_past_the_limit_is_shortlisted_before_it_start
     assert ahead.stats["shortlisted"] == solver._SHORTLIST and not ahead.optimal
     assert "shortlisted" not in solve(problem, time_limit_s=float("inf")).stats
     monkeypatch.undo()
+    # the rest of the elimination, shortlisted, is reserved too: a product forecast to end in time but whose tail
+    # would not is shortlisted, and the tail's rate is measured where one ran
+    monkeypatch.setattr(solver._Shared, "tail_seconds", lambda self, large: 3600.0 if large else 0.0)
+    assert solve(problem, time_limit_s=60.0).stats["shortlisted"] == solver._SHORTLIST
+    monkeypatch.undo()
+    shared = solver._Shared()
+    solver._unconstrained(problem.costs, problem.edges, 0.0, shared)
+    assert shared._tail_decisions > 0 and shared.tail_seconds(2) == pytest.approx(
+        2 * shared._tail_seconds / shared._tail_decisions)
     shared = solver._Shared()
     m = rng.uniform(0, 1, size=(4, 5))
     c_v, c_vw = rng.uniform(0, 1, size=5), rng.uniform(0, 1, size=(5, 3))
