@@ -93,6 +93,9 @@ _LEAST_WEIGHT_AFTER = 8
 # Candidates a decision keeps where elimination runs past the time limit (a product of three 1,296-candidate
 # decisions of a 4-D mesh takes a second; of three of these, a millisecond)
 _SHORTLIST = 64
+# Seconds a large decision's elimination takes once shortlisted, before a tail is measured (Llama-405B's tails on
+# this project's machine: 90-170 us a decision, its identical layers' memo hits included)
+_TAIL_SECONDS = 2e-4
 # Columns of an integer program HiGHS presolves in a second on this project's machine (2.37 M took 22 s, probing
 # past its time limit): a program larger than the time left allows is not started
 _PROGRAM_COLUMNS_PER_SECOND = 100_000
@@ -187,6 +190,12 @@ class _Shared:
         self._interned[id(a)] = (a, b)  # (keeping ``a``: its id stays its own)
         return b
 
+    def adopt(self, a: np.ndarray) -> np.ndarray:
+        """``a`` (float, computed from interned arrays alone) interned as itself, unhashed: an array of equal
+        content made otherwise stays another object (the memo misses between them, nothing more)."""
+        self._interned[id(a)] = (a, a)
+        return a
+
     def _key(self, fn, operands) -> tuple:
         return (fn, *(id(o) if isinstance(o, np.ndarray) else o for o in operands))
 
@@ -206,19 +215,16 @@ class _Shared:
         the rate measured so far (a nanosecond each before any)."""
         if self._key(_link, (c_uv, c_v, c_vw)) in self._memo:
             return 0.0
-        return c_uv.size * c_vw.shape[1] * self._link_rate()
-
-    def _link_rate(self) -> float:
-        return self._link_seconds / self._link_elements if self._link_elements else 1e-9
+        rate = self._link_seconds / self._link_elements if self._link_elements else 1e-9
+        return c_uv.size * c_vw.shape[1] * rate
 
     def tail_seconds(self, large: int) -> float:
         """The forecast seconds of eliminating ``large`` decisions of more than :data:`_SHORTLIST` candidates
         each once they are shortlisted (each its shortlist found and a product on it, or a memo hit for an
-        identical layer): at the rate the tails so far took per decision, before any at half a shortlisted
-        product's elements each."""
+        identical layer): at the rate the tails so far took per decision, before any at :data:`_TAIL_SECONDS`."""
         if self._tail_decisions:
             return large * self._tail_seconds / self._tail_decisions
-        return large * _SHORTLIST ** 3 / 2 * self._link_rate()  # (Llama-405B's: 90-140 us a decision measured)
+        return large * _TAIL_SECONDS
 
     def tail_taken(self, large: int, seconds: float) -> None:
         self._tail_decisions += large
@@ -665,10 +671,9 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     if (_weight(weights, pairs, least.choice) if least else sum(float(w.min()) for w in weights)) > limit * (1 + 1e-12):
         raise Infeasible("no assignment satisfies the budget")
 
-    def at(mu: float, share: float = 1.0) -> Solution:
-        return _unconstrained(_priced(problem.costs, weights, mu),
-                              problem.edges + scaled_edges(pairs, mu),
-                              share * max(deadline - time.perf_counter(), 0.0), shared)
+    def at(mu: float, seconds: float = math.inf) -> Solution:  # (the time left, or ``seconds`` of it)
+        return _unconstrained(_priced(problem.costs, weights, mu, shared), problem.edges + _scaled(pairs, mu, shared),
+                              max(min(seconds, deadline - time.perf_counter()), 0.0), shared)
 
     def weight(sol: Solution) -> float:
         return _weight(weights, pairs, sol.choice)
@@ -678,7 +683,10 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     def time_up() -> bool:  # (no solve can end in time: its elimination shortlisted from the start, at the least)
         return time.perf_counter() + shared.tail_seconds(large) >= deadline
 
-    first = at(0.0, 0.5)  # (half the time: a plan over the budget takes a second solve at least)
+    # half the time, less where the second solve would not have its shortlisted elimination: a plan over the
+    # budget takes a second solve at least
+    left = deadline - time.perf_counter()
+    first = at(0.0, min(left / 2, left - shared.tail_seconds(large)))
     if weight(first) <= limit:
         return first
     best, bound, over = None, first.bound, first
@@ -739,13 +747,30 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     return _budget_program(problem, weights, limit, best, gap, deadline, shared)
 
 
-def _priced(costs: list[np.ndarray], weights: list[np.ndarray], mu: float) -> list[np.ndarray]:
-    """``c + mu * w`` per decision, computed once per pair of arrays (identical layers share theirs)."""
+def _priced(costs: list[np.ndarray], weights: list[np.ndarray], mu: float, shared: _Shared) -> list[np.ndarray]:
+    """``c + mu * w`` per decision, computed once per pair of arrays of equal content (identical layers share
+    theirs), each taken by ``shared`` as its own: made of interned arrays, it needs no hash of its own (each
+    round's were 0.6-1 s of a Llama-405B round)."""
     done: dict[tuple[int, int], np.ndarray] = {}
+    priced = []
     for c, w in zip(costs, weights):
+        c, w = shared.intern(c), shared.intern(w)  # (the same objects every round: hashed in the first)
         if (id(c), id(w)) not in done:
-            done[id(c), id(w)] = c + mu * w
-    return [done[id(c), id(w)] for c, w in zip(costs, weights)]
+            done[id(c), id(w)] = shared.adopt(c + mu * w)
+        priced.append(done[id(c), id(w)])
+    return priced
+
+
+def _scaled(edges, factor: float, shared: _Shared) -> list:
+    """:func:`scaled_edges` of interned matrices, the scaled ones taken by ``shared`` as they are."""
+    done: dict[int, np.ndarray] = {}
+    scaled = []
+    for u, v, m in edges:
+        m = shared.intern(m)
+        if id(m) not in done:
+            done[id(m)] = shared.adopt(factor * m)
+        scaled.append((u, v, done[id(m)]))
+    return scaled
 
 
 def _line(problem: Problem, weights, pairs, sol: Solution) -> tuple[float, float]:
