@@ -750,13 +750,14 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
 def _priced(costs: list[np.ndarray], weights: list[np.ndarray], mu: float, shared: _Shared) -> list[np.ndarray]:
     """``c + mu * w`` per decision, computed once per pair of arrays of equal content (identical layers share
     theirs), each taken by ``shared`` as its own: made of interned arrays, it needs no hash of its own (each
-    round's were 0.6-1 s of a Llama-405B round)."""
+    round's were 0.6-1 s of a Llama-405B round). Where ``w`` is zero it is ``c``, the same in every round (what
+    the budget does not weigh is eliminated once for all rounds: the memo's)."""
     done: dict[tuple[int, int], np.ndarray] = {}
     priced = []
     for c, w in zip(costs, weights):
         c, w = shared.intern(c), shared.intern(w)  # (the same objects every round: hashed in the first)
-        if (id(c), id(w)) not in done:
-            done[id(c), id(w)] = shared.adopt(c + mu * w)
+        if (id(c), id(w)) not in done:  # (one the budget does not weigh is the same object every round)
+            done[id(c), id(w)] = shared.adopt(c + mu * w) if w.any() else c
         priced.append(done[id(c), id(w)])
     return priced
 
