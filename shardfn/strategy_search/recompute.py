@@ -223,23 +223,25 @@ def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, de
 
 def _least_peak(problem, request, pricing, terms, groups, plan_within, deadline: float) -> Plan:
     """Level 1: every group whose recompute lowers the plan's peak (each tried on top of those kept); past
-    ``deadline``, the groups not tried yet are tried once, all together."""
-    def peak(chosen):
+    ``deadline``, the groups not tried yet are tried once, all together. The plan of the least peak is the one
+    its try found (solved again only where it did not fit: the final try's error, or a nominal memory's warning)."""
+    def tried(chosen) -> tuple[Plan | None, float]:
         try:
-            return _planned(problem, request, pricing, terms, chosen, plan_within, False).cost.peak_bytes
+            plan = _planned(problem, request, pricing, terms, chosen, plan_within, False)
+            return plan, plan.cost.peak_bytes
         except ValueError as e:  # (over a device's memory: the plan that did not fit, for its figures)
             peak = _peak_of(e)
-            return float("inf") if peak is None else peak
+            return None, float("inf") if peak is None else peak
 
-    kept, best = [], peak([])
+    kept, (plan, best) = [], tried([])
     for i, group in enumerate(groups):
         rest = groups[i:] if time.perf_counter() > deadline else [group]
-        trial = peak([*kept, *rest])
-        if trial < best * (1 - 1e-3):
-            kept, best = [*kept, *rest], trial
+        trial, peak = tried([*kept, *rest])
+        if peak < best * (1 - 1e-3):
+            kept, plan, best = [*kept, *rest], trial, peak
         if len(rest) > 1:
             break
-    return _planned(problem, request, pricing, terms, kept, plan_within, True)
+    return plan if plan is not None else _planned(problem, request, pricing, terms, kept, plan_within, True)
 
 
 def _planned(problem, request, pricing, terms, groups, plan_within, final: bool, origin: str = "search",

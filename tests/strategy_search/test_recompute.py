@@ -153,7 +153,8 @@ def test_level_1_past_its_time_tries_the_groups_left_once_together(monkeypatch):
     monkeypatch.setattr(recompute, "_planned", lambda *a, **k: solves.append(a[4]) or real(*a, **k))
     monkeypatch.setenv("SHARDFN_SEARCH_TIME_LIMIT", "1e-9")
     late = sf.explain(model, x, world_size=2, in_strategy=(None,), level=1)
-    assert [len(groups) for groups in solves] == [0, len(solves[1]), len(solves[2])] and len(solves[1]) > 1
+    # (the plan of the least peak is its try's: not solved a third time)
+    assert [len(groups) for groups in solves] == [0, len(solves[1])] and len(solves[1]) > 1
     assert late.recompute  # (recomputing every group lowered the peak: kept)
 
 
