@@ -24,9 +24,10 @@ hand-written Llama-3-8B
 (bench/llama.py: its own RoPE, GQA by repeat_interleave, SDPA) at 32 layers on 8 x 8, with the CPU profile too
 (whose 16 GB makes the memory limit bind: the budgeted search). Targets on this 2-core machine: 8B, 32 layers:
 10 s cold for transformers' model, 5 s for the hand-written one; every row within SHARDFN_SEARCH_TIME_LIMIT's
-20 s of search, but DeepSeek-V3's, whose target is 60 s from the call with a gap of 1% at most (its row runs with
-the search's limit at 50 s unless the variable is set: its capture takes the rest). The 405B's row is over it
-today (25 s cold: capture 3, candidates 4.7, pricing 4.6, the solves and read-out about 12), and its solve, left little time, keeps a
+20 s (planning from the capture's start), but DeepSeek-V3's, whose target is 60 s from the call with a gap of 1%
+at most (its row runs with the limit at 60 s unless the variable is set). The 405B's row ends within about a
+second of its 20 (capture 3, candidates 4.2, pricing 4.6, the solves 6-7, the read-out 1), and its solve, left
+little time, keeps a
 shortlist of each large decision (its plan then has no bound: "gap" prints inf).
 """
 
