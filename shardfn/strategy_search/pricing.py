@@ -8,7 +8,6 @@ lists is priced over its distinct (placement, pending-sum) keys only, then sprea
 from __future__ import annotations
 
 import functools
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -147,10 +146,10 @@ class Pricing:
 
     def terms(self, keep_split: tuple[int, ...] = ()) -> Terms:
         p = self.problem
-        shares = _recomputed_shares(p)
+        share = _recomputed_share(p)
         compute, savings, memory, reductions = [], [], [], []
         for i, d in enumerate(p.decisions):
-            c, s, m, r = self._unary(d, self.held.get(i), shares.get(d.node, 1.0))
+            c, s, m, r = self._unary(d, self.held.get(i), share)
             compute.append(c), savings.append(s), memory.append(m), reductions.append(r)
         edges, impossible = self._edge_terms()
         terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible,
@@ -318,23 +317,12 @@ def _states_split(placements, mesh_shape, optimizer_stage, ndim) -> int:
     return mesh_shape[whole[0]]
 
 
-def _recomputed_shares(problem: StrategyProblem) -> dict[torch.fx.Node, float]:
-    """The share of each recomputed value's bytes level 1 counts: backward brings back one region at a time, so
-    the regions of a group of identical layers are one layer's transient, not a sum over every layer (Llama-405B's
-    exact level-1 plan kept each layer's input whole over "tp", 43.7e9 bytes a rank walked, to split 126 layers'
-    values never alive together); a region of its own (the head and its loss) counts whole: at 1/128 of its bytes,
-    Llama-405B's level 1 had left its logits a pending sum split 16 ways (8.4e9 bytes a rank walked)."""
-    def group(node) -> str:
-        name = problem.regions.get(node)
-        return re.sub(r"\.\d+$", ".#", name) if name is not None else "checkpointed by hand"
-
-    def region(node):
-        return problem.regions.get(node, checkpoint_region(node))
-
-    members: dict[str, set] = {}
-    for n in problem.recomputed:
-        members.setdefault(group(n), set()).add(region(n))
-    return {n: 1.0 / max(len(members[group(n)]), 1) for n in problem.recomputed}
+def _recomputed_share(problem: StrategyProblem) -> float:
+    """The share of a recomputed value's bytes level 1 counts: backward brings back one region at a time, so a
+    region's values are one region's transient, not a sum over every layer (Llama-405B's exact level-1 plan kept
+    each layer's input whole over "tp", 43.7e9 bytes a rank walked, to split 126 layers' values never alive
+    together)."""
+    return 1.0 / max(len({problem.regions.get(n, checkpoint_region(n)) for n in problem.recomputed}), 1)
 
 
 def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: list, build: Callable[[], Any]):
