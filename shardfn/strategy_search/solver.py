@@ -735,14 +735,21 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
             break  # (no plan below both lines where they cross: that is the dual's maximum, its bound taken)
         lo, hi, top = (lo, mid, sol) if within else (mid, hi, top)
     best.stats = {**best.stats, "lagrangian_rounds": rounds}
+    return _closed(problem, weights, limit, best, gap, time_up(), optional, deadline, shared)
+
+
+def _closed(problem: Problem, weights: list[np.ndarray], limit: float, best: Solution, gap: float, late: bool,
+            optional: bool, deadline: float, shared: _Shared) -> Solution:
+    """The Lagrangian rounds' ``best`` plan, ``gap`` from their bound: proven where the gap closed, taken as it is
+    where it is small, ``late`` (no round could end by the deadline) or ``optional`` (its plan is compared with
+    one found already, and the integer program's elimination and fixing are not cut at the limit), else the
+    integer program from it."""
     if gap <= _GAP:
         best.optimal, best.gap, best.message = True, 0.0, "memory limit binding"
         return best
-    # (an optional solve's plan is compared with one found already: no integer program, whose elimination and
-    # fixing are not cut at the limit)
-    if gap <= _BUDGET_GAP or time_up() or optional:
+    if gap <= _BUDGET_GAP or late or optional:
         best.gap, best.message = gap, f"memory limit binding: within {gap:.2%} of the best bound"
-        best.timed_out = best.timed_out or time_up()
+        best.timed_out = best.timed_out or late
         return best
     return _budget_program(problem, weights, limit, best, gap, deadline, shared)
 
