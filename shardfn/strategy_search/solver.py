@@ -19,10 +19,12 @@ Shrinking the problem, each step exact (``_Reducer``):
   elimination and again on what it leaves (``dominance.py``): the min-plus products above shrink by the cube.
 
 Near the solve's time limit one step is not exact: a product of three decisions of more than ``_SHORTLIST``
-candidates each that would end past the limit (its elements at the rate the products so far took; one computed
-for an identical layer already costs nothing) first keeps that many of each, those that cost least with their
-neighbours' best replies (``_Reducer._shortlist``, restricted in the trail as dominance restricts); the plan then
-has no bound.
+candidates each that would end past the limit with the rest of the elimination after it shortlisted (its
+elements at the rate the products so far took, the large decisions left at the rate shortlisted tails took:
+``_Shared.tail_seconds``; one computed for an identical layer already costs nothing and is taken as computed)
+first keeps that many of each, those that cost least with their neighbours' best replies
+(``_Reducer._shortlist``, restricted in the trail as dominance restricts); the plan then has no bound. Dominance
+stops where that tail must start.
 
 This is dynamic programming on the graph: chains and trees vanish, a transformer layer's residual stream and
 attention fan-out collapse, and repeated layers cost one small matrix product each, so the work grows linearly
