@@ -134,14 +134,23 @@ def _groups(matrix: np.ndarray, axis: int) -> list[np.ndarray]:
     return np.split(order, bounds)
 
 
-def scaled_edges(edges, factor: float) -> list:
+def scaled_edges(edges, factor: float, shared: "_Shared | None" = None) -> list:
     """``edges`` with each matrix times ``factor``; a matrix several edges share (identical layers') is scaled
-    once, and stays shared: the solver hashes it and eliminates through it once."""
+    once, and stays shared: the solver hashes it and eliminates through it once. With ``shared`` (a budget's
+    rounds) the matrices are interned first and each scaled one is adopted unhashed (:meth:`_Shared.adopt`)."""
     done: dict[int, np.ndarray] = {}
-    for _, _, m in edges:
+    scaled = []
+    for u, v, m in edges:
+        m = shared.intern(m) if shared is not None else m
         if id(m) not in done:
-            done[id(m)] = factor * m
-    return [(u, v, done[id(m)]) for u, v, m in edges]
+            done[id(m)] = factor * m if shared is None else shared.adopt(factor * m)
+        scaled.append((u, v, done[id(m)]))
+    return scaled
+
+
+def _large(costs) -> int:
+    """How many of these decisions have more candidates than a shortlist keeps (a product of three may need one)."""
+    return sum(1 for c in costs if len(c) > _SHORTLIST)
 
 
 def _link(c_uv: np.ndarray, c_v: np.ndarray, c_vw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -273,7 +282,7 @@ class _Reducer:
         self.constant = 0.0  # the cost of what was decided outright (a decision fixed, or left with no edge)
         # dominance and conditioning leave elimination its shortlisted tail before the limit (a 4-D mesh's
         # decisions: dominance had taken three quarters of the time, then elimination shortlisted all it met)
-        large = sum(1 for c in self.costs if len(c) > _SHORTLIST)
+        large = _large(self.costs)
         deadline = min(deadline, limit - self.op.tail_seconds(large))
         # dominated candidates dropped before elimination (its min-plus products shrink by the cube: DeepSeek-V3's
         # half as long) and again on what it leaves (its edges are sums over paths: more is dominated there)
@@ -309,7 +318,7 @@ class _Reducer:
         while queue:
             # the decisions whose products may need a shortlist: the rest of the elimination past that point
             # takes about their tail each (:meth:`_Shared.tail_seconds`), reserved before the limit
-            large = sum(1 for v in self.alive if len(self.costs[v]) > _SHORTLIST and v not in self.keep)
+            large = _large(self.costs[v] for v in self.alive if v not in self.keep)
             nxt, touched = [], set()
             for v in queue:
                 if v not in self.alive or v in self.keep:
@@ -674,13 +683,14 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
         raise Infeasible("no assignment satisfies the budget")
 
     def at(mu: float, seconds: float = math.inf) -> Solution:  # (the time left, or ``seconds`` of it)
-        return _unconstrained(_priced(problem.costs, weights, mu, shared), problem.edges + _scaled(pairs, mu, shared),
+        return _unconstrained(_priced(problem.costs, weights, mu, shared),
+                              problem.edges + scaled_edges(pairs, mu, shared),
                               max(min(seconds, deadline - time.perf_counter()), 0.0), shared)
 
     def weight(sol: Solution) -> float:
         return _weight(weights, pairs, sol.choice)
 
-    large = sum(1 for c in problem.costs if len(c) > _SHORTLIST)
+    large = _large(problem.costs)
 
     def time_up() -> bool:  # (no solve can end in time: its elimination shortlisted from the start, at the least)
         return time.perf_counter() + shared.tail_seconds(large) >= deadline
@@ -769,18 +779,6 @@ def _priced(costs: list[np.ndarray], weights: list[np.ndarray], mu: float, share
             done[id(c), id(w)] = shared.adopt(c + mu * w) if w.any() else c
         priced.append(done[id(c), id(w)])
     return priced
-
-
-def _scaled(edges, factor: float, shared: _Shared) -> list:
-    """:func:`scaled_edges` of interned matrices, the scaled ones taken by ``shared`` as they are."""
-    done: dict[int, np.ndarray] = {}
-    scaled = []
-    for u, v, m in edges:
-        m = shared.intern(m)
-        if id(m) not in done:
-            done[id(m)] = shared.adopt(factor * m)
-        scaled.append((u, v, done[id(m)]))
-    return scaled
 
 
 def _line(problem: Problem, weights, pairs, sol: Solution) -> tuple[float, float]:
