@@ -184,8 +184,8 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
 
 
 
-def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
-                beyond: float | None = None) -> list[tuple[int, int, np.ndarray]]:
+def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: float | None = None,
+                lasting: frozenset = frozenset()) -> list[tuple[int, int, np.ndarray]]:
     """The bytes of copies each pair of choices keeps from forward to backward: for each edge to a reader whose
     backward reads the value (directly or through a view), a rank holds the copy in the reader's layout wherever
     that is larger than the value's own (a gathered input's, or a reader's copy of an activation). Per edge: the
@@ -198,10 +198,13 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
     gathers hold anyway (two at most), a copy larger than a bucket is memory no bucketing bounds (level 1's
     stand-in: DeepSeek-V3's experts gathered whole). ``memo``: per pair of candidate lists (identical layers
     priced once), and the list per problem's decisions and values needing a gradient, which recompute's tries
-    leave as they are (found once for all of them: 0.5 s a try for Llama-405B)."""
+    leave as they are (found once for all of them: 0.5 s a try for Llama-405B). ``lasting`` (level 1's values
+    counted whole, pricing._lasting): readers whose copies count though no backward reads them (a copy made at
+    the head lives at the forward's end, with every value saved: Gemma-2-9B's logits read gathered by a detach,
+    8.4e9 bytes a rank walked and not counted)."""
     if not problem.needs_grad:
         return []
-    whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond)
+    whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond, id(lasting))
     hit = memo.get(whole)
     if hit is not None and hit[0] is problem.decisions and hit[1] is problem.needs_grad:
         return hit[2]
@@ -216,8 +219,9 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool,
             over = (beyond if reshard and value in from_params else 0.0)  # (None: not counted)
             if over is None or not isinstance(val, torch.Tensor):
                 continue
-            if not (backward_readers(d.node, problem.needs_grad) if view else
-                    d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad)):
+            if d.node not in lasting and not (backward_readers(d.node, problem.needs_grad) if view else
+                                              d.node in problem.needs_grad and reads_input(d.node, slot,
+                                                                                           problem.needs_grad)):
                 continue
             src_cands = problem.decisions[u].candidates
             key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.element_size(), over)

@@ -7,7 +7,9 @@ lists is priced over its distinct (placement, pending-sum) keys only, then sprea
 
 from __future__ import annotations
 
+import collections
 import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -17,9 +19,10 @@ import torch.fx
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from .. import _pytree_internals as pytree
-from ..capture.graph import checkpoint_region
+from ..capture.graph import checkpoint_region, module_path
 from . import cost_arrays
 from . import cost_model as cm
+from ._summary import layer_of
 from .buckets import bucket_bytes
 from .candidates import Candidate
 from .expert_rules import dispatch_collectives, dispatches_tokens
@@ -103,6 +106,7 @@ class Pricing:
         # values some backward reads, needing a gradient or not (a mask read by attention's backward): kept
         self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
             if problem.needs_grad else set()
+        self._lasting = _lasting(problem) if every_value else frozenset()
         self.share = _BucketShare(bucket_bytes(), sum(d.node is not None and d.node.op == "placeholder"
                                                       and d.node in problem.needs_grad for d in problem.decisions))
 
@@ -155,7 +159,8 @@ class Pricing:
         terms = Terms(p.decisions, compute, savings, memory, edges, reductions, self.comm_ops, impossible=impossible,
                       grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
-        terms.edge_memory = held_copies(p, self._held, self.reshard, bucket_bytes() if self.every_value else None)
+        terms.edge_memory = held_copies(p, self._held, self.reshard, bucket_bytes() if self.every_value else None,
+                                        self._lasting)
         return terms
 
     def _unary(self, d: Decision, held, share: float = 1.0):
@@ -176,9 +181,7 @@ class Pricing:
         else:
             # backward's work, and a checkpointed value's forward once more
             factor = (_BACKWARD_FACTOR + (d.node in p.recomputed)) if grad else 1.0
-            kept = d.node in self._saved or (grad and self.every_value)
-            kept = kept and (d.node not in p.recomputed or self.every_value)
-            keep = (share if d.node in p.recomputed else 1) if kept and not view else 0
+            keep = 0 if view else _kept_share(d.node, grad, self, share)
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
@@ -323,6 +326,30 @@ def _recomputed_share(problem: StrategyProblem) -> float:
     each layer's input whole over "tp", 43.7e9 bytes a rank walked, to split 126 layers' values never alive
     together)."""
     return 1.0 / max(len({problem.regions.get(n, checkpoint_region(n)) for n in problem.recomputed}), 1)
+
+
+def _kept_share(node: torch.fx.Node, grad: bool, pricing: Pricing, share: float) -> float:
+    """The share of a value's bytes the memory counts: a value kept for backward whole, none else; level 1 (its
+    ``every_value``) every value needing a gradient, a recomputed one at ``share``, and its lasting ones whole."""
+    if node in pricing._lasting:  # (level 1: alive at the forward's end, or across its layers)
+        return 1
+    recomputed = node in pricing.problem.recomputed
+    kept = node in pricing._saved or (grad and pricing.every_value)
+    if not kept or (recomputed and not pricing.every_value):
+        return 0
+    return share if recomputed else 1
+
+
+def _lasting(problem: StrategyProblem) -> frozenset[torch.fx.Node]:
+    """The values level 1 counts whole, whatever backward does with them: alive in forward from one layer into
+    another (a mask every layer reads), or made in a layer with no identical sibling (the head's logits, made at
+    the forward's end where every value saved for backward is alive). Counted at a share where recomputed (or
+    not at all where no backward reads them), Llama-405B's level 1 had left its logits a pending sum split 16 ways
+    (8.4e9 bytes a rank walked)."""
+    layers = {n: layer_of(module_path(n)) for n in problem.captured.gm.graph.nodes if n.op == "call_function"}
+    alike = collections.Counter(re.sub(r"\.\d+$", ".#", name) for name in set(layers.values()))
+    return frozenset(n for n, name in layers.items()
+                     if alike[re.sub(r"\.\d+$", ".#", name)] < 2 or any(layers.get(u, name) != name for u in n.users))
 
 
 def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: list, build: Callable[[], Any]):
