@@ -185,7 +185,8 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
 
 
 def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: float | None = None,
-                lasting: frozenset = frozenset()) -> list[tuple[int, int, np.ndarray]]:
+                lasting: frozenset = frozenset(), recomputed: frozenset = frozenset()
+                ) -> list[tuple[int, int, np.ndarray]]:
     """The bytes of copies each pair of choices keeps from forward to backward: for each edge to a reader whose
     backward reads the value (directly or through a view), a rank holds the copy in the reader's layout wherever
     that is larger than the value's own (a gathered input's, or a reader's copy of an activation). Per edge: the
@@ -201,12 +202,16 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     leave as they are (found once for all of them: 0.5 s a try for Llama-405B). ``lasting`` (level 1's values
     counted whole, pricing._lasting): readers whose copies count though no backward reads them (a copy made at
     the head lives at the forward's end, with every value saved: Gemma-2-9B's logits read gathered by a detach,
-    8.4e9 bytes a rank walked and not counted)."""
+    8.4e9 bytes a rank walked and not counted). ``recomputed`` (level 1's recomputed values, counted at a share of
+    their bytes): a copy of one in any other layout counts, as large as the value or not, where its reader is not
+    recomputed and so keeps it from forward (attention, never recomputed for its dropout: Llama-405B's level 1
+    reads each layer's keys and values through all-to-alls, 4.2e9 bytes a rank kept, which had gone uncounted)."""
     if not problem.needs_grad:
         return []
-    whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond, id(lasting))
+    whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond, id(lasting),
+             id(recomputed))
     hit = memo.get(whole)
-    if hit is not None and hit[0] is problem.decisions and hit[1] is problem.needs_grad:
+    if hit is not None and hit[0] is problem.decisions and hit[1] is problem.needs_grad and hit[3] is recomputed:
         return hit[2]
     from_params, _ = _from_inputs(problem)
     mesh, found = problem.mesh_shape, []
@@ -224,17 +229,24 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
                                                                                            problem.needs_grad)):
                 continue
             src_cands = problem.decisions[u].candidates
-            key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.element_size(), over)
+            alike = value in recomputed and d.node not in recomputed  # (any other layout's copy counts)
+            key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.element_size(), over, alike)
             hit = memo.get(key)
             if hit is None or hit[0] is not src_cands or hit[1] is not d.candidates:
                 own = np.array([cm.local_numel(val.shape, c.outputs[out_idx], mesh) for c in src_cands], dtype=float)
                 held = np.array([cm.local_numel(val.shape, c.inputs[slot], mesh) for c in d.candidates], dtype=float)
-                copy = np.where(held[None, :] > own[:, None], held[None, :], 0.0) * val.element_size()
+                larger = held[None, :] > own[:, None]
+                if alike:
+                    ids: dict = {}
+                    made = np.array([ids.setdefault(tuple(c.outputs[out_idx]), len(ids)) for c in src_cands])
+                    read = np.array([ids.setdefault(tuple(c.inputs[slot]), len(ids)) for c in d.candidates])
+                    larger |= made[:, None] != read[None, :]
+                copy = np.where(larger, held[None, :], 0.0) * val.element_size()
                 copy = np.maximum(copy - over, 0.0)
                 hit = memo[key] = (src_cands, d.candidates, copy if copy.any() else None)
             if hit[2] is not None:
                 found.append((u, v, hit[2]))
-    memo[whole] = (problem.decisions, problem.needs_grad, found)
+    memo[whole] = (problem.decisions, problem.needs_grad, found, recomputed)
     return found
 
 

@@ -160,7 +160,7 @@ class Pricing:
                       grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
         terms.edge_memory = held_copies(p, self._held, self.reshard, bucket_bytes() if self.every_value else None,
-                                        self._lasting)
+                                        self._lasting, p.recomputed if self.every_value else frozenset())
         return terms
 
     def _unary(self, d: Decision, held, share: float = 1.0):

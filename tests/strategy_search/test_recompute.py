@@ -308,3 +308,35 @@ def test_level_1_reads_no_value_at_the_head_in_a_larger_copy():
     sums = [n for n in plan.nodes.values() if n.op.startswith("aten.sum") and not n.module]
     assert sums and all(not p.is_replicate() for n in sums for p in n.inputs[0]), [n.inputs for n in sums]
     assert plan.cost.peak_bytes < 400_000
+
+
+def test_level_1_counts_a_recomputed_values_copy_that_attention_keeps(monkeypatch):
+    # attention is never recomputed (its dropout's draws are kept), so its backward keeps the copies it reads of
+    # recomputed values whole, an all-to-all's as large as the value too: level 1 counts each such copy (Llama-405B's
+    # level 1 had read each layer's keys and values through all-to-alls, 4.2e9 bytes a rank kept and uncounted)
+    from shardfn.strategy_search import cost_model as cm
+    from shardfn.strategy_search import search
+
+    seen = []
+    real = search.Pricing.terms
+    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
+    sf.explain(GPTStack(2, 16, 4), torch.randn(4, 8, 16), world_size=4, in_strategy=(None,), level=1,
+               recompute=True)
+    problem, terms = seen[-1].problem, seen[-1].terms()
+    held = {(u, v): m for u, v, m in terms.edge_memory}
+    checked = 0
+    for v, d in enumerate(problem.decisions):
+        if d.node is None or "scaled_dot_product" not in str(d.node.target):
+            continue
+        assert d.node not in problem.recomputed
+        for slot, (u, out_idx, value) in enumerate(d.sources):
+            assert value in problem.recomputed
+            val, m = value.meta["val"], held[(u, v)]
+            for a, src in enumerate(problem.decisions[u].candidates):
+                for b, dst in enumerate(d.candidates):
+                    copy = tuple(src.outputs[out_idx]) != tuple(dst.inputs[slot])
+                    read = cm.local_numel(val.shape, dst.inputs[slot], problem.mesh_shape) * val.element_size()
+                    assert m[a, b] == (read if copy else 0), (value.name, src.outputs, dst.inputs[slot])
+                    checked += copy and read == cm.local_numel(val.shape, src.outputs[out_idx], problem.mesh_shape) \
+                        * val.element_size()
+    assert checked  # (copies as large as the value among them)
