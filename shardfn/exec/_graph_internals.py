@@ -73,6 +73,15 @@ def keeping_annotations() -> contextlib.AbstractContextManager:
     return fx_traceback.preserve_node_meta()
 
 
+# the annotation of the nodes that make a value whole and lay it out (NodePlan.run "whole": passes.keep_pieces)
+MADE_WHOLE = "shardfn_made_whole"
+
+
+def made_whole() -> contextlib.AbstractContextManager:
+    """The nodes traced inside carry MADE_WHOLE (with the annotations they carry already)."""
+    return fx_traceback.annotate({MADE_WHOLE: True}) if hasattr(fx_traceback, "annotate") else contextlib.nullcontext()
+
+
 def annotated_as(node: torch.fx.Node, region: int | None = None) -> contextlib.AbstractContextManager:
     """The nodes traced inside carry ``node``'s annotations (``meta["custom"]``: its checkpoint region), the
     checkpoint region ``region`` where one is given (a region the plan recomputes, or a user's renumbered)."""

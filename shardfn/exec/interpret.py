@@ -15,7 +15,7 @@ from ..capture.graph import CapturedGraph, is_getitem, is_in_place, is_view
 from ..strategy_search.plan import NodePlan, Plan
 from ..strategy_search.registry import REGISTRY
 from ._dtensor_internals import is_masked_sum
-from ._graph_internals import annotated_as
+from ._graph_internals import annotated_as, made_whole
 from .expert_dispatch import dispatched
 from .pieces import (VIEW_CALLS, conform, contiguous, from_local, local_piece, map_leaves, piece_shape, placed,
                      redistribute, settled, sized_to_piece, view_of_piece)
@@ -96,6 +96,8 @@ class Interpreter:
 
         if np_.run == "factory":
             return placed(node.target(*args, **kwargs), np_.outputs[0], self.mesh)
+        if np_.run == "whole":
+            return self._made_whole(node, args, kwargs, np_.outputs[0], val)
         if np_.run == "random":
             shape_of = args[0]
             whole = torch.empty(shape_of.shape, dtype=shape_of.dtype, device=self.mesh.device_type)
@@ -133,6 +135,18 @@ class Interpreter:
         if isinstance(out, (tuple, list)):
             return type(out)(conform(o, p) for o, p in zip(out, np_.outputs))
         return conform(out, np_.outputs[0])
+
+    def _made_whole(self, node: torch.fx.Node, args, kwargs, layout, val) -> DTensor:
+        """Every operand whole: the op on their local tensors, the result laid out as planned, its piece copied
+        out so that the whole goes as the op ends; the backward reads the piece kept, not the whole made again
+        (passes.keep_pieces)."""
+        with made_whole():
+            local_args, local_kwargs = map_leaves(lambda a: a.to_local() if isinstance(a, DTensor) else a,
+                                                   (args, kwargs))
+            whole = from_local(node.target(*local_args, **local_kwargs), self.mesh,
+                               tuple(Replicate() for _ in layout), val, self.layouts_now)
+            piece = placed(whole, layout, self.mesh)
+            return from_local(piece.to_local().clone(), self.mesh, layout, val, self.layouts_now)
 
     def run(self, inputs: list[DTensor], constants: list[torch.Tensor]) -> list[Any]:
         # the pieces of this call's values, shared by their readers (not where the graph writes in place: a

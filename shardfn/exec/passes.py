@@ -32,11 +32,11 @@ import torch.fx
 
 from ..capture.graph import checkpoint_region, is_in_place
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
-from ._graph_internals import held_elsewhere
+from ._graph_internals import MADE_WHOLE, held_elsewhere
 
 _log = logging.getLogger("shardfn")
 
-__all__ = ["check_buckets", "recompute_checkpointed", "regather_in_backward", "simplify"]
+__all__ = ["check_buckets", "keep_pieces", "recompute_checkpointed", "regather_in_backward", "simplify"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -758,6 +758,22 @@ def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx
                                                                        node.all_input_nodes) and _pure(node):
             from_params.add(node)
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return joint
+
+
+def keep_pieces(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Tag the joint graph so that AOTAutograd's partitioner saves the piece a value made whole and laid out
+    (NodePlan.run "whole": a mask every rank makes from constants) keeps, where a backward reads it: made again
+    in backward from the constants it comes from, the whole would be alive there too (a mask's recomputed at
+    the backward's start, with the logits' gradients)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def tagged(n: torch.fx.Node) -> bool:
+        return bool((n.meta.get("custom") or {}).get(MADE_WHOLE))
+
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and tagged(node) and any(not tagged(u) for u in node.users):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     return joint
 
 

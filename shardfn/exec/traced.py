@@ -19,7 +19,7 @@ from ._inductor_internals import decompositions as inductor_decompositions
 from .direct_calls import direct_calls
 from .for_every_size import ForEverySize
 from .gate import gate
-from .passes import recompute_checkpointed, regather_in_backward, simplify
+from .passes import keep_pieces, recompute_checkpointed, regather_in_backward, simplify
 from .replay import replayed
 
 __all__ = ["direct_graphs", "traced_program", "use_inductor"]
@@ -117,7 +117,11 @@ def traced_program(program, step: Callable) -> Callable:
     # the min-cut partitioner saves what the default one recomputes (the CPU flash-attention forward)
     # Inductor lowers only the ops its decompositions leave (as under torch.compile)
     decompositions = inductor_decompositions() if inductor else None
+    made_whole = any(n.run == "whole" for n in program.plan.nodes.values())
+
     def partition(joint, joint_inputs, **kwargs):
+        if made_whole:
+            joint = keep_pieces(joint)
         if program.plan.reshard_after_forward:
             joint = regather_in_backward(joint, program.n_params)
         if program._checkpointed:

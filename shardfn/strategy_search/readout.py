@@ -15,6 +15,7 @@ from .. import _pytree_internals as pytree
 from ..capture.graph import checkpoint_region, is_getitem, is_in_place, module_path
 from ..layout import MeshSpec
 from . import cost_model as cm
+from .as_read import laid_out_as_read
 from .buckets import assign_buckets, bucket_bytes, bucket_unit
 from .candidates import tensor_inputs
 from .gathered import gather_events, gathered_copies, read_copies
@@ -44,11 +45,13 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
               solution: Solution) -> Plan:
     captured, decisions = problem.captured, problem.decisions
     held, level = request.held(), request.level
-    chosen = [d.candidates[k] for d, k in zip(decisions, solution.choice)]
+    # (values every rank makes whole, laid out as their readers all read them: as_read)
+    chosen, made_whole = laid_out_as_read(problem, [d.candidates[k] for d, k in zip(decisions, solution.choice)])
     returned = [r.placements for r in request.outputs]
     live, live_backward, resident, outputs, end = _live_bytes(problem, chosen, set(captured.gm.graph.nodes) -
                                                               problem.recomputed, request.optimizer_stage, returned,
-                                                              request.accumulate, request.policy.regathers and request.grad)
+                                                              request.accumulate, request.policy.regathers and request.grad,
+                                                              made_whole)
     read = _Collectives(problem, request, pricing, terms, chosen)
     fwd_colls, bwd_colls, regathers = read.all()
     last = next(reversed(live_backward), None)  # the backward's last point: its end, every gradient made, the
@@ -62,6 +65,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node),
                                           _shapes(d.node), float(terms.compute[v][solution.choice[v]]),
                                           live.get(d.node), live_backward.get(d.node),
+                                          "whole" if d.node in made_whole and c.rule != "factory" else
                                           run_mode(d.node, c.rule, c.inputs, c.outputs, writes))
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + read.regather_s
@@ -382,7 +386,8 @@ def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: 
 
 
 def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0, returned: Sequence | None = None,
-                grads_held: bool = False, reshard: bool = False) -> tuple[dict, dict, int, int, int]:
+                grads_held: bool = False, reshard: bool = False,
+                made_whole: dict | None = None) -> tuple[dict, dict, int, int, int]:
     """Per-rank bytes alive as each node of the chosen plan runs, forward and backward, with liveness; the step's
     peak is the largest of either. Returns (forward: each node's bytes once it has run, backward: each node's
     bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold with every
@@ -402,7 +407,8 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     A trainable parameter's gradient is made from none by its first reader's backward (``grads_held``: held
     from before the step, as gradients accumulated without sync are); an input's stays until it is handed back;
     a view's is a view (no bytes), as its value is. Split parameters gathered whole take their bytes as
-    gathered.gather_events says (``reshard``: gathered again in backward, as level 1 does).
+    gathered.gather_events says (``reshard``: gathered again in backward, as level 1 does). A value made whole and
+    then laid out (``made_whole``: its whole bytes, as_read) holds them while its op runs.
     """
     sizes = _NodeBytes(problem, chosen, optimizer_stage)
     nodes = list(problem.captured.gm.graph.nodes)
@@ -412,6 +418,9 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     gathered, flat = gathered_copies(problem, chosen)
     events = gather_events(gathered + reads, flat, {n: i for i, n in enumerate(nodes)}, reshard,
                            bool(problem.needs_grad))
+    for node, nbytes in (made_whole or {}).items():  # (before its op runs, gone after)
+        for add in events[:2]:
+            add[node] = add.get(node, 0) + nbytes
     at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held, events[:2])
     if not problem.needs_grad:
         return at, {}, resident, outputs, live

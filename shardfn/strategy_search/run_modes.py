@@ -10,7 +10,9 @@ and derives nothing again.
                DTensor's propagation on every call (where the pieces are even; else as dtensor);
   piece_view : a view run on its operand's piece, its size argument the piece's (where that dim is whole; else
                as dtensor);
-  dtensor    : dispatched on DTensors, DTensor's rule laying the result out.
+  dtensor    : dispatched on DTensors, DTensor's rule laying the result out;
+  whole      : made whole by every rank from whole operands, then laid out as planned (a value computed from
+               constants that its readers all read split: strategy_search.as_read).
 
 (A graph input or output keeps its rule's name: ``input``, ``output``.)
 """
@@ -27,7 +29,8 @@ from .registry import REGISTRY
 
 __all__ = ["RUN_MODES", "run_mode", "runs_on_pieces", "view_on_pieces"]
 
-RUN_MODES = ("factory", "random", "local", "dispatch", "pieces", "piece_view", "dtensor", "input", "output")
+RUN_MODES = ("factory", "random", "local", "dispatch", "pieces", "piece_view", "dtensor", "whole", "input",
+             "output")
 
 
 def run_mode(node: torch.fx.Node, rule: str, inputs, outputs, graph_writes: bool) -> str:
