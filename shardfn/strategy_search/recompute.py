@@ -71,13 +71,14 @@ def _kept_selectively(node: torch.fx.Node) -> bool:
 
 
 def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing: Pricing, terms: Terms,
-                        plan_within: PlanWithin, deadline: float = math.inf) -> Plan:
+                        plan_within: PlanWithin, deadline: float = math.inf, try_s: float = 0.0) -> Plan:
     """The plan of the request's level with the regions it recomputes chosen by ``request.recompute``; past
     ``deadline`` (the search's time limit, on time.perf_counter) no solve is added to recompute fewer layers.
+    ``try_s``: about what one try (a solve and its read-out) takes, as pricing did (level 1's first try).
     Per module (pairs of a layer pattern and True or False): the layers a True names are recomputed in every
     plan tried, those a False names never, the rest as the search decides (None)."""
     if not isinstance(request.recompute, tuple) or not request.grad:
-        return _chosen(problem, request, pricing, terms, plan_within, deadline)
+        return _chosen(problem, request, pricing, terms, plan_within, deadline, try_s=try_s)
     required, forbidden = _steered(request.recompute, region_groups(problem, request.profile))
     if required:
         problem = with_recompute(problem, required)
@@ -86,7 +87,7 @@ def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing:
     steered = dataclasses.replace(request, recompute=None)
     names = {r.name for r in required}
     try:
-        plan = _chosen(problem, steered, pricing, terms, plan_within, deadline, forbidden | names)
+        plan = _chosen(problem, steered, pricing, terms, plan_within, deadline, forbidden | names, try_s)
     except ValueError as e:
         if hasattr(e, "plan"):
             e.plan = dataclasses.replace(e.plan, recompute=_origins(e.plan.recompute, names))
@@ -120,7 +121,8 @@ def _origins(records_: tuple[Recompute, ...], required: set[str]) -> tuple[Recom
     return tuple(dataclasses.replace(r, origin="recompute=") if r.region in required else r for r in records_)
 
 
-def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: set[str] = frozenset()) -> Plan:
+def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: set[str] = frozenset(),
+            try_s: float = 0.0) -> Plan:
     """:func:`plan_with_recompute` for a policy of None, True or False; ``left_out``: regions (by name) the
     search does not decide (required already, or forbidden)."""
     if not request.grad or request.recompute is False:
@@ -147,7 +149,7 @@ def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: s
     if request.recompute is True or not groups:
         return _planned(problem, request, pricing, terms, groups, plan_within, True, "recompute=True")
     if request.policy.recomputes_to_lower_peak:
-        return _least_peak(problem, request, pricing, terms, groups, plan_within, deadline)
+        return _least_peak(problem, request, pricing, terms, groups, plan_within, deadline, try_s)
     k = 1
     while k <= len(groups):  # groups by bytes saved per second computed again, until the plan fits
         if kept is not None and time.perf_counter() > deadline:
@@ -221,10 +223,12 @@ def _fewest(problem, request, pricing, terms, kept, group, plan, plan_within, de
     return best
 
 
-def _least_peak(problem, request, pricing, terms, groups, plan_within, deadline: float) -> Plan:
+def _least_peak(problem, request, pricing, terms, groups, plan_within, deadline: float, try_s: float = 0.0) -> Plan:
     """Level 1: every group whose recompute lowers the plan's peak (each tried on top of those kept); past
-    ``deadline``, the groups not tried yet are tried once, all together. The plan of the least peak is the one
-    its try found (solved again only where it did not fit: the final try's error, or a nominal memory's warning)."""
+    ``deadline``, the groups not tried yet are tried once, all together. Where the time left holds no two tries
+    (each about ``try_s``), every group is tried at once and alone (Llama-405B's try without recompute walked
+    206e9 bytes a rank and took the time: 24 s against a limit of 20). The plan of the least peak is the one its
+    try found (solved again only where it did not fit: the final try's error, or a nominal memory's warning)."""
     def tried(chosen) -> tuple[Plan | None, float]:
         try:
             plan = _planned(problem, request, pricing, terms, chosen, plan_within, False)
@@ -233,6 +237,9 @@ def _least_peak(problem, request, pricing, terms, groups, plan_within, deadline:
             peak = _peak_of(e)
             return None, float("inf") if peak is None else peak
 
+    if time.perf_counter() + 2 * try_s > deadline:
+        plan, _ = tried(groups)
+        return plan if plan is not None else _planned(problem, request, pricing, terms, groups, plan_within, True)
     kept, (plan, best) = [], tried([])
     for i, group in enumerate(groups):
         rest = groups[i:] if time.perf_counter() > deadline else [group]

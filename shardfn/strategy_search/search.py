@@ -66,10 +66,12 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
                       every_value=request.policy.objective == "memory")
     priced_from = time.perf_counter()
     terms = step("search pricing", lambda: pricing.terms(request.keep_split), lambda t: f"{len(t.edges)} edges")
-    solved_by = deadline - _READ_OUT_SHARE * (time.perf_counter() - priced_from)  # (the read-out after it)
-    # the regions backward computes again are chosen around the level's solve (recompute.py)
+    priced_s = time.perf_counter() - priced_from
+    solved_by = deadline - _READ_OUT_SHARE * priced_s  # (the read-out after it)
+    # the regions backward computes again are chosen around the level's solve (recompute.py); a try of them, a
+    # solve and its read-out, takes about what pricing did (Llama-405B's: 3.5-8 s against 5)
     within = functools.partial(_within_budget, request, mesh_spec, pricing, step, solved_by)
-    plan = plan_with_recompute(problem, request, pricing, terms, within, solved_by)
+    plan = plan_with_recompute(problem, request, pricing, terms, within, solved_by, priced_s)
     if plan.search.get("timed_out"):  # (said of the plan returned, not of a solve tried and dropped)
         log.warning("shardfn: the strategy search stopped at its time limit (%g s, SHARDFN_SEARCH_TIME_LIMIT); "
                     "the plan is the best found, %s", time_limit_s, gap_text(plan.gap))
