@@ -762,10 +762,9 @@ def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx
 
 
 def keep_pieces(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Tag the joint graph so that AOTAutograd's partitioner saves the piece a value made whole and laid out
-    (NodePlan.run "whole": a mask every rank makes from constants) keeps, where a backward reads it: made again
-    in backward from the constants it comes from, the whole would be alive there too (a mask's recomputed at
-    the backward's start, with the logits' gradients)."""
+    """Tag the joint graph so that AOTAutograd's partitioner saves, for the backwards that read it, the piece
+    kept of a value made whole and laid out (NodePlan.run "whole": a mask every rank makes from constants): made
+    again in backward from its constants, the whole would be alive there too."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     def tagged(n: torch.fx.Node) -> bool:

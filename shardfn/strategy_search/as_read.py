@@ -46,9 +46,16 @@ def laid_out_as_read(problem: StrategyProblem, chosen: list[Candidate]) -> tuple
             out[u] = dataclasses.replace(c, outputs=(layout,))
             val = node.meta["val"]
             whole[node] = cm.local_numel(val.shape, c.outputs[0], problem.mesh_shape) * val.element_size()
-        elif len(c.inputs) == 1 and _keeps_split_dims(node, layout):
+        elif len(c.inputs) == 1 and _keeps_split_dims(node, layout) and _whole(out, problem.decisions[u].sources[0]):
             out[u] = dataclasses.replace(c, inputs=(layout,), outputs=(layout,), rule="dtensor")
     return out, whole
+
+
+def _whole(chosen: list[Candidate], source) -> bool:
+    """Is the value a view reads made whole (so that reading a piece of it is a local slice, as before)?"""
+    u, out_idx, _ = source
+    made = chosen[u].outputs[out_idx]
+    return made is not None and all(p.is_replicate() for p in made)
 
 
 def _keeps_split_dims(view: torch.fx.Node, layout) -> bool:
