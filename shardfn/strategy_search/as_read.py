@@ -43,7 +43,8 @@ def laid_out_as_read(problem: StrategyProblem, chosen: list[Candidate]) -> tuple
                 or any(r.op != "call_function" or is_in_place(r.target) for r in node.users):
             continue
         if not cm.is_view_op(node):
-            out[u] = dataclasses.replace(c, outputs=(layout,))
+            # (run "whole": its rule's name, as run_modes reads rules; a factory's own rule lays out what it makes)
+            out[u] = dataclasses.replace(c, outputs=(layout,), rule=c.rule if c.rule == "factory" else "whole")
             val = node.meta["val"]
             whole[node] = cm.local_numel(val.shape, c.outputs[0], problem.mesh_shape) * val.element_size()
         elif len(c.inputs) == 1 and _keeps_split_dims(node, layout) and _whole(out, problem.decisions[u].sources[0]):

@@ -65,7 +65,6 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
             nodes[d.node.name] = NodePlan(d.name, op, c.rule, c.inputs, c.outputs, module_path(d.node),
                                           _shapes(d.node), float(terms.compute[v][solution.choice[v]]),
                                           live.get(d.node), live_backward.get(d.node),
-                                          "whole" if d.node in made_whole and c.rule != "factory" else
                                           run_mode(d.node, c.rule, c.inputs, c.outputs, writes))
     compute_s = terms.compute_of(solution.choice)
     comm_s = terms.comm_of(solution.choice) + read.regather_s

@@ -37,7 +37,7 @@ def run_mode(node: torch.fx.Node, rule: str, inputs, outputs, graph_writes: bool
     """How exec runs ``node`` chosen with ``rule`` at these placements. ``graph_writes``: the graph writes into a
     value in place (a write through a view must reach its base through autograd's view tracking, which a piece's
     view run apart from its DTensor does not keep: no view runs on a piece then)."""
-    if rule != "dtensor":  # (a graph input or output, a factory, a random op, a local rule: as its rule says)
+    if rule != "dtensor":  # (an input or output, a factory, a random op, a local rule, "whole": as its rule says)
         return rule
     if runs_on_pieces(node, inputs, outputs):
         return "pieces"
