@@ -61,7 +61,7 @@ class Candidate:
 
 def tensor_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The node's tensor-valued fx inputs in flat order (args then kwargs, lists flattened)."""
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    leaves = pytree.graph_leaves((node.args, node.kwargs))
     return [a for a in leaves if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
 
 

@@ -390,11 +390,11 @@ def _op_flops(op, args, kwargs, out) -> int:
 def node_bytes(node) -> int:
     """Bytes an op reads and writes at its global shapes: the memory-bound side of the roofline."""
     total = 0
-    for x in pytree.tree_leaves((node.args, node.kwargs)):
+    for x in pytree.graph_leaves((node.args, node.kwargs)):
         if isinstance(x, torch.fx.Node) and isinstance(x.meta.get("val"), torch.Tensor):
             v = x.meta["val"]
             total += v.numel() * v.element_size()
-    for v in pytree.tree_leaves(node.meta.get("val")):
+    for v in pytree.graph_leaves(node.meta.get("val")):
         if isinstance(v, torch.Tensor):
             total += v.numel() * v.element_size()
     return total

@@ -286,7 +286,7 @@ class Pricing:
 
 def _node_facts(node) -> tuple:
     """(tensor values, placeholder, FLOPs, bytes, view, shapes) of ``node``, as pricing reads it."""
-    vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+    vals = [v for v in pytree.graph_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
     placeholder, view = node.op == "placeholder", cm.is_view_op(node)
     # a view moves no bytes: splitting one saves nothing (else a plan might split a weight's transpose only to
     # gather it back for its reader)
@@ -511,7 +511,7 @@ def node_collectives(d: Decision, c: Candidate, held, grad: bool, mesh_shape,
 
 
 def _first_output(node: torch.fx.Node) -> torch.Tensor:
-    return next(v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
+    return next(v for v in pytree.graph_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
 
 
 def _grad_item(val: torch.Tensor, grad_dtype: torch.dtype | None) -> int:

@@ -222,7 +222,7 @@ def _needs_grad(captured: CapturedGraph, grad: bool) -> set[torch.fx.Node]:
     for node in captured.gm.graph.nodes:
         if node.op == "call_function" and not REGISTRY.carries_no_gradient(node.target) and any(
                 a in out for a in node.all_input_nodes):
-            vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+            vals = [v for v in pytree.graph_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
             if any(v.dtype.is_floating_point for v in vals):
                 out.add(node)
     return out

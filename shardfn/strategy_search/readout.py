@@ -438,7 +438,7 @@ class _NodeBytes:
         c = self.by_node.get(node)
         if c is None:  # getitem: its producer holds the value
             return 0
-        vals = [v for v in pytree.tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        vals = [v for v in pytree.graph_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
         return sum(cm.local_numel(v.shape, pl, self.mesh_shape) * v.element_size()
                    for v, pl in zip(vals, c.outputs) if pl is not None)
 

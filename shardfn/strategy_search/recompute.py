@@ -328,7 +328,7 @@ def _region(problem: StrategyProblem, name: str, nodes: list[torch.fx.Node], pro
                            and _replayable(n))
     saved = seconds = 0.0
     for n in recomputed:
-        vals = [v for v in pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
+        vals = [v for v in pytree.graph_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
         if not cm.is_view_op(n):
             saved += sum(v.numel() * v.element_size() for v in vals)
             seconds += cm.compute_seconds(cm.node_flops(n), cm.node_bytes(n), 1, profile,
@@ -346,7 +346,7 @@ def _replayable(node: torch.fx.Node) -> bool:
 def _likeness(name: str, nodes: list[torch.fx.Node]) -> tuple:
     """What identical layers share: the name but for its index, and each op with its shapes."""
     def shapes(n):
-        return tuple(tuple(v.shape) for v in pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor))
+        return tuple(tuple(v.shape) for v in pytree.graph_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor))
 
     return re.sub(r"\.\d+$", ".#", name), tuple(sorted((str(n.target), shapes(n)) for n in nodes))
 
@@ -374,7 +374,7 @@ def records(problem: StrategyProblem, plan: Plan, origin: str) -> tuple[Recomput
                 continue
             extra += (np_.compute_s or 0.0) / (_BACKWARD_FACTOR + 1)  # (priced: forward, backward, forward again)
             if not cm.is_view_op(n):
-                vals = [v for v in pytree.tree_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
+                vals = [v for v in pytree.graph_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
                 saved += sum(cm.local_numel(v.shape, pl, problem.mesh_shape) * v.element_size()
                              for v, pl in zip(vals, np_.outputs) if pl is not None)
         if isinstance(key, str):

@@ -98,6 +98,8 @@ _SHORTLIST = 64
 # Seconds a large decision's elimination takes once shortlisted, before a tail is measured (Llama-405B's tails on
 # this project's machine: 90-170 us a decision, its identical layers' memo hits included)
 _TAIL_SECONDS = 2e-4
+# Elements of an array the solver's interning hashes (evenly spaced); arrays alike there are compared whole
+_HASHED = 4096
 # Columns of an integer program HiGHS presolves in a second on this project's machine (2.37 M took 22 s, probing
 # past its time limit): a program larger than the time left allows is not started
 _PROGRAM_COLUMNS_PER_SECOND = 100_000
@@ -196,10 +198,19 @@ class _Shared:
         if seen is not None and seen[0] is a:
             return seen[1]
         b = np.asarray(a, dtype=float)
-        key = (b.shape, hashlib.blake2b(np.ascontiguousarray(b).tobytes(), digest_size=16).digest())
-        b = self._interned.setdefault(key, b)
-        self._interned[id(a)] = (a, b)  # (keeping ``a``: its id stays its own)
-        return b
+        # keyed by a hash of a sample of at most _HASHED elements, its equals found by comparing them whole: an
+        # array unlike the others is never read whole here (hashing Llama-405B's edge matrices, some of a million
+        # pairs, whole had taken most of a level-1 solve's second before its elimination)
+        flat = b.reshape(-1)
+        sample = flat[::-(-flat.size // _HASHED)] if flat.size > _HASHED else flat
+        key = (b.shape, hashlib.blake2b(np.ascontiguousarray(sample).tobytes(), digest_size=16).digest())
+        alike = self._interned.setdefault(key, [])
+        found = next((x for x in alike if x is b or np.array_equal(x, b)), None)
+        if found is None:
+            alike.append(b)
+            found = b
+        self._interned[id(a)] = (a, found)  # (keeping ``a``: its id stays its own)
+        return found
 
     def adopt(self, a: np.ndarray) -> np.ndarray:
         """``a`` (float, computed from interned arrays alone) interned as itself, unhashed: an array of equal

@@ -278,3 +278,19 @@ def test_a_shortlisted_budget_solve_keeps_the_budget():
     sol = solve(Problem(base.costs, base.edges, (weights, limit)), time_limit_s=0.0)
     assert sum(w[c] for w, c in zip(weights, sol.choice)) <= limit
     assert sol.stats["shortlisted"] == solver._SHORTLIST and not sol.optimal and sol.timed_out
+
+
+def test_interning_finds_equal_arrays_and_keeps_apart_those_alike_only_where_hashed():
+    # the hash reads a sample of a large array: arrays equal there but not elsewhere stay apart (compared whole),
+    # equal ones made apart become one object, small ones are hashed whole
+    from shardfn.strategy_search import solver
+
+    shared = solver._Shared()
+    a = np.arange(4 * solver._HASHED, dtype=float).reshape(8, -1)
+    same, other = a.copy(), a.copy()
+    other.reshape(-1)[1] += 0.5  # (between two sampled elements)
+    assert shared.intern(a) is a and shared.intern(same) is a
+    assert shared.intern(other) is other and shared.intern(other.copy()) is other
+    assert shared.intern(a.reshape(-1)) is not a  # (another shape)
+    small = np.array([1.0, 2.0])
+    assert shared.intern(small.copy()) is shared.intern(small)
