@@ -689,6 +689,8 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     shared = _Shared()  # the rounds' arrays, hashed once, and what they compute alike, computed once
     # the least weight exactly, first (memory alone eliminates fast, its layouts tie): a try that cannot fit says
     # so before any round (Llama-405B's recompute tries had spent 8.6 s on two rounds to learn it)
+    if _least_bound(weights, pairs) > limit * (1 + 1e-12):  # (each decision's and pair's least alone: no solve)
+        raise Infeasible("no assignment satisfies the budget")
     least = _unconstrained(weights, pairs, 0.0) if pairs else None
     if (_weight(weights, pairs, least.choice) if least else sum(float(w.min()) for w in weights)) > limit * (1 + 1e-12):
         raise Infeasible("no assignment satisfies the budget")
@@ -839,6 +841,15 @@ def _budget_program(problem: Problem, weights: list[np.ndarray], limit: float, b
     gap = 0.0 if optimal else min(gap, ilp_gap)
     return Solution(ordered, f, optimal, message, {**best.stats, "ilp_decisions": len(alive)}, gap,
                     timed_out=not optimal)
+
+
+def _least_bound(weights: list[np.ndarray], pairs) -> float:
+    """No choice weighs less: each decision's least weight and each pair's (a matrix several pairs share, once)."""
+    least: dict[int, float] = {}
+    for _, _, m in pairs:
+        if id(m) not in least:
+            least[id(m)] = float(m.min())
+    return sum(float(w.min()) for w in weights) + sum(least[id(m)] for _, _, m in pairs)
 
 
 def _weight(weights: list[np.ndarray], pairs, choice) -> float:

@@ -294,3 +294,19 @@ def test_interning_finds_equal_arrays_and_keeps_apart_those_alike_only_where_has
     assert shared.intern(a.reshape(-1)) is not a  # (another shape)
     small = np.array([1.0, 2.0])
     assert shared.intern(small.copy()) is shared.intern(small)
+
+
+def test_a_budget_below_every_least_weight_is_refused_before_any_elimination(monkeypatch):
+    from shardfn.strategy_search import solver
+
+    rng = np.random.default_rng(3)
+    problem = _random_problem(rng, 6, 0.5, budget=True)
+    weights, _ = problem.budget
+    pairs = [(0, 1, np.full((len(weights[0]), len(weights[1])), 2.0))]
+    least = sum(float(w.min()) for w in weights) + 2.0
+    refused = Problem(problem.costs, problem.edges, (weights, least - 1.0), pairs)
+    monkeypatch.setattr(solver, "_unconstrained", lambda *a, **k: pytest.fail("eliminated"))
+    with pytest.raises(Infeasible):
+        solve(refused)
+    monkeypatch.undo()
+    assert solve(Problem(problem.costs, problem.edges, (weights, least), pairs)).objective < np.inf
