@@ -341,3 +341,47 @@ def test_level_1_counts_a_recomputed_values_copy_that_attention_keeps(monkeypatc
                     checked += copy and read == cm.local_numel(val.shape, src.outputs[out_idx], problem.mesh_shape) \
                         * val.element_size()
     assert checked  # (copies as large as the value among them)
+
+
+class _Scan(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return torch.cumprod(self.fc(x), dim=0)
+
+
+class _Scans(torch.nn.Module):
+    """Two layers of a linear map and a scan down the rows: the plan splits each matmul by rows and its scan by
+    columns, so the second layer's matmul reads the first scan's result through an all-to-all."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Scan() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_recomputed_readers_copy_made_by_a_collective_is_kept_from_forward():
+    # exec saves a recomputed region's collectives' results (it communicates once), so the copy the second
+    # layer's matmul reads (its backward reads it for the weight's gradient) stays from forward to backward;
+    # only a slice of a replicated value is made again
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from shardfn.strategy_search.gathered import _sliced
+
+    x = torch.randn(4096, 64)
+    plain, again = (sf.explain(_Scans(), x, world_size=2, in_strategy=((2, 1),), out_strategy=((2, 1),), level=2,
+                               recompute=r) for r in (False, True))
+    assert [r.region for r in again.recompute] == ["blocks.0", "blocks.1"]
+    made, read = again.nodes["cumprod"].outputs[0], again.nodes["mm_1"].inputs[0]
+    assert (made, read) == ((Shard(1),), (Shard(0),)) and not _sliced(made, read)
+    copy = 2048 * 64 * 4  # (4096, 64) split by rows, fp32
+    not_kept = sum(r.saved_bytes for r in again.recompute)
+    assert again.nodes["detach"].live_bytes == plain.nodes["detach"].live_bytes - not_kept + copy
+    assert _sliced((Replicate(), Shard(0)), (Shard(1), Shard(0)))
+    assert not _sliced((Partial(), Replicate()), (Replicate(), Shard(0)))
