@@ -10,7 +10,6 @@ import dataclasses
 import numpy as np
 import torch
 import torch.fx
-from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import cost_model as cm
 from .buckets import assign_buckets, bucket_bytes, bucket_unit
@@ -26,7 +25,7 @@ class Gathered:
     readers in program order, those whose backward reads it, whether it is a parameter's, its bucket's number
     and the unit its bucket holds (buckets.bucket_unit); ``bucket`` None: a reader's own copy of a computed
     value (:func:`read_copies`), made as it runs, through no flat buffer; ``again``: such a copy made again in
-    backward (its reader's region is recomputed, and it is a slice, not a collective's result)."""
+    backward (its reader's region is recomputed)."""
 
     nbytes: int
     readers: list[torch.fx.Node]
@@ -97,9 +96,7 @@ def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], froze
     what autograd keeps (collectives' results are saved, never recomputed), until the last of those backwards
     (and the value itself only where another backward reads it as made: saved.saved_until's ``copied``). Read
     through a view (a transpose), it lives as the view does: until the view's last reader, or the backward
-    reads through it. Where every backward that reads it is recomputed, a copy sliced from a replicated value is
-    made again for them; a collective's result is still kept (exec communicates once: recomputed regions save
-    their collectives' results, exec.passes.recompute_checkpointed)."""
+    reads through it. Where every backward that reads it is recomputed, it is made again for them."""
     _, from_inputs = _from_inputs(problem)
     mesh, copies, copied = problem.mesh_shape, {}, set()
     kept: dict[tuple, bool] = {}  # (a copy some backward that is not recomputed reads)
@@ -122,18 +119,11 @@ def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], froze
                 backward = [d.node] if d.node in problem.needs_grad and \
                     reads_input(d.node, slot, problem.needs_grad) else []
             copy.backward += backward
-            kept[key] = kept.get(key, False) or any(b not in problem.recomputed for b in backward) \
-                or not _sliced(made, c.inputs[slot])
+            kept[key] = kept.get(key, False) or any(b not in problem.recomputed for b in backward)
             copied.add((d.node, slot))
     for key, copy in copies.items():
         copy.again = bool(copy.backward) and not kept[key]
     return list(copies.values()), frozenset(copied)
-
-
-def _sliced(made, read) -> bool:
-    """Is the copy in ``read`` layout made from ``made`` without a collective: on every mesh dim as made, or a
-    replicated value's shard (a local slice, pure, so a recomputed region slices it again)?"""
-    return all(m == r or (isinstance(m, Replicate) and isinstance(r, Shard)) for m, r in zip(made, read))
 
 
 def _unit(value: torch.fx.Node, names: dict) -> str:
