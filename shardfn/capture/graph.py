@@ -12,8 +12,8 @@ import torch.fx
 
 from .structure import Structure
 
-__all__ = ["CHECKPOINT_REGION", "MODULE_PATH", "CaptureError", "CapturedGraph", "GraphInput", "checkpoint_region", "is_getitem",
-           "is_in_place", "is_view", "module_path"]
+__all__ = ["CHECKPOINT_REGION", "MODULE_PATH", "CaptureError", "CapturedGraph", "GraphInput", "checkpoint_region",
+           "draws_random", "is_getitem", "is_in_place", "is_view", "module_path"]
 
 # the key in node.meta["custom"] naming the activation-checkpoint region a node was computed in
 CHECKPOINT_REGION = "shardfn_checkpoint"
@@ -44,6 +44,20 @@ def is_in_place(target: Any) -> bool:
     """An aten-style op that writes into its first input and returns it (``copy_``, ``add_``): the ``_`` suffix.
     In a captured (functionalized) graph these are the updates of inputs: a buffer's running statistics."""
     return isinstance(target, torch._ops.OpOverload) and target.name().split("::")[-1].split(".")[0].endswith("_")
+
+
+def draws_random(node: torch.fx.Node) -> bool:
+    """Does ``node`` draw from a random generator, so that computed again it would differ? An op torch tags as
+    seeded does, but an attention kernel whose ``dropout_p`` is 0 draws nothing (transformers' models call SDPA
+    so whenever attention dropout is off: in evaluation, and in training with their default of 0)."""
+    target = node.target
+    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            given = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
+            return not (isinstance(given, (int, float)) and given == 0)
+    return True
 
 
 def is_getitem(node: torch.fx.Node) -> bool:

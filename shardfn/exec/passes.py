@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from ..capture.graph import checkpoint_region, is_in_place
+from ..capture.graph import checkpoint_region, draws_random, is_in_place
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
 from ._graph_internals import MADE_WHOLE, held_elsewhere
 
@@ -736,10 +736,9 @@ def _parameters_where_read(graph: torch.fx.Graph, n_params: int) -> None:
 
 
 def _pure(node: torch.fx.Node) -> bool:
-    """Can ``node`` run again with the same result? Not a random op (drawn again, it would differ), nor a write."""
-    target = node.target
-    return not is_in_place(target) and not (
-        isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)
+    """Can ``node`` run again with the same result? Not a random draw (drawn again, it would differ), nor a
+    write."""
+    return not is_in_place(node.target) and not draws_random(node)
 
 
 def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx.GraphModule:
@@ -776,24 +775,34 @@ def keep_pieces(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return joint
 
 
-def recompute_checkpointed(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0) -> torch.fx.GraphModule:
     """Tag the joint forward/backward graph so that AOTAutograd's partitioner computes the forward ops of each
     activation-checkpoint region again in backward instead of saving their results (what torch.utils.checkpoint
-    does in eager): it then keeps only the regions' inputs and outputs. Collectives and random ops are kept
-    (computed once: communicating twice costs more than it saves, and a draw computed again would differ)."""
+    does in eager, and Megatron's full recompute): it then keeps only the regions' inputs and outputs. The
+    collectives on activations run again too (a region's all-to-alls and gathers would otherwise keep their
+    results: Llama-405B's level 1 held its layers' gathered activations, tens of GB a rank); random draws are kept
+    (drawn again they would differ), and so are parameters gathered whole (the first ``n_params`` primals: level
+    2 keeps them for backward, level 1 gathers them again anyway: :func:`regather_in_backward`)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     backward = {n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
     for node in joint.graph.nodes:
         if node.op == "call_function" and any(a in backward for a in node.all_input_nodes):
             backward.add(node)
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
+    from_params = set(primals[:n_params])
+    for node in joint.graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and all(a in from_params for a in node.all_input_nodes):
+            from_params.add(node)
     for node in joint.graph.nodes:
         region = checkpoint_region(node)
         if region is None or node.op != "call_function" or node in backward or "recompute" in node.meta:
             continue  # (an op on parameters alone is gathered again already: regather_in_backward)
         if node.target is operator.getitem:  # an item of a multi-output op: as its op is (a tuple is not saved)
             policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_RECOMPUTE)
-        elif _is_collective(node) or node.target is _c10d.wait_tensor.default or not _pure(node):
+        elif node.target is _c10d.wait_tensor.default:  # (as its collective)
+            policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_SAVE)
+        elif not _pure(node) or (_is_collective(node) and node in from_params):
             policy = CheckpointPolicy.MUST_SAVE
         else:
             policy = CheckpointPolicy.MUST_RECOMPUTE

@@ -32,7 +32,7 @@ from .registry import REGISTRY
 from .saved import saved_until
 
 __all__ = ["Pricing", "Terms", "gathered_at", "gradient_copies", "gradient_handed_back", "node_collectives",
-           "parameter_copies", "passes_on", "pending"]
+           "parameter_copies", "parameter_values", "passes_on", "pending"]
 
 Placements = tuple[Placement, ...]
 
@@ -107,6 +107,7 @@ class Pricing:
         self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
             if problem.needs_grad else set()
         self._lasting = _lasting(problem) if every_value else frozenset()
+        self._parameter_values = parameter_values(problem.captured)
         self.share = _BucketShare(bucket_bytes(), sum(d.node is not None and d.node.op == "placeholder"
                                                       and d.node in problem.needs_grad for d in problem.decisions))
 
@@ -184,8 +185,9 @@ class Pricing:
             keep = 0 if view else _kept_share(d.node, grad, self, share)
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
+        again = d.node in p.recomputed  # (its forward collectives run again in backward: exec's recompute)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
-               view, shapes, grad_dtype)
+               view, shapes, grad_dtype, again)
         hit = self._unaries.get(key)
         if hit is not None and hit[0] is d.candidates:
             return hit[1]
@@ -205,7 +207,7 @@ class Pricing:
         for k, c in enumerate(d.candidates):
             fwd, bwd = node_collectives(d, c, held, grad, mesh_shape, grad_dtype)
             # a graph input's own reductions (its readers' gradients summed) hand its gradient back
-            reductions[k] = self.seconds(fwd, bwd, placeholder) if fwd or bwd else 0.0
+            reductions[k] = self.seconds(fwd * (1 + again), bwd, placeholder) if fwd or bwd else 0.0
         self._unaries[key] = (d.candidates, (compute, savings, memory, reductions))
         return compute, savings, memory, reductions
 
@@ -232,7 +234,14 @@ class Pricing:
                     return (small[np.ix_(src_idx, dst_idx)],
                             _left_to_view(src_cands, pend, self.mesh_shape) if from_view else None)
 
-                matrix, forbidden = _per_candidate_lists(self._edges, key, src_cands, d.candidates, build)
+                priced = _per_candidate_lists(self._edges, key, src_cands, d.candidates, build)
+                if d.node in p.recomputed and value_node not in self._parameter_values:
+                    # a recomputed reader's redistribution of an activation runs again before its backward
+                    # (exec's recompute; parameters gathered whole are kept)
+                    again = functools.partial(self._moved_again, priced, val, src_cands, out_idx, d.candidates,
+                                              slot, grad_dtype)
+                    priced = _per_candidate_lists(self._edges, ("again", *key), src_cands, d.candidates, again)
+                matrix, forbidden = priced
                 edges.append((u, v, matrix))
                 if forbidden is not None:
                     impossible.append((u, v, forbidden))
@@ -241,6 +250,14 @@ class Pricing:
                     impossible.append((u, v, _per_candidate_lists(self._edges, ("moved", *key), src_cands,
                                                                   d.candidates, moved)))
         return edges, impossible
+
+    def _moved_again(self, priced, val, src_cands, out_idx, dst_cands, slot, grad_dtype):
+        """An edge's (matrix, forbidden) with its forward redistribution's seconds once more."""
+        matrix, forbidden = priced
+        src_keys, src_idx = _distinct([(sc.outputs[out_idx], False) for sc in src_cands])
+        dst_keys, dst_idx = _distinct([(c.inputs[slot], ()) for c in dst_cands])
+        forward = self._edge_seconds(val, src_keys, dst_keys, False, False, grad_dtype)
+        return matrix + forward[np.ix_(src_idx, dst_idx)], forbidden
 
     def violations(self, keep_split, values, chosen=None) -> list[tuple[int, int, np.ndarray]]:
         """Edges where a pair of choices gathers, in forward, a value of ``values`` that must stay split over the
@@ -282,6 +299,16 @@ class Pricing:
         bad = np.array([[float(_gathers(self.comm(val, s, t, (), False, False)[0], keep_split)) for t in dst_keys]
                         for s in src_keys])
         return bad[np.ix_(src_idx, dst_idx)]
+
+
+def parameter_values(captured) -> set:
+    """The parameters and the values made from them alone (a transpose, a cast): what exec gathers as a parameter,
+    kept for backward in a recomputed region where an activation's collectives run again."""
+    found = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
+    for node in captured.gm.graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= found:
+            found.add(node)
+    return found
 
 
 def _node_facts(node) -> tuple:

@@ -273,8 +273,8 @@ def computed_from(captured: CapturedGraph, inputs: list[int]) -> set[torch.fx.No
 
 def _recomputed(captured: CapturedGraph) -> frozenset[torch.fx.Node]:
     """The values backward computes again instead of keeping them from forward (activation checkpointing): those
-    made in a checkpoint region and read only inside it. (Results of collectives and random draws in a region are
-    kept in fact: the model leaves them out.)"""
+    made in a checkpoint region and read only inside it. (Random draws in a region are kept in fact: the model
+    leaves them out; its collectives on activations run again, exec.passes.recompute_checkpointed.)"""
     return frozenset(n for n in captured.gm.graph.nodes if n.op == "call_function" and (
         region := checkpoint_region(n)) is not None and all(checkpoint_region(u) == region for u in n.users))
 

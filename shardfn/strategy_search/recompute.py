@@ -36,7 +36,7 @@ import torch
 import torch.fx
 
 from .. import _pytree_internals as pytree
-from ..capture.graph import checkpoint_region, is_in_place, module_path
+from ..capture.graph import checkpoint_region, draws_random, is_in_place, module_path
 from . import cost_model as cm
 from ._summary import layer_of
 from .plan import Plan, Recompute
@@ -338,9 +338,7 @@ def _region(problem: StrategyProblem, name: str, nodes: list[torch.fx.Node], pro
 
 def _replayable(node: torch.fx.Node) -> bool:
     """Computed again with the same result: not a random draw (exec keeps those), nor a write."""
-    target = node.target
-    return not is_in_place(target) and not (
-        isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags)
+    return not is_in_place(node.target) and not draws_random(node)
 
 
 def _likeness(name: str, nodes: list[torch.fx.Node]) -> tuple:

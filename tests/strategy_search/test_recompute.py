@@ -311,16 +311,40 @@ def test_level_1_reads_no_value_at_the_head_in_a_larger_copy():
     assert plan.cost.peak_bytes < 400_000
 
 
+def test_attention_without_dropout_is_recomputed_and_a_random_draw_is_not():
+    # SDPA of dropout 0 draws nothing though torch tags it seeded: a recomputed layer computes it again; a draw
+    # (dropout's bernoulli, or SDPA's own with dropout_p) would differ computed again, and is kept
+    from shardfn.capture.graph import draws_random
+
+    plan = sf.explain(GPTStack(2, 16, 4), torch.randn(4, 8, 16), world_size=2, in_strategy=(None,), level=2,
+                      recompute=True)
+    names = {n for r in plan.recompute for n in r.nodes}
+    attention = [n for n in plan.nodes if "scaled_dot_product" in n]
+    assert len(attention) == 2 and set(attention) <= names
+    node = torch.fx.Graph().call_function(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                                          (None, None, None), {"dropout_p": 0.0})
+    assert not draws_random(node)
+    node.kwargs = {"dropout_p": 0.1}
+    assert draws_random(node)
+    node.kwargs = {}  # (its default, 0)
+    assert not draws_random(node)
+    assert draws_random(torch.fx.Graph().call_function(torch.ops.aten.bernoulli.p, (None, 0.9)))
+
+
 def test_level_1_counts_a_recomputed_values_copy_that_attention_keeps(monkeypatch):
-    # attention is never recomputed (its dropout's draws are kept), so its backward keeps the copies it reads of
-    # recomputed values whole, an all-to-all's as large as the value too: level 1 counts each such copy (Llama-405B's
-    # level 1 had read each layer's keys and values through all-to-alls, 4.2e9 bytes a rank kept and uncounted)
+    # attention with dropout (a CUDA kernel draws inside it: taken so here) is not recomputed, so its backward
+    # keeps the copies it reads of recomputed values whole, an all-to-all's as large as the value too: level 1
+    # counts each such copy (Llama-405B's level 1 had read each layer's keys and values through all-to-alls, 4.2e9
+    # bytes a rank kept and uncounted, while its attention, of dropout 0, was taken for random)
     from shardfn.strategy_search import cost_model as cm
     from shardfn.strategy_search import search
 
     seen = []
     real = search.Pricing.terms
     monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
+    from shardfn.strategy_search import recompute
+
+    monkeypatch.setattr(recompute, "draws_random", lambda n: "scaled_dot_product" in str(n.target))
     sf.explain(GPTStack(2, 16, 4), torch.randn(4, 8, 16), world_size=4, in_strategy=(None,), level=1,
                recompute=True)
     problem, terms = seen[-1].problem, seen[-1].terms()
@@ -341,3 +365,45 @@ def test_level_1_counts_a_recomputed_values_copy_that_attention_keeps(monkeypatc
                     checked += copy and read == cm.local_numel(val.shape, src.outputs[out_idx], problem.mesh_shape) \
                         * val.element_size()
     assert checked  # (copies as large as the value among them)
+
+
+class _Scan(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return torch.cumprod(self.fc(x), dim=0)
+
+
+class _Scans(torch.nn.Module):
+    """Two layers of a linear map and a scan down the rows: the plan splits each matmul by rows and its scan by
+    columns, so each layer moves its activations by all-to-all."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Scan() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_recomputed_layers_collectives_run_again_and_are_priced_so():
+    # exec computes a recomputed region's collectives on activations again before its backward (it keeps only
+    # the region's inputs): the plan lists each forward one again in backward, and its communication grows by
+    # their seconds; less is kept from forward
+    x = torch.randn(4096, 64)
+    whole = {f"blocks.{i}.fc.weight": (1, 1) for i in range(2)}
+    plain, again = (sf.explain(_Scans(), x, world_size=2, in_strategy=((2, 1),), out_strategy=((2, 1),), level=2,
+                               parameter_plan=whole, recompute=r) for r in (False, True))
+    assert [r.region for r in again.recompute] == ["blocks.0", "blocks.1"]
+    assert {n.name: (n.inputs, n.outputs) for n in again.nodes.values()} == \
+        {n.name: (n.inputs, n.outputs) for n in plain.nodes.values()}  # (the same layouts)
+    moved = [c for c in again.collectives if c.where.endswith("(recomputed)")]
+    assert moved and all(c.phase == "backward" and c.kind == "all_to_all" for c in moved)
+    forward = {(c.kind, c.where) for c in again.collectives if c.phase == "forward"}
+    assert all((c.kind, c.where.removesuffix(" (recomputed)")) in forward for c in moved)
+    assert again.cost.comm_s == pytest.approx(plain.cost.comm_s + sum(c.seconds for c in moved), rel=1e-9)
+    assert again.nodes["detach"].live_bytes < plain.nodes["detach"].live_bytes  # (the forward's end)
