@@ -238,7 +238,7 @@ class Pricing:
                 if d.node in p.recomputed and value_node not in self._parameter_values:
                     # a recomputed reader's redistribution of an activation runs again before its backward
                     # (exec's recompute; parameters gathered whole are kept)
-                    again = functools.partial(self._moved_again, priced, val, src_cands, out_idx, d.candidates,
+                    again = functools.partial(_moved_again, self, priced, val, src_cands, out_idx, d.candidates,
                                               slot, grad_dtype)
                     priced = _per_candidate_lists(self._edges, ("again", *key), src_cands, d.candidates, again)
                 matrix, forbidden = priced
@@ -250,14 +250,6 @@ class Pricing:
                     impossible.append((u, v, _per_candidate_lists(self._edges, ("moved", *key), src_cands,
                                                                   d.candidates, moved)))
         return edges, impossible
-
-    def _moved_again(self, priced, val, src_cands, out_idx, dst_cands, slot, grad_dtype):
-        """An edge's (matrix, forbidden) with its forward redistribution's seconds once more."""
-        matrix, forbidden = priced
-        src_keys, src_idx = _distinct([(sc.outputs[out_idx], False) for sc in src_cands])
-        dst_keys, dst_idx = _distinct([(c.inputs[slot], ()) for c in dst_cands])
-        forward = self._edge_seconds(val, src_keys, dst_keys, False, False, grad_dtype)
-        return matrix + forward[np.ix_(src_idx, dst_idx)], forbidden
 
     def violations(self, keep_split, values, chosen=None) -> list[tuple[int, int, np.ndarray]]:
         """Edges where a pair of choices gathers, in forward, a value of ``values`` that must stay split over the
@@ -278,7 +270,7 @@ class Pricing:
                 def build(d=d, slot=slot, src_cands=src_cands, out_idx=out_idx, val=val, rows=rows):
                     src_keys = [src_cands[k].outputs[out_idx] for k in rows]
                     dst_keys = [c.inputs[slot] for c in d.candidates]
-                    bad = self._gathers(val, src_keys, dst_keys, keep_split)
+                    bad = _pairs_gathering(self, val, src_keys, dst_keys, keep_split)
                     bad[:, [dispatches_tokens(d.node, c, keep_split) for c in d.candidates]] = 0.0
                     return bad if bad.any() else None
 
@@ -287,18 +279,28 @@ class Pricing:
                     found.append((u, v, bad))
         return found
 
-    def _gathers(self, val, srcs, dsts, keep_split) -> np.ndarray:
-        """1 for each pair of layouts whose forward redistribution gathers over a mesh dim of ``keep_split``."""
-        partials: dict = {}
-        a, b = [cost_arrays.codes(s, partials) for s in srcs], [cost_arrays.codes(t, partials) for t in dsts]
-        if None not in a and None not in b:
-            return cost_arrays.pair_seconds(val.shape, val.element_size(), a, b, self.mesh_shape, self.profile,
-                                            self.links, gathers_on=keep_split, memo=self._pairs)[1].astype(float)
-        src_keys, src_idx = _distinct(srcs)
-        dst_keys, dst_idx = _distinct(dsts)
-        bad = np.array([[float(_gathers(self.comm(val, s, t, (), False, False)[0], keep_split)) for t in dst_keys]
-                        for s in src_keys])
-        return bad[np.ix_(src_idx, dst_idx)]
+
+def _pairs_gathering(pricing: Pricing, val, srcs, dsts, keep_split) -> np.ndarray:
+    """1 for each pair of layouts whose forward redistribution gathers over a mesh dim of ``keep_split``."""
+    partials: dict = {}
+    a, b = [cost_arrays.codes(s, partials) for s in srcs], [cost_arrays.codes(t, partials) for t in dsts]
+    if None not in a and None not in b:
+        return cost_arrays.pair_seconds(val.shape, val.element_size(), a, b, pricing.mesh_shape, pricing.profile,
+                                        pricing.links, gathers_on=keep_split, memo=pricing._pairs)[1].astype(float)
+    src_keys, src_idx = _distinct(srcs)
+    dst_keys, dst_idx = _distinct(dsts)
+    bad = np.array([[float(_gathers(pricing.comm(val, s, t, (), False, False)[0], keep_split)) for t in dst_keys]
+                    for s in src_keys])
+    return bad[np.ix_(src_idx, dst_idx)]
+
+
+def _moved_again(pricing: Pricing, priced, val, src_cands, out_idx, dst_cands, slot, grad_dtype):
+    """An edge's (matrix, forbidden) with its forward redistribution's seconds once more."""
+    matrix, forbidden = priced
+    src_keys, src_idx = _distinct([(sc.outputs[out_idx], False) for sc in src_cands])
+    dst_keys, dst_idx = _distinct([(c.inputs[slot], ()) for c in dst_cands])
+    forward = pricing._edge_seconds(val, src_keys, dst_keys, False, False, grad_dtype)
+    return matrix + forward[np.ix_(src_idx, dst_idx)], forbidden
 
 
 def parameter_values(captured) -> set:

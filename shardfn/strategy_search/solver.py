@@ -687,13 +687,7 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     weights = [np.asarray(w, dtype=float) for w in weights]
     deadline = time.perf_counter() + time_limit_s
     shared = _Shared()  # the rounds' arrays, hashed once, and what they compute alike, computed once
-    # the least weight exactly, first (memory alone eliminates fast, its layouts tie): a try that cannot fit says
-    # so before any round (Llama-405B's recompute tries had spent 8.6 s on two rounds to learn it)
-    if _least_bound(weights, pairs) > limit * (1 + 1e-12):  # (each decision's and pair's least alone: no solve)
-        raise Infeasible("no assignment satisfies the budget")
-    least = _unconstrained(weights, pairs, 0.0) if pairs else None
-    if (_weight(weights, pairs, least.choice) if least else sum(float(w.min()) for w in weights)) > limit * (1 + 1e-12):
-        raise Infeasible("no assignment satisfies the budget")
+    least = _least_weight(weights, pairs, limit)
 
     def at(mu: float, seconds: float = math.inf) -> Solution:  # (the time left, or ``seconds`` of it)
         return _unconstrained(_priced(problem.costs, weights, mu, shared),
@@ -841,6 +835,19 @@ def _budget_program(problem: Problem, weights: list[np.ndarray], limit: float, b
     gap = 0.0 if optimal else min(gap, ilp_gap)
     return Solution(ordered, f, optimal, message, {**best.stats, "ilp_decisions": len(alive)}, gap,
                     timed_out=not optimal)
+
+
+def _least_weight(weights: list[np.ndarray], pairs, limit: float) -> Solution | None:
+    """The least weight's plan, exactly (memory alone eliminates fast, its layouts tie; None without pairs: each
+    decision's least), first: a try that cannot fit says so (:class:`Infeasible`) before any round (Llama-405B's
+    recompute tries had spent 8.6 s on two rounds to learn it), and before any elimination where each decision's
+    and pair's least alone exceed the budget."""
+    if _least_bound(weights, pairs) > limit * (1 + 1e-12):
+        raise Infeasible("no assignment satisfies the budget")
+    least = _unconstrained(weights, pairs, 0.0) if pairs else None
+    if least is not None and _weight(weights, pairs, least.choice) > limit * (1 + 1e-12):
+        raise Infeasible("no assignment satisfies the budget")
+    return least
 
 
 def _least_bound(weights: list[np.ndarray], pairs) -> float:
