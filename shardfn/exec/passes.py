@@ -36,7 +36,8 @@ from ._graph_internals import MADE_WHOLE, held_elsewhere
 
 _log = logging.getLogger("shardfn")
 
-__all__ = ["check_buckets", "keep_pieces", "recompute_checkpointed", "regather_in_backward", "simplify"]
+__all__ = ["check_buckets", "keep_pieces", "recompute_checkpointed", "regather_in_backward", "restore_replayable",
+           "simplify"]
 
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -760,6 +761,35 @@ def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx
     return joint
 
 
+_REPLAYABLE: dict = {}
+
+
+def _replayable(op: torch._ops.OpOverload):
+    """``op`` under a name without torch's tags, for the partitioner: a seeded op that draws nothing here (attention
+    of dropout 0), which it would otherwise recompute under a generator state saved in forward and restored in
+    backward (a higher-order op a user's TorchDispatchMode, a memory tracker, has no rule for). The graphs get
+    ``op`` back before they run (:func:`restore_replayable`)."""
+    stand_in = _REPLAYABLE.get(op)
+    if stand_in is None:
+        def stand_in(*args, **kwargs):
+            return op(*args, **kwargs)
+
+        stand_in.__name__ = stand_in.__qualname__ = "replayable_" + op.name().replace("::", "_").replace(".", "_")
+        stand_in.replayable_op = op
+        _REPLAYABLE[op] = stand_in
+    return stand_in
+
+
+def restore_replayable(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The ops :func:`_replayable` renamed for the partitioner, as they were."""
+    renamed = [n for n in gm.graph.nodes if hasattr(n.target, "replayable_op")]
+    for node in renamed:
+        node.target = node.target.replayable_op
+    if renamed:
+        gm.recompile()
+    return gm
+
+
 def keep_pieces(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Tag the joint graph so that AOTAutograd's partitioner saves, for the backwards that read it, the piece
     kept of a value made whole and laid out (NodePlan.run "whole": a mask every rank makes from constants): made
@@ -806,5 +836,7 @@ def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0) -> to
             policy = CheckpointPolicy.MUST_SAVE
         else:
             policy = CheckpointPolicy.MUST_RECOMPUTE
+            if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+                node.target = _replayable(node.target)  # (it draws nothing: not replayed under a saved state)
         node.meta["recompute"], node.meta["ac_graph_id"] = policy, region
     return joint

@@ -19,7 +19,7 @@ from ._inductor_internals import decompositions as inductor_decompositions
 from .direct_calls import direct_calls
 from .for_every_size import ForEverySize
 from .gate import gate
-from .passes import keep_pieces, recompute_checkpointed, regather_in_backward, simplify
+from .passes import keep_pieces, recompute_checkpointed, regather_in_backward, restore_replayable, simplify
 from .replay import replayed
 
 __all__ = ["direct_graphs", "traced_program", "use_inductor"]
@@ -89,6 +89,7 @@ def traced_program(program, step: Callable) -> Callable:
             # a backward graph's gradient buckets are checked against the plan's (passes.check_buckets), but for
             # a program for every size traced at other sizes than its plan's (an input's gradient's bytes differ)
             planned = name == "backward" and getattr(program.captured, "dynamic", None) is None
+            gm = restore_replayable(gm)
             program.graphs[name] = simplify(gm, in_place=not inductor,
                                          one_in_flight=program.mesh.device_type == "cpu",
                                          plan=program.plan if planned else None,

@@ -3,7 +3,6 @@ single-process eager, training, checkpoints, and errors raised on every rank ins
 
 import contextlib
 import copy
-import operator
 import os
 import tempfile
 
@@ -145,11 +144,10 @@ def _checkpointed_body(checkpointed):
             n = n.args[0]
         return n.op == "placeholder"
 
-    def a_generator_state(n):  # (saved for a seeded op computed again: attention's, though its dropout is 0)
-        return n.target is operator.getitem and n.args[0].target is torch.ops.higher_order.run_and_save_rng_state
-
-    saved = [n for n in next(n for n in fw.graph.nodes if n.op == "output").args[0][1:]
-             if not an_input(n) and not a_generator_state(n)]
+    saved = [n for n in next(n for n in fw.graph.nodes if n.op == "output").args[0][1:] if not an_input(n)]
+    # attention (dropout 0) computed again in backward as aten's own op, not replayed under a saved generator state
+    assert not any(n.target is torch.ops.higher_order.run_with_rng_state for n in bw.graph.nodes)
+    assert not any(hasattr(n.target, "replayable_op") for g in (fw, bw) for n in g.graph.nodes)
     collectives = [str(n.target) for n in bw.graph.nodes if getattr(n.target, "namespace", None) == "_c10d_functional"]
     return sum(n.meta["val"].numel() for n in saved if isinstance(n.meta.get("val"), torch.Tensor)), collectives
 

@@ -113,8 +113,6 @@ def _recompute_body(recompute, budget: bool = False):
         torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
     (compiled,) = sf.engine_of(model).programs.values()
     fw = compiled.program.graphs.get("forward")
-    # (bytes: a recomputed attention's forward saves the generator's state, 5 KB of uint8, for the partitioner's
-    # replay of a seeded op, though one of dropout 0 draws nothing)
     saved = 0 if fw is None else sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in next(
         n for n in fw.graph.nodes if n.op == "output").args[0][1:] if isinstance(n, torch.fx.Node)
         and isinstance(n.meta.get("val"), torch.Tensor))
