@@ -89,8 +89,7 @@ def traced_program(program, step: Callable) -> Callable:
             # a backward graph's gradient buckets are checked against the plan's (passes.check_buckets), but for
             # a program for every size traced at other sizes than its plan's (an input's gradient's bytes differ)
             planned = name == "backward" and getattr(program.captured, "dynamic", None) is None
-            gm = restore_replayable(gm)
-            program.graphs[name] = simplify(gm, in_place=not inductor,
+            program.graphs[name] = simplify(restore_replayable(gm), in_place=not inductor,
                                          one_in_flight=program.mesh.device_type == "cpu",
                                          plan=program.plan if planned else None,
                                          n_params=program.n_params if name == "forward" else 0,

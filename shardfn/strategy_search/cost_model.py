@@ -38,6 +38,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import torch.fx
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -402,9 +403,12 @@ def node_bytes(node) -> int:
 
 def compute_seconds(flops: int, nbytes: int, split: int, profile: DeviceProfile,
                     dtype: torch.dtype = torch.float32) -> float:
-    """Roofline time of one op computing in ``dtype`` whose work is split ``split`` ways."""
-    return max(flops / profile.matmul_flops_per_s(dtype), nbytes / profile.mem_bytes_per_s) / max(split, 1) \
-        + profile.op_s
+    """Roofline time of one op computing in ``dtype`` whose work is split ``split`` ways (an array of splits: each
+    one's)."""
+    roof = max(flops / profile.matmul_flops_per_s(dtype), nbytes / profile.mem_bytes_per_s)
+    if isinstance(split, np.ndarray):
+        return roof / np.maximum(split, 1) + profile.op_s
+    return roof / max(split, 1) + profile.op_s
 
 
 def is_view_op(node) -> bool:

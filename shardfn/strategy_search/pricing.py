@@ -102,6 +102,7 @@ class Pricing:
         self.mesh_shape = problem.mesh_shape
         self._edges, self._unaries, self._violations, self._comm, self._held = {}, {}, {}, {}, {}  # memos
         self._nodes = {}  # node -> what pricing reads of it, the same in every try (recompute's too)
+        self._splits = {}  # each candidate list's split ways (recompute's tries price its nodes again)
         self._pairs = cost_arrays.PairMemo()  # each pair of layouts of a shape priced once
         # values some backward reads, needing a gradient or not (a mask read by attention's backward): kept
         self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
@@ -195,8 +196,9 @@ class Pricing:
             compute = savings = np.zeros(n)
         else:
             whole = factor * cm.compute_seconds(flops, nbytes, 1, profile, dtype)
-            compute = np.array([factor * cm.compute_seconds(flops, nbytes, _split_ways(c, mesh_shape), profile, dtype)
-                                for c in d.candidates])
+            ways = _per_candidate_lists(self._splits, id(d.candidates), d.candidates, d.candidates,
+                                        lambda: np.array([_split_ways(c, mesh_shape) for c in d.candidates]))
+            compute = factor * cm.compute_seconds(flops, nbytes, ways, profile, dtype)
             savings = whole - compute
         memory = np.array([
             (parameter_copies(c.outputs[0], mesh_shape, self.optimizer_stage, vals[0].dim()) if keep < 0 else keep)
@@ -299,8 +301,9 @@ def _moved_again(pricing: Pricing, priced, val, src_cands, out_idx, dst_cands, s
     matrix, forbidden = priced
     src_keys, src_idx = _distinct([(sc.outputs[out_idx], False) for sc in src_cands])
     dst_keys, dst_idx = _distinct([(c.inputs[slot], ()) for c in dst_cands])
-    forward = pricing._edge_seconds(val, src_keys, dst_keys, False, False, grad_dtype)
-    return matrix + forward[np.ix_(src_idx, dst_idx)], forbidden
+    moved = pricing._edge_seconds(val, src_keys, dst_keys, False, False, grad_dtype)[np.ix_(src_idx, dst_idx)]
+    moved += matrix  # (in place: Llama-405B's edges hold 41 M pairs)
+    return moved, forbidden
 
 
 def parameter_values(captured) -> set:
