@@ -310,3 +310,24 @@ def test_a_budget_below_every_least_weight_is_refused_before_any_elimination(mon
         solve(refused)
     monkeypatch.undo()
     assert solve(Problem(problem.costs, problem.edges, (weights, least), pairs)).objective < np.inf
+
+
+def test_an_integer_program_too_large_for_the_time_left_is_not_built(monkeypatch):
+    # its columns are counted as it is built, and the building stops once they pass what HiGHS could presolve
+    # in the time left (Llama-3-70B's 39 M columns had taken 45 s to build, then were dropped): the plan kept
+    from shardfn.strategy_search import solver
+
+    rng = np.random.default_rng(11)
+    problem = _random_problem(rng, 40, 0.5)
+    red = solver._Reducer(problem.costs, problem.edges)
+    alive = sorted(red.alive)
+    assert len(alive) > 10  # (dense: elimination leaves most to the program)
+    start = solver._incumbent(red)
+    built = []
+    real_edge = solver._Builder.edge
+    monkeypatch.setattr(solver._Builder, "edge", lambda self, *a, **k: built.append(a) or real_edge(self, *a, **k))
+    monkeypatch.setattr(solver, "_PROGRAM_COLUMNS_PER_SECOND", 40)
+    choice, optimal, gap, message = solver._program(red, alive, start, 1.0)
+    assert (choice, optimal, message) == (start, False, "time limit")
+    edges = sum(1 for u in alive for v in red.adj[u] if u < v)
+    assert len(built) < edges / 4, (len(built), edges)
