@@ -134,8 +134,7 @@ def _unit(value: torch.fx.Node, names: dict) -> str:
     return bucket_unit(names[value]) if value in names else ""
 
 
-def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, reshard: bool, grad: bool,
-                  entered: dict | None = None):
+def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, reshard: bool, grad: bool):
     """The bytes the gathers add and drop at each node: (forward: added before it runs, dropped after; backward:
     the same around its backward). Forward, a bucket is gathered at its first reader, every copy made out of
     the flat buffer at once, which then goes; a copy lives until its last reader, or, kept whole from forward
@@ -144,13 +143,8 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
     from its first backward read to its last, each copy around its own backward reads (exec copies it out where
     it is first read). A reader's own copy (``bucket`` None) is made as its first reader runs and goes after its
     last, or after the first backward read (made again for the backward reads where ``again``). ``order``: each
-    node's place in the program. ``entered``: a recomputed reader -> the node whose backward computes its region
-    again, where a copy made again for it is made (its forward runs there again, reading the copy)."""
+    node's place in the program."""
     fwd_add, fwd_drop, bwd_add, bwd_drop = {}, {}, {}, {}
-    entered = entered or {}
-
-    def made_again_at(readers):  # (the first backward to need the copy: its latest reader, or the region it is in)
-        return max((entered.get(r, r) for r in readers), key=order.__getitem__)
 
     def at(events, node, nbytes):
         events[node] = events.get(node, 0) + nbytes
@@ -168,7 +162,7 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
         else:
             at(fwd_drop, readers[-1], g.nbytes)
         if grad and backward and g.again:
-            at(bwd_add, made_again_at(backward), g.nbytes)
+            at(bwd_add, backward[-1], g.nbytes)
             at(bwd_drop, backward[0], g.nbytes)
     for b, gs in buckets.items():
         first = gs[0].readers[0]  # copies are in the order first read
@@ -180,11 +174,11 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
             else:
                 at(fwd_drop, g.readers[-1], g.nbytes)
             if grad and g.backward and reshard and g.param:
-                at(bwd_add, made_again_at(g.backward), g.nbytes)
+                at(bwd_add, g.backward[-1], g.nbytes)
                 at(bwd_drop, g.backward[0], g.nbytes)
         read = [g for g in gs if grad and g.backward and reshard and g.param]
         if read:
-            at(bwd_add, made_again_at([r for g in read for r in g.backward]), flat[b])
+            at(bwd_add, max((g.backward[-1] for g in read), key=order.__getitem__), flat[b])
             at(bwd_drop, min((g.backward[0] for g in read), key=order.__getitem__), flat[b])
     return fwd_add, fwd_drop, bwd_add, bwd_drop
 

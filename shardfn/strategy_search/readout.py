@@ -421,7 +421,7 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     saving = {v: r for v, r in until.items() if v in kept}
     gathered, flat = gathered_copies(problem, chosen)
     events = gather_events(gathered + reads, flat, {n: i for i, n in enumerate(nodes)}, reshard,
-                           bool(problem.needs_grad), _entered(problem, nodes))
+                           bool(problem.needs_grad))
     for node, nbytes in (made_whole or {}).items():  # (before its op runs, gone after)
         for add in events[:2]:
             add[node] = add.get(node, 0) + nbytes
@@ -507,19 +507,6 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, ret
             if last_use.get(a) == i and a in transient:
                 live -= transient.pop(a)
     return at, resident, outputs, live, saved
-
-
-def _entered(problem: StrategyProblem, nodes: list[torch.fx.Node]) -> dict:
-    """Each recomputed node -> the node whose backward the walk computes its region again at (the region's last
-    op whose backward runs: :func:`_backward_walk` restores the region's values there)."""
-    def region(n):
-        return problem.regions.get(n, checkpoint_region(n))
-
-    last = {}
-    for n in nodes:
-        if n.op == "call_function" and n in problem.needs_grad and region(n) is not None:
-            last[region(n)] = n
-    return {n: last.get(region(n), n) for n in problem.recomputed}
 
 
 def _backward_walk(problem: StrategyProblem, sizes: _NodeBytes, live: int, saved: dict, until: dict,

@@ -407,23 +407,3 @@ def test_a_recomputed_layers_collectives_run_again_and_are_priced_so():
     assert all((c.kind, c.where.removesuffix(" (recomputed)")) in forward for c in moved)
     assert again.cost.comm_s == pytest.approx(plain.cost.comm_s + sum(c.seconds for c in moved), rel=1e-9)
     assert again.nodes["detach"].live_bytes < plain.nodes["detach"].live_bytes  # (the forward's end)
-
-
-def test_a_parameter_gathered_again_for_a_recomputed_reader_is_gathered_where_its_region_is_computed_again():
-    # level 1 gathers parameters again in backward; a recomputed reader reads its parameter when its region is
-    # computed again (its forward runs there), not only at its own backward: the copy and its bucket's flat
-    # buffer are held from there
-    from shardfn.strategy_search.gathered import Gathered, gather_events
-
-    graph = torch.fx.Graph()
-    reader, middle, last = (graph.call_function(torch.relu, ()) for _ in range(3))
-    order = {reader: 0, middle: 1, last: 2}
-    weight = Gathered(100, [reader], [reader], True, 0)
-    _, _, add, drop = gather_events([weight], {0: 10}, order, True, True)
-    assert add == {reader: 110} and drop == {reader: 110}  # (not recomputed: around its own backward)
-    _, _, add, drop = gather_events([weight], {0: 10}, order, True, True, entered={reader: last})
-    assert add == {last: 110} and drop == {reader: 110}
-    # the plan: a GPT stack's level 1 recomputes its blocks; the walk holds their parameters from there
-    plan = sf.explain(GPTStack(2, 256, 8), torch.randn(8, 128, 256), world_size=2, in_strategy=(None,), level=1)
-    assert [r.region for r in plan.recompute] == ["blocks.0", "blocks.1"]
-    assert plan.cost.peak_bytes > 28 * 2**20  # (26.58 MiB before; 29.58 measured on 2 gloo ranks, plan_peak.py)
