@@ -13,7 +13,7 @@ import torch.fx
 from .structure import Structure
 
 __all__ = ["CHECKPOINT_REGION", "MODULE_PATH", "CaptureError", "CapturedGraph", "GraphInput", "checkpoint_region",
-           "draws_random", "is_getitem", "is_in_place", "is_view", "module_path"]
+           "draws_random", "is_getitem", "is_in_place", "is_seeded", "is_view", "made_from_alone", "module_path"]
 
 # the key in node.meta["custom"] naming the activation-checkpoint region a node was computed in
 CHECKPOINT_REGION = "shardfn_checkpoint"
@@ -46,18 +46,36 @@ def is_in_place(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.name().split("::")[-1].split(".")[0].endswith("_")
 
 
+def is_seeded(target: Any) -> bool:
+    """An aten op torch tags as drawing from a random generator (``bernoulli``, dropout, attention with dropout):
+    whatever its arguments (:func:`draws_random` reads them)."""
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+
+
 def draws_random(node: torch.fx.Node) -> bool:
     """Does ``node`` draw from a random generator, so that computed again it would differ? An op torch tags as
     seeded does, but an attention kernel whose ``dropout_p`` is 0 draws nothing (transformers' models call SDPA
     so whenever attention dropout is off: in evaluation, and in training with their default of 0)."""
     target = node.target
-    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+    if not is_seeded(target):
         return False
     for i, arg in enumerate(target._schema.arguments):
         if arg.name == "dropout_p":
             given = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
             return not (isinstance(given, (int, float)) and given == 0)
     return True
+
+
+def made_from_alone(graph: torch.fx.Graph, roots, where=None) -> set[torch.fx.Node]:
+    """``roots`` and the values ``graph`` computes from them alone (each input of the op among them, and the op
+    passing ``where`` if given): what a parameter's gather, cast or transpose makes, which backward can make again
+    from the parameter's piece."""
+    found = set(roots)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes and all(a in found for a in node.all_input_nodes) \
+                and (where is None or where(node)):
+            found.add(node)
+    return found
 
 
 def is_getitem(node: torch.fx.Node) -> bool:

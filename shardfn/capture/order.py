@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from .functions import FunctionCall
-from .graph import is_in_place, is_view
+from .graph import is_in_place, is_seeded, is_view
 from .. import _pytree_internals as pytree
 
 __all__ = ["canonical_order"]
@@ -32,7 +32,7 @@ def _keeps_order(node: torch.fx.Node) -> bool:
     target = node.target
     if isinstance(target, FunctionCall) or is_in_place(target):
         return True
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+    return is_seeded(target)
 
 
 def _digests(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, str]:

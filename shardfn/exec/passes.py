@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from ..capture.graph import checkpoint_region, draws_random, is_in_place
+from ..capture.graph import checkpoint_region, draws_random, is_in_place, is_seeded, made_from_alone
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
 from ._graph_internals import MADE_WHOLE, held_elsewhere
 
@@ -751,14 +751,15 @@ def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx
     a shard either."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-    from_params = set(primals[:n_params])
-    for node in joint.graph.nodes:
-        if node.op == "call_function" and node.all_input_nodes and all(a in from_params for a in
-                                                                       node.all_input_nodes) and _pure(node):
-            from_params.add(node)
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    params = _primals(joint)[:n_params]
+    for node in made_from_alone(joint.graph, params, where=_pure).difference(params):
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return joint
+
+
+def _primals(joint: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The joint graph's forward inputs, in order (the parameters first)."""
+    return [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
 
 
 _REPLAYABLE: dict = {}
@@ -819,11 +820,7 @@ def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0) -> to
     for node in joint.graph.nodes:
         if node.op == "call_function" and any(a in backward for a in node.all_input_nodes):
             backward.add(node)
-    primals = [n for n in joint.graph.nodes if n.op == "placeholder" and not n.name.startswith("tangents")]
-    from_params = set(primals[:n_params])
-    for node in joint.graph.nodes:
-        if node.op == "call_function" and node.all_input_nodes and all(a in from_params for a in node.all_input_nodes):
-            from_params.add(node)
+    from_params = made_from_alone(joint.graph, _primals(joint)[:n_params])
     for node in joint.graph.nodes:
         region = checkpoint_region(node)
         if region is None or node.op != "call_function" or node in backward or "recompute" in node.meta:
@@ -836,7 +833,7 @@ def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0) -> to
             policy = CheckpointPolicy.MUST_SAVE
         else:
             policy = CheckpointPolicy.MUST_RECOMPUTE
-            if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+            if is_seeded(node.target):
                 node.target = _replayable(node.target)  # (it draws nothing: not replayed under a saved state)
         node.meta["recompute"], node.meta["ac_graph_id"] = policy, region
     return joint

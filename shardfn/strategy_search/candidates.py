@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
 from .. import _pytree_internals as pytree
+from ..capture.graph import is_seeded
 from ._dtensor_adapter import dtensor_strategies, is_local_from_replicate, valid_placements
 from .empty_pieces import runs_on_empty_pieces
 from .registry import REGISTRY
@@ -75,10 +76,6 @@ def _outputs_of(val: Any) -> list[torch.Tensor | None]:
 
 # Random fills that read only their input's shape (drawn whole from the seed and sliced): the registry's table
 RANDOM_FILLS = REGISTRY.random_fills()
-
-
-def _seeded(op) -> bool:
-    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
 
 
 # --- own rules ----------------------------------------------------------------------------------------------
@@ -172,7 +169,7 @@ def _rules_say(node: torch.fx.Node, mesh: DeviceMesh) -> list[Candidate] | None:
     rule = REGISTRY.rule(node.target)
     if rule is not None:
         return rule(node, mesh)
-    if _seeded(node.target) and not REGISTRY.is_random_fill(node.target):
+    if is_seeded(node.target) and not REGISTRY.is_random_fill(node.target):
         return _replicated(node, mesh)
     if not tensor_inputs(node):
         # factory ops (zeros, arange, ...): made whole on every rank and sliced to any layout

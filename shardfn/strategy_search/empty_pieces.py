@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _pytree_internals as pytree
 from .._simulation_internals import not_simulated
+from ..capture.graph import is_seeded
 from ._dtensor_adapter import local_shapes
 from .registry import REGISTRY
 
@@ -86,7 +87,7 @@ def runs_on_empty_pieces(node: torch.fx.Node, inputs: list[torch.fx.Node], mesh:
     """``cands`` (of ``node``, whose tensor inputs are ``inputs``) less those leaving a rank an empty piece the op
     refuses (None stays None; none left: None)."""
     if not cands or not isinstance(node.target, torch._ops.OpOverload) or \
-            torch.Tag.nondeterministic_seeded in node.target.tags:  # a probe would draw from the generator
+            is_seeded(node.target):  # a probe would draw from the generator
         return cands
     vals = [a.meta["val"] for a in inputs]
     kept = []

@@ -19,7 +19,7 @@ import torch.fx
 from torch.distributed.tensor.placement_types import Placement, Shard
 
 from .. import _pytree_internals as pytree
-from ..capture.graph import checkpoint_region, module_path
+from ..capture.graph import checkpoint_region, made_from_alone, module_path
 from . import cost_arrays
 from . import cost_model as cm
 from ._summary import layer_of
@@ -309,11 +309,8 @@ def _moved_again(pricing: Pricing, priced, val, src_cands, out_idx, dst_cands, s
 def parameter_values(captured) -> set:
     """The parameters and the values made from them alone (a transpose, a cast): what exec gathers as a parameter,
     kept for backward in a recomputed region where an activation's collectives run again."""
-    found = {n for n, gi in zip(captured.placeholders, captured.inputs) if gi.kind == "param"}
-    for node in captured.gm.graph.nodes:
-        if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= found:
-            found.add(node)
-    return found
+    return made_from_alone(captured.gm.graph, [n for n, gi in zip(captured.placeholders, captured.inputs)
+                                                if gi.kind == "param"])
 
 
 def _node_facts(node) -> tuple:

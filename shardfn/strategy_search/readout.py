@@ -12,7 +12,7 @@ import torch.fx
 from torch.distributed.tensor.placement_types import Shard
 
 from .. import _pytree_internals as pytree
-from ..capture.graph import checkpoint_region, is_getitem, is_in_place, module_path
+from ..capture.graph import checkpoint_region, is_getitem, is_in_place, made_from_alone, module_path
 from ..layout import MeshSpec
 from . import cost_model as cm
 from .as_read import laid_out_as_read
@@ -141,11 +141,10 @@ class _Collectives:
         self.optimizer_reduces = {n for n, gi in zip(captured.placeholders, captured.inputs)
                                   if gi.kind == "param" and gi.name in request.pending_grads}
         # what backward computes again from the shards: ops on parameters alone
-        self.from_params = set(self.params)
+        self.from_params = made_from_alone(captured.gm.graph, self.params)
         roots = {p: {p} for p in self.params}  # the parameters each of those is computed from
         for node in captured.gm.graph.nodes:
-            if node.op == "call_function" and node.all_input_nodes and set(node.all_input_nodes) <= self.from_params:
-                self.from_params.add(node)
+            if node in self.from_params and node not in roots:
                 roots[node] = set().union(*(roots[a] for a in node.all_input_nodes))
         # parameters a reader takes in another layout (directly or from ops on them): the backward of that
         # redistribution resolves their gradients' pending sums in the graph

@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 from .. import _pytree_internals as pytree
 from ..layout import MeshSpec, TensorSpec
 from ..capture.functions import FunctionCall
+from ..capture.graph import is_seeded
 from ._dtensor_adapter import has_dtensor_rule, has_single_dim_rule, local_shapes, valid_placements
 from .candidates import Candidate, _from_dtensor, _per_mesh_dim, replicated_candidates, tensor_inputs
 from .registry import REGISTRY, register_check, register_rule
@@ -476,8 +477,7 @@ def _elementwise_ops(ops: list[tuple] | None, shape: torch.Size) -> bool:
     if ops is None:
         return False
     for op, args, kwargs, out in ops:
-        if op not in _SAME_SHAPE_OPS and (torch.Tag.pointwise not in op.tags
-                                           or torch.Tag.nondeterministic_seeded in op.tags):
+        if op not in _SAME_SHAPE_OPS and (torch.Tag.pointwise not in op.tags or is_seeded(op)):
             return False
         tensors = [t for t in pytree.tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
         if any(t.dim() and t.shape != shape for t in tensors):
