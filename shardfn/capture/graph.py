@@ -13,7 +13,8 @@ import torch.fx
 from .structure import Structure
 
 __all__ = ["CHECKPOINT_REGION", "MODULE_PATH", "CaptureError", "CapturedGraph", "GraphInput", "checkpoint_region",
-           "draws_random", "is_getitem", "is_in_place", "is_seeded", "is_view", "made_from_alone", "module_path"]
+           "draws_random", "is_getitem", "is_in_place", "is_seeded", "is_view", "made_from_alone", "module_path",
+           "replayable"]
 
 # the key in node.meta["custom"] naming the activation-checkpoint region a node was computed in
 CHECKPOINT_REGION = "shardfn_checkpoint"
@@ -64,6 +65,12 @@ def draws_random(node: torch.fx.Node) -> bool:
             given = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name, arg.default_value)
             return not (isinstance(given, (int, float)) and given == 0)
     return True
+
+
+def replayable(node: torch.fx.Node) -> bool:
+    """Can ``node`` run again with the same result? Not a random draw (drawn again, it would differ), nor a
+    write."""
+    return not is_in_place(node.target) and not draws_random(node)
 
 
 def made_from_alone(graph: torch.fx.Graph, roots, where=None) -> set[torch.fx.Node]:

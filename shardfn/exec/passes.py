@@ -30,7 +30,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from ..capture.graph import checkpoint_region, draws_random, is_in_place, is_seeded, made_from_alone
+from ..capture.graph import checkpoint_region, is_in_place, is_seeded, made_from_alone, replayable
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
 from ._graph_internals import MADE_WHOLE, held_elsewhere
 
@@ -164,7 +164,7 @@ def _movable(node: torch.fx.Node) -> bool:
         return False
     if is_in_place(target):
         return _owned(node.args[0])
-    return _pure(node)
+    return replayable(node)
 
 
 def _overlap(graph: torch.fx.Graph) -> None:
@@ -257,7 +257,7 @@ def _taken_apart(wait: torch.fx.Node) -> torch.fx.Node:
     buffer is not made while this one's whole buffer and its copies are both held."""
     apart, last = {wait}, wait
     while (n := last.next).op == "call_function" and n.all_input_nodes and not _is_collective(n) \
-            and n.target is not _c10d.wait_tensor.default and _pure(n) and all(a in apart for a in n.all_input_nodes):
+            and n.target is not _c10d.wait_tensor.default and replayable(n) and all(a in apart for a in n.all_input_nodes):
         apart.add(n)
         last = n
     return last
@@ -294,7 +294,7 @@ def _tail_to_output(wait: torch.fx.Node, out: torch.fx.Node) -> list[torch.fx.No
         if node in tail:
             continue
         if node.op != "call_function" or _is_collective(node) or node.target is _c10d.wait_tensor.default \
-                or not _pure(node) or len(tail) == _TAIL_LIMIT:
+                or not replayable(node) or len(tail) == _TAIL_LIMIT:
             return None
         tail.add(node)
         todo += [u for u in node.users if u is not out]
@@ -443,7 +443,7 @@ def _fuse_gathers(graph: torch.fx.Graph, limit: int, units: Sequence[str] = ()) 
         for n in bucket:
             chain, a = [], n.args[0]
             while isinstance(a, torch.fx.Node) and a.op == "call_function" and len(a.all_input_nodes) == 1 \
-                    and _pure(a) and not _is_collective(a) and a.target is not _c10d.wait_tensor.default:
+                    and replayable(a) and not _is_collective(a) and a.target is not _c10d.wait_tensor.default:
                 chain.append(a)
                 a = a.all_input_nodes[0]
             if chain and chain[0] not in moved and order[chain[0]] > order[first_read] and \
@@ -709,7 +709,7 @@ def _parameters_where_read(graph: torch.fx.Graph, n_params: int) -> None:
                 root = root.args[0]
             of_params.discard(root)
     for node in graph.nodes:
-        if node.op == "call_function" and node.all_input_nodes and _pure(node) \
+        if node.op == "call_function" and node.all_input_nodes and replayable(node) \
                 and all(a in of_params for a in node.all_input_nodes):
             of_params.add(node)
     later = {n for n in of_params if n.op == "call_function"}
@@ -736,12 +736,6 @@ def _parameters_where_read(graph: torch.fx.Graph, n_params: int) -> None:
             before.append(node)
 
 
-def _pure(node: torch.fx.Node) -> bool:
-    """Can ``node`` run again with the same result? Not a random draw (drawn again, it would differ), nor a
-    write."""
-    return not is_in_place(node.target) and not draws_random(node)
-
-
 def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx.GraphModule:
     """Tag the joint forward/backward graph so that AOTAutograd's partitioner recomputes every gathered parameter
     in backward instead of saving it: every op computed from the parameters alone (the first ``n_params``
@@ -752,7 +746,7 @@ def regather_in_backward(joint: torch.fx.GraphModule, n_params: int) -> torch.fx
     from torch.utils.checkpoint import CheckpointPolicy
 
     params = _primals(joint)[:n_params]
-    for node in made_from_alone(joint.graph, params, where=_pure).difference(params):
+    for node in made_from_alone(joint.graph, params, where=replayable).difference(params):
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return joint
 
@@ -829,7 +823,7 @@ def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0) -> to
             policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_RECOMPUTE)
         elif node.target is _c10d.wait_tensor.default:  # (as its collective)
             policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_SAVE)
-        elif not _pure(node) or (_is_collective(node) and node in from_params):
+        elif not replayable(node) or (_is_collective(node) and node in from_params):
             policy = CheckpointPolicy.MUST_SAVE
         else:
             policy = CheckpointPolicy.MUST_RECOMPUTE

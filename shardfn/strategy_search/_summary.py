@@ -12,8 +12,8 @@ from .expert_rules import EXPERT_INPUTS
 if TYPE_CHECKING:
     from ..layout import MeshSpec
 
-__all__ = ["collective_module", "experts_lines", "folded_layers", "layer_of", "mesh_text", "placements_text",
-           "recompute_lines", "summary_lines"]
+__all__ = ["collective_module", "experts_lines", "folded_layers", "layer_group", "layer_of", "mesh_text",
+           "placements_text", "recompute_lines", "summary_lines"]
 
 _TOP = "(top level)"
 
@@ -28,6 +28,12 @@ def layer_of(path: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return ".".join(parts[:2])
+
+
+def layer_group(layer: str) -> str:
+    """What identical layers share of their name (:func:`layer_of`'s): all but its last index
+    (``model.layers.#``)."""
+    return re.sub(r"\.\d+$", ".#", layer)
 
 
 def _mib(nbytes: int) -> str:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -22,7 +21,7 @@ from .. import _pytree_internals as pytree
 from ..capture.graph import checkpoint_region, made_from_alone, module_path
 from . import cost_arrays
 from . import cost_model as cm
-from ._summary import layer_of
+from ._summary import layer_group, layer_of
 from .buckets import bucket_bytes
 from .candidates import Candidate
 from .expert_rules import dispatch_collectives, dispatches_tokens
@@ -376,9 +375,9 @@ def _lasting(problem: StrategyProblem) -> frozenset[torch.fx.Node]:
     not at all where no backward reads them), Llama-405B's level 1 had left its logits a pending sum split 16 ways
     (8.4e9 bytes a rank walked)."""
     layers = {n: layer_of(module_path(n)) for n in problem.captured.gm.graph.nodes if n.op == "call_function"}
-    alike = collections.Counter(re.sub(r"\.\d+$", ".#", name) for name in set(layers.values()))
+    alike = collections.Counter(layer_group(name) for name in set(layers.values()))
     return frozenset(n for n, name in layers.items()
-                     if alike[re.sub(r"\.\d+$", ".#", name)] < 2 or any(layers.get(u, name) != name for u in n.users))
+                     if alike[layer_group(name)] < 2 or any(layers.get(u, name) != name for u in n.users))
 
 
 def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: list, build: Callable[[], Any]):

@@ -36,9 +36,9 @@ import torch
 import torch.fx
 
 from .. import _pytree_internals as pytree
-from ..capture.graph import checkpoint_region, draws_random, is_in_place, module_path
+from ..capture.graph import checkpoint_region, module_path, replayable
 from . import cost_model as cm
-from ._summary import layer_of
+from ._summary import layer_group, layer_of
 from .plan import Plan, Recompute
 from .pricing import _BACKWARD_FACTOR, Pricing, Terms
 from .problem import StrategyProblem
@@ -328,7 +328,7 @@ def _region(problem: StrategyProblem, name: str, nodes: list[torch.fx.Node], pro
     layer's ops but those it keeps)."""
     inside = set(nodes if layer is None else layer)
     recomputed = frozenset(n for n in nodes if n in problem.needs_grad and n.users and set(n.users) <= inside
-                           and _replayable(n))
+                           and replayable(n))
     saved = seconds = 0.0
     for n in recomputed:
         vals = [v for v in pytree.graph_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor)]
@@ -339,17 +339,12 @@ def _region(problem: StrategyProblem, name: str, nodes: list[torch.fx.Node], pro
     return Region(name, tuple(nodes), recomputed, int(saved), seconds, layer is not None)
 
 
-def _replayable(node: torch.fx.Node) -> bool:
-    """Computed again with the same result: not a random draw (exec keeps those), nor a write."""
-    return not is_in_place(node.target) and not draws_random(node)
-
-
 def _likeness(name: str, nodes: list[torch.fx.Node]) -> tuple:
     """What identical layers share: the name but for its index, and each op with its shapes."""
     def shapes(n):
         return tuple(tuple(v.shape) for v in pytree.graph_leaves(n.meta.get("val")) if isinstance(v, torch.Tensor))
 
-    return re.sub(r"\.\d+$", ".#", name), tuple(sorted((str(n.target), shapes(n)) for n in nodes))
+    return layer_group(name), tuple(sorted((str(n.target), shapes(n)) for n in nodes))
 
 
 def records(problem: StrategyProblem, plan: Plan, origin: str) -> tuple[Recompute, ...]:
