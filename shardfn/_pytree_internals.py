@@ -3,6 +3,7 @@ the spec type shardfn flattens arguments, outputs and op schemas with; and :func
 graph node's arguments or value without pytree's registry."""
 
 from torch.utils._pytree import (
+    SUPPORTED_NODES,
     TreeSpec,
     keystr,
     register_pytree_node,
@@ -14,8 +15,13 @@ from torch.utils._pytree import (
     tree_unflatten,
 )
 
-__all__ = ["TreeSpec", "graph_leaves", "keystr", "register_pytree_node", "tree_flatten", "tree_flatten_with_path",
-           "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten"]
+__all__ = ["TreeSpec", "graph_leaves", "keystr", "register_pytree_node", "registered_types", "tree_flatten",
+           "tree_flatten_with_path", "tree_leaves", "tree_map", "tree_map_only", "tree_unflatten"]
+
+
+def registered_types() -> int:
+    """How many types pytree's registry holds: what a memo of pytree's answers per type is valid for."""
+    return len(SUPPORTED_NODES)
 
 
 def graph_leaves(x) -> list:

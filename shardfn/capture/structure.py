@@ -66,8 +66,8 @@ class _Argument:
 class Structure:
     """Rebuilds a split value around new tensors (:meth:`rebuild`)."""
 
-    def __init__(self, root: Any, n_objects: int):
-        self.root, self.n_objects = root, n_objects
+    def __init__(self, root: Any, met: list):
+        self.root, self.met, self.n_objects = root, met, len(met)
         self.single = isinstance(root, _Slot)  # one bare tensor: rebuilt as itself
 
     def rebuild(self, values: list, inputs: list | None = None, arguments: list | None = None) -> Any:
@@ -84,19 +84,7 @@ class Structure:
 
     def objects(self) -> list:
         """The objects met, by number."""
-        found: list = [None] * self.n_objects
-
-        def walk(p):
-            if isinstance(p, _Object):
-                found[p.number] = p.original
-                for _, sub in p.fields:
-                    walk(sub)
-            elif isinstance(p, _Container):
-                for c in p.children:
-                    walk(c)
-
-        walk(self.root)
-        return found
+        return list(self.met)
 
     def key(self, tensor_key: Callable[[int], Any]) -> Any:
         """A hashable description: containers, object types and attributes, constants, and ``tensor_key(i)`` for
@@ -151,6 +139,7 @@ def split(value: Any, where: Callable[[], str] = lambda: "fn", path: str | None 
     tensors: list[torch.Tensor] = []
     names: list[str] = []
     seen: dict[int, int] = {}
+    met: list = []  # the objects, by number
     kept, copies = kept or {}, copies or {}
     root_id = id(value)
 
@@ -163,8 +152,10 @@ def split(value: Any, where: Callable[[], str] = lambda: "fn", path: str | None 
             return _Slot(len(tensors) - 1)
         if isinstance(x, _SCALARS):
             return x
-        children, spec = pytree.tree_flatten(x)
-        if not (len(children) == 1 and children[0] is x):  # a container
+        container = not _is_object(x)
+        if container:
+            children, spec = pytree.tree_flatten(x)
+        if container:
             keys = [None] * len(children) if at is None else \
                 [at + pytree.keystr(k) for k, _ in pytree.tree_flatten_with_path(x)[0]]
             return _Container(spec, tuple(strip(c, k) for c, k in zip(children, keys)))
@@ -183,11 +174,30 @@ def split(value: Any, where: Callable[[], str] = lambda: "fn", path: str | None 
                 "(it has no __dict__); pass or return the tensors themselves, or register the class as a pytree "
                 "node with torch.utils._pytree.register_pytree_node")
         number = seen[id(x)] = len(seen)
+        met.append(x)
         fields = tuple((name, strip(v, None if at is None else f"{at}.{name}")) for name, v in vars(x).items())
         return _Object(number, x, fields, copies.get(id(x)))
 
     root = strip(value, path)
-    return tensors, names, Structure(root, len(seen))
+    return tensors, names, Structure(root, met)
+
+
+_OBJECT_TYPES: dict[type, bool] = {}  # per type: a pytree leaf? (pytree's registry is by type)
+_REGISTERED = [-1]  # pytree's registered node types when the memo was made (a registration since: made anew)
+
+
+def _is_object(x: Any) -> bool:
+    """Whether pytree takes ``x`` for a leaf (an object, not a container). Asked of every object in every call's
+    arguments (a DynamicCache and each of its layers, at every token): remembered by type."""
+    registered = pytree.registered_types()
+    if registered != _REGISTERED[0]:
+        _OBJECT_TYPES.clear()
+        _REGISTERED[0] = registered
+    leaf = _OBJECT_TYPES.get(type(x))
+    if leaf is None:
+        children, _ = pytree.tree_flatten(x)
+        leaf = _OBJECT_TYPES[type(x)] = len(children) == 1 and children[0] is x
+    return leaf
 
 
 def kept_as_is(x: Any) -> bool:

@@ -119,3 +119,40 @@ def test_an_object_compared_by_identity_is_shown_by_name():
     assert call_key((x, f), {})[0] != call_key((x, g), {})[0]
     assert call_key((x, f), {})[0] == call_key((x, f), {})[0]
     assert "0x" not in repr(call_key((x, f), {})[0])
+
+
+class Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+
+def test_a_class_registered_with_pytree_after_a_split_is_taken_apart_as_pytree_says():
+    # split remembers per type whether pytree takes it for a leaf (an object walked by its attributes); a class
+    # registered since is flattened by its registration, not walked as before
+    from torch.utils import _pytree as torch_pytree
+
+    first = split(Pair(torch.zeros(1), torch.ones(2)))[2]
+    assert [type(o) for o in first.objects()] == [Pair]
+    torch_pytree.register_pytree_node(Pair, lambda p: ([p.b, p.a], None), lambda c, _: Pair(c[1], c[0]))
+    try:
+        tensors, _, again = split(Pair(torch.zeros(1), torch.ones(2)))
+        assert again.objects() == [] and [t.numel() for t in tensors] == [2, 1]  # pytree's order: b, then a
+    finally:
+        torch_pytree._deregister_pytree_node(Pair)
+    assert [type(o) for o in split(Pair(torch.zeros(1), torch.ones(2)))[2].objects()] == [Pair]
+
+
+def test_a_signature_is_hashed_once_and_compares_and_reads_as_its_structure():
+    # a call looks its signature up in several tables: the structure's hash is computed once (pytree's specs hash
+    # in Python); equal structures stay equal keys, other ones differ, and the text ranks compare is the structure's
+    from shardfn.call.arguments import call_key
+
+    cache = Cache()
+    cache.update(torch.zeros(2, 3), torch.zeros(2, 3))
+    key, _, objects = call_key((torch.zeros(4, 3),), {"cache": cache, "flag": True})
+    again = call_key((torch.zeros(5, 3),), {"cache": cache, "flag": True})[0]
+    other = call_key((torch.zeros(4, 3),), {"cache": cache, "flag": False})[0]
+    assert objects[0] is cache
+    assert key[0] == again[0] and hash(key[0]) == hash(again[0]) and key[1] != again[1]
+    assert key[0] != other[0] and key != other
+    assert repr(key[0]) == repr(key[0].value) and "flag" in repr(key[0])
