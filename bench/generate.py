@@ -1,7 +1,7 @@
 """generate() on a sharded transformers Llama: seconds per token against the unsharded model, and captures.
 
     python bench/generate.py [--world 1] [--layers 2] [--dim 64] [--tokens 24] [--prompt 8] [--device cpu]
-                             [--dp-tp]
+                             [--dp-tp] [--rounds 9]
 
 The script starts its own gloo ranks (``--world``; 1 measures without oversubscribing the 2 cores); with
 ``--device cuda``, one rank on the GPU (NCCL, a world of one). A Llama
@@ -20,6 +20,10 @@ generate() makes is timed (a hook around the model's call), so generate's own Py
 ``--dp-tp`` (an even ``--world``): the model as it trains data x tensor parallel instead, sharded with
 dataset_strategy="data_parallel" on a (world/2, 2) ("dp", "tp") mesh and the Megatron plan over "tp"; each rank
 passes its dp row's 2 prompts (other prompts on each row), and the unsharded model generates those same rows.
+
+Then ``--rounds`` more generate()s with the DynamicCache, the unsharded and the sharded model taking turns: the
+median of each generate()'s median token per way, and their ratio (one pass of each way, as the table has, swings
+with the machine's slow spells; this ratio is the one to read).
 
 With ``--world`` above 1 it also times the sharded model's cached forward at one fixed decoding shape (the same
 call again and again): the floor a token costs on these ranks, against which a StaticCache's token is compared.
@@ -129,7 +133,7 @@ def worker(rank, args, port):
     ids = torch.randint(0, 128, (2 * (args.world // 2 if args.dp_tp else 1), args.prompt)).to(args.device)
     if args.dp_tp:  # this rank's dp row's 2 prompts
         ids = ids[2 * (rank // 2): 2 * (rank // 2) + 2]
-    rows, graph_notes = [], []
+    rows, graph_notes, dynamic = [], [], {}
     want = None
     for name, cache, sharded in (("unsharded", "static", False), ("shardfn, StaticCache", "static", True),
                                  ("unsharded", "dynamic", False), ("shardfn, DynamicCache", "dynamic", True)):
@@ -137,6 +141,8 @@ def worker(rank, args, port):
         if sharded:
             model = _shard(model, args)
         timed = _Timed(model)
+        if cache == "dynamic":
+            dynamic[name] = (model, timed)
         out = _generate(model, ids, args, cache)
         want = out if want is None else want
         assert torch.equal(out, want), f"{name}: other tokens than the unsharded model's"
@@ -153,6 +159,7 @@ def worker(rank, args, port):
             assert torch.equal(_generate(model, ids, args, cache), want)
             rows.append((f"{name}, again", timed.times[0], statistics.median(timed.times[2:]),
                          sf.engine_of(model).captures))
+    turns = _taking_turns(dynamic, ids, args)
     if rank == 0:
         print(f"Llama {args.layers} layers, dim {args.dim}, batch 2{' a dp row' if args.dp_tp else ''}, prompt "
               f"{args.prompt}, {args.tokens} tokens, {args.world} {'gloo' if args.device == 'cpu' else args.device} "
@@ -165,9 +172,26 @@ def worker(rank, args, port):
         if args.world > 1:
             print(f"cached forward at one decoding shape {floor * 1e3:.2f} ms; a StaticCache token / that: "
                   f"{rows[1][2] / floor:.2f}x")
+        if turns:
+            ms = {name: statistics.median(t) * 1e3 for name, t in turns.items()}
+            print(f"DynamicCache taking turns, {args.rounds} generate()s each (the median of each one's median "
+                  f"token): unsharded {ms['unsharded']:.2f} ms, shardfn {ms['shardfn, DynamicCache']:.2f} ms, "
+                  f"shardfn / unsharded {ms['shardfn, DynamicCache'] / ms['unsharded']:.2f}x")
         if graph_notes:
             print("\n".join(graph_notes))
     dist.barrier()
+
+
+def _taking_turns(dynamic: dict, ids, args) -> dict[str, list[float]]:
+    """``--rounds`` more generate()s with a DynamicCache, the unsharded and the sharded model taking turns (a slow
+    spell of this shared machine falls on both alike): each generate()'s median token, per way."""
+    turns: dict[str, list[float]] = {name: [] for name in dynamic}
+    for _ in range(args.rounds if args.rounds > 1 else 0):
+        for name, (model, timed) in dynamic.items():
+            timed.times.clear()
+            _generate(model, ids, args, "dynamic")
+            turns[name].append(statistics.median(timed.times[2:]))
+    return {name: t for name, t in turns.items() if t}
 
 
 def _fixed_shape_forward(model, ids, args) -> float:
@@ -201,6 +225,8 @@ def main():
     p.add_argument("--prompt", type=int, default=8)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dp-tp", action="store_true", help="the model as it trains: data x tensor parallel")
+    p.add_argument("--rounds", type=int, default=9, help="then this many more DynamicCache generate()s each, "
+                   "unsharded and sharded taking turns (the ratio to trust on a shared machine; 1: none)")
     args = p.parse_args()
     if args.dp_tp and (args.world < 2 or args.world % 2):
         p.error("--dp-tp needs an even --world of 2 or more (a (world/2, 2) mesh)")
