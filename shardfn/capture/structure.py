@@ -152,10 +152,8 @@ def split(value: Any, where: Callable[[], str] = lambda: "fn", path: str | None 
             return _Slot(len(tensors) - 1)
         if isinstance(x, _SCALARS):
             return x
-        container = not _is_object(x)
-        if container:
+        if not _is_object(x):  # a container
             children, spec = pytree.tree_flatten(x)
-        if container:
             keys = [None] * len(children) if at is None else \
                 [at + pytree.keystr(k) for k, _ in pytree.tree_flatten_with_path(x)[0]]
             return _Container(spec, tuple(strip(c, k) for c, k in zip(children, keys)))

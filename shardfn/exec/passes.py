@@ -257,7 +257,8 @@ def _taken_apart(wait: torch.fx.Node) -> torch.fx.Node:
     buffer is not made while this one's whole buffer and its copies are both held."""
     apart, last = {wait}, wait
     while (n := last.next).op == "call_function" and n.all_input_nodes and not _is_collective(n) \
-            and n.target is not _c10d.wait_tensor.default and replayable(n) and all(a in apart for a in n.all_input_nodes):
+            and n.target is not _c10d.wait_tensor.default and replayable(n) \
+            and all(a in apart for a in n.all_input_nodes):
         apart.add(n)
         last = n
     return last
