@@ -186,7 +186,7 @@ def _taking_turns(dynamic: dict, ids, args) -> dict[str, list[float]]:
     """``--rounds`` more generate()s with a DynamicCache, the unsharded and the sharded model taking turns (a slow
     spell of this shared machine falls on both alike): each generate()'s median token, per way."""
     turns: dict[str, list[float]] = {name: [] for name in dynamic}
-    for _ in range(args.rounds if args.rounds > 1 else 0):
+    for _ in range(args.rounds):
         for name, (model, timed) in dynamic.items():
             timed.times.clear()
             _generate(model, ids, args, "dynamic")
@@ -226,7 +226,7 @@ def main():
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--dp-tp", action="store_true", help="the model as it trains: data x tensor parallel")
     p.add_argument("--rounds", type=int, default=9, help="then this many more DynamicCache generate()s each, "
-                   "unsharded and sharded taking turns (the ratio to trust on a shared machine; 1: none)")
+                   "unsharded and sharded taking turns (the ratio to trust on a shared machine; 0: none)")
     args = p.parse_args()
     if args.dp_tp and (args.world < 2 or args.world % 2):
         p.error("--dp-tp needs an even --world of 2 or more (a (world/2, 2) mesh)")

@@ -26,9 +26,8 @@ hand-written Llama-3-8B
 10 s cold for transformers' model, 5 s for the hand-written one; every row within SHARDFN_SEARCH_TIME_LIMIT's
 20 s (planning from the capture's start), but DeepSeek-V3's, whose target is 60 s from the call with a gap of 1%
 at most (its row runs with the limit at 60 s unless the variable is set). The 405B's row ends within about two
-seconds of its 20 (capture 3, candidates 4.6-5, pricing 4.9-5.4, the solves 5-6, the read-out 1.1), and its solve, left
-little time, keeps a
-shortlist of each large decision (its plan then has no bound: "gap" prints inf).
+seconds of its 20 (capture 3, candidates 4.6-5, pricing 4.9-5.4, the solves 5-6, the read-out 1.1), and its solve,
+left little time, keeps a shortlist of each large decision (its plan then has no bound: "gap" prints inf).
 """
 
 import argparse

@@ -709,10 +709,7 @@ def _parameters_where_read(graph: torch.fx.Graph, n_params: int) -> None:
             while isinstance(root, torch.fx.Node) and root.op == "call_function" and root.args:
                 root = root.args[0]
             of_params.discard(root)
-    for node in graph.nodes:
-        if node.op == "call_function" and node.all_input_nodes and replayable(node) \
-                and all(a in of_params for a in node.all_input_nodes):
-            of_params.add(node)
+    of_params = made_from_alone(graph, of_params, where=replayable)
     later = {n for n in of_params if n.op == "call_function"}
     placed: list[torch.fx.Node] = []
     done: set = set()

@@ -594,8 +594,10 @@ def _program(red: _Reducer, alive: list[int], start: dict[int, int], time_limit_
     for v in alive:
         b.decision(v, red.costs[v])
     for u in alive:
+        if len(b.obj) > most:
+            break
         for v, m in red.adj[u].items():
-            if u < v and len(b.obj) <= most:
+            if u < v:
                 b.edge(u, v, m)
     if budget is not None and len(b.obj) <= most:
         weights, limit, pairs = budget
