@@ -30,7 +30,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx
 
-from ..capture.graph import checkpoint_region, is_in_place, is_seeded, made_from_alone, replayable
+from .. import _pytree_internals as pytree
+from ..capture.graph import checkpoint_region, is_in_place, is_seeded, is_view, made_from_alone, replayable
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
 from ._graph_internals import MADE_WHOLE, held_elsewhere
 
@@ -167,9 +168,48 @@ def _movable(node: torch.fx.Node) -> bool:
     return replayable(node)
 
 
+def _value_bytes(node: torch.fx.Node) -> int:
+    return sum(_nbytes(v) for v in pytree.graph_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor))
+
+
+def _aliases(node: torch.fx.Node) -> bool:
+    """Is ``node``'s result memory it read (a view, a write into its input, a getitem of its producer's)?"""
+    return is_view(node.target) or is_in_place(node.target) or node.target is operator.getitem
+
+
+def _own_bytes(node: torch.fx.Node) -> int:
+    """What running ``node`` allocates (an alias: nothing)."""
+    return 0 if node.op != "call_function" or _aliases(node) else _value_bytes(node)
+
+
+def _freed_bytes(node: torch.fx.Node) -> int:
+    """What the graph frees once ``node``'s value is read for the last time: an op's result, a value the forward
+    saved for the backward; not a forward's input ("primals": parameters, the caller's arguments: the caller
+    holds them)."""
+    if node.op == "placeholder":
+        return 0 if node.name.startswith("primals") else _value_bytes(node)
+    return _own_bytes(node)
+
+
+def _releasing(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The ops that free more bytes than they make, being the last reader of values larger than their result: a
+    weight gradient's matmul frees the activation the forward saved for it (an alias frees nothing: the value
+    lives on in it)."""
+    last = {a: n for n in graph.nodes for a in n.all_input_nodes}
+    freed: collections.Counter = collections.Counter()
+    for value, reader in last.items():
+        freed[reader] += _freed_bytes(value)
+    return {n for n, nbytes in freed.items() if n.op == "call_function" and not _aliases(n) and nbytes > _own_bytes(n)}
+
+
 def _overlap(graph: torch.fx.Graph) -> None:
-    """Collectives as early as their inputs allow (the ops computing those inputs first), waits as late."""
+    """Collectives as early as their inputs allow (the ops computing those inputs first), waits as late. The ops
+    computing a collective's input move up no further than the last op before them that frees memory
+    (:func:`_releasing`): hoisted above it, a chain of gradients through layers no collective reads would hold
+    each layer's saved activations until the chain's end (an MLP whose second block runs replicated: 31.5 MiB
+    where the plan's order holds 27.5)."""
     placed: set = set()
+    releasing = _releasing(graph)
 
     def hoist(node: torch.fx.Node) -> None:
         if node in placed:
@@ -180,6 +220,9 @@ def _overlap(graph: torch.fx.Graph) -> None:
                 hoist(a)
         order = {n: i for i, n in enumerate(graph.nodes)}
         after = [n for n in graph.nodes if n.op == "placeholder"][-1:] + node.all_input_nodes
+        if not _is_collective(node):  # (a collective itself may start above it: its result waits)
+            after += [max((r for r in releasing if order[r] < order[node]), key=order.__getitem__, default=None)]
+            after = [a for a in after if a is not None]
         last = max(after, key=lambda a: order[a], default=None)
         if last is not None and order[last] < order[node] and last.next is not node:
             last.append(node)

@@ -109,6 +109,40 @@ def test_collectives_start_early_and_waits_sink():
     assert pos(noise) < pos(more_noise)  # random ops keep their order
 
 
+def _weight_gradient_beside_a_chain():
+    """A backward's graph: a weight gradient's matmul reading a saved activation, then an input gradient's chain to
+    an all-reduce, then work that needs neither."""
+    g = torch.fx.Graph()
+    tangent, saved, weight, x = (g.placeholder(name) for name in ("tangents_1", "gelu_1", "primals_1", "x"))
+    for n, shape in ((tangent, (8, 4)), (saved, (8, 64)), (weight, (4, 64)), (x, (4, 4))):
+        n.meta["val"] = torch.empty(*shape)
+    transposed = _node(g, aten.t.default, (tangent,), torch.empty(4, 8))
+    weight_grad = _node(g, aten.mm.default, (transposed, saved), torch.empty(4, 64))  # frees 2 KiB, makes 1
+    input_grad = _node(g, aten.mm.default, (tangent, weight), torch.empty(8, 64))
+    scaled = _node(g, aten.mul.Tensor, (input_grad, 2), torch.empty(8, 64))
+    reduced, waited = _all_reduce(g, scaled)
+    independent = _node(g, aten.mm.default, (x, x), torch.empty(4, 4))
+    g.output((weight_grad, waited, independent))
+    return g, (weight_grad, input_grad, scaled, reduced, independent, waited)
+
+
+def test_a_collectives_inputs_are_not_hoisted_above_an_op_that_frees_memory():
+    # a weight gradient's matmul with no collective of its own (its layer computed whole on every rank) frees the
+    # activation the forward saved for it; hoisted above it, the input gradients' chain up to the next
+    # all-reduce would hold that activation through the whole chain (a level-0 MLP plan: 31.5 MiB measured where
+    # the plan's order holds 28.5). The chain stays below it; the collective still starts before independent work
+    g, nodes = _weight_gradient_beside_a_chain()
+    simplify(torch.fx.GraphModule(torch.nn.Module(), g))
+    pos = list(g.nodes).index
+    weight_grad, input_grad, scaled, reduced, independent, waited = nodes
+    assert pos(weight_grad) < pos(input_grad) < pos(scaled) < pos(reduced) < pos(independent) < pos(waited)
+    args = [torch.randn(*p.meta["val"].shape) for p in g.nodes if p.op == "placeholder"]
+    want = torch.fx.GraphModule(torch.nn.Module(), _identity_collectives(_weight_gradient_beside_a_chain()[0]))
+    got = torch.fx.GraphModule(torch.nn.Module(), _identity_collectives(g))(*args)
+    for a, b in zip(got, want(*args)):
+        torch.testing.assert_close(a, b)
+
+
 def test_add_accumulates_into_a_buffer_nothing_else_reads():
     g = torch.fx.Graph()
     x = g.placeholder("x")
