@@ -51,7 +51,7 @@ def read_plan(problem: StrategyProblem, request: PlanRequest, mesh_spec: MeshSpe
     live, live_backward, resident, outputs, end = _live_bytes(problem, chosen, set(captured.gm.graph.nodes) -
                                                               problem.recomputed, request.optimizer_stage, returned,
                                                               request.accumulate, request.policy.regathers and request.grad,
-                                                              made_whole)
+                                                              made_whole, held)
     read = _Collectives(problem, request, pricing, terms, chosen)
     fwd_colls, bwd_colls, regathers = read.all()
     last = next(reversed(live_backward), None)  # the backward's last point: its end, every gradient made, the
@@ -389,8 +389,8 @@ def _in_buckets(colls: list[Collective], ready: list[tuple[int, tuple]], first: 
 
 
 def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0, returned: Sequence | None = None,
-                grads_held: bool = False, reshard: bool = False,
-                made_whole: dict | None = None) -> tuple[dict, dict, int, int, int]:
+                grads_held: bool = False, reshard: bool = False, made_whole: dict | None = None,
+                arrived: dict | None = None) -> tuple[dict, dict, int, int, int]:
     """Per-rank bytes alive as each node of the chosen plan runs, forward and backward, with liveness; the step's
     peak is the largest of either. Returns (forward: each node's bytes once it has run, backward: each node's
     bytes as its backward runs, for the nodes whose backward runs; the bytes the graph's inputs hold with every
@@ -411,9 +411,11 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     from before the step, as gradients accumulated without sync are); an input's stays until it is handed back;
     a view's is a view (no bytes), as its value is. Split parameters gathered whole take their bytes as
     gathered.gather_events says (``reshard``: gathered again in backward, as level 1 does). A value made whole and
-    then laid out (``made_whole``: its whole bytes, as_read) holds them while its op runs.
+    then laid out (``made_whole``: its whole bytes, as_read) holds them while its op runs. A tensor argument
+    arriving in another layout than the plan's (``arrived``: by graph input, the layout it is held in) is held
+    by the caller through the step beside the piece the plan reads (:func:`_arrival_bytes`).
     """
-    sizes = _NodeBytes(problem, chosen, optimizer_stage)
+    sizes = _NodeBytes(problem, chosen, optimizer_stage, arrived)
     nodes = list(problem.captured.gm.graph.nodes)
     reads, copied = read_copies(problem, chosen)
     until = saved_until(nodes, problem.needs_grad, copied) if problem.needs_grad else {}
@@ -434,9 +436,11 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
 class _NodeBytes:
     """A node's per-rank bytes in the chosen plan."""
 
-    def __init__(self, problem: StrategyProblem, chosen, optimizer_stage: int = 0):
+    def __init__(self, problem: StrategyProblem, chosen, optimizer_stage: int = 0, arrived: dict | None = None):
         self.by_node = {d.node: c for d, c in zip(problem.decisions, chosen) if d.node is not None}
         self.mesh_shape, self.stage = problem.mesh_shape, optimizer_stage
+        inputs = problem.captured.placeholders
+        self.arrived = {inputs[i]: held for i, held in (arrived or {}).items()}
 
     def local(self, node) -> int:
         c = self.by_node.get(node)
@@ -456,9 +460,12 @@ class _NodeBytes:
         return int(self.local(param) * gradient_copies(pl, self.mesh_shape, self.stage, param.meta["val"].dim()))
 
     def held(self, node, trainable: set) -> int:
-        """A graph input's bytes through the step: a trainable parameter's with its gradient and optimizer states."""
+        """A graph input's bytes through the step: a trainable parameter's with its gradient and optimizer states,
+        an argument's with the caller's tensor where it arrives in another layout."""
         if node not in trainable:
-            return self.local(node)
+            val, pl = node.meta["val"], self.by_node[node].outputs[0]
+            return self.local(node) + (_arrival_bytes(val, self.arrived[node], pl, self.mesh_shape)
+                                       if node in self.arrived and isinstance(val, torch.Tensor) else 0)
         pl = self.by_node[node].outputs[0]
         return int(self.local(node) * parameter_copies(pl, self.mesh_shape, self.stage, node.meta["val"].dim()))
 
@@ -473,6 +480,17 @@ class _NodeBytes:
                 v = out.meta["val"]
                 extra += cm.local_numel(v.shape, placements, self.mesh_shape) * v.element_size()
         return extra
+
+
+def _arrival_bytes(val: torch.Tensor, held, placements, mesh_shape) -> int:
+    """What a tensor argument arriving in ``held`` (the caller's layout) adds where the plan lays it out in
+    ``placements`` instead: the caller's tensor stays alive beside the piece the plan reads (a batch given whole
+    and split over "dp": the whole batch and its piece), through the step as the caller holds it. (The search's
+    memory terms leave it out: charged there, level 1 kept arguments given whole whole, and its peaks rose: Alpa's
+    MLP as a function of four whole weights, 2.3 GB a rank where level 2's plan holds 1.9.)"""
+    if held is None or tuple(held) == tuple(placements):
+        return 0
+    return cm.local_numel(val.shape, held, mesh_shape) * val.element_size()
 
 
 def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, returned, grads_held: bool,

@@ -232,8 +232,10 @@ def test_memory_over_the_forward_and_the_backward_by_hand():
     assert plan.nodes["mm"].inputs[1] == (Shard(1), Replicate())
     assert plan.nodes["mm_1"].inputs[1] == (Shard(0), Replicate())
     forward = {n.name: n.live_bytes for n in plan.nodes.values()}
-    assert forward == {"input 0": 96, "input 1": 128, "input 2": 144, "mm": 168 + 192, "relu": 224, "detach": 200,
-                       "mm_1": 248}
+    # the arguments are given whole: the caller holds x (192), w1 (96) and w2 (48) beside their pieces
+    caller = 192 + 96 + 48
+    assert forward == {"input 0": 96 + 192, "input 1": 128 + 288, "input 2": 144 + caller, "mm": 168 + 192 + caller,
+                       "relu": 224 + caller, "detach": 200 + caller, "mm_1": 248 + caller}
     backward = [(n.name, n.backward_live_bytes) for n in reversed(plan.nodes.values())
                 if n.backward_live_bytes is not None]
     # the output is returned whole (6, 4): 96 B on every rank from the exit on, through the backward (the caller's
@@ -243,7 +245,7 @@ def test_memory_over_the_forward_and_the_backward_by_hand():
     # w2's (16) are made; then w2's copy goes (32); relu's backward makes mm's gradient (24), then relu's gradient
     # and relu go; mm's makes w1's (32) (360), and the backward's end, its last point, is the larger: mm's
     # gradient gone, w1's and w2's gradients reduce-scattered in one bucket, concatenated (64 + 32) while alive
-    end = 296
+    end = 296 + caller
     scattered = [c.nbytes for c in plan.collectives if c.kind == "reduce_scatter"]
     assert sorted(scattered) == [32, 64]
     # (detach, autograd's alias of relu's saved output, carries no gradient: no backward point of its own)
@@ -263,24 +265,25 @@ def _gathered_linear_plan(level: int, x_grad: bool):
 
 def test_gathered_inputs_are_held_while_read():
     # per rank, fp32: the weight (16, 8) split in 2, 256 B, with AdamW's two states 768 (its gradient is made in
-    # backward); x (64, 8) split, 1024 B
+    # backward); x (64, 8) split, 1024 B, and the caller's whole x beside it, 2048 B
+    held = 1792 + 2048
     both = _gathered_linear_plan(2, False)
     assert both.nodes["mm"].inputs == ((Replicate(),), (Replicate(),))  # both gathered, in one bucket
     line = {n.name: (n.live_bytes, n.backward_live_bytes) for n in both.nodes.values()}
     # mm: the bucket's flat buffer (512 + 2048) and each copy out of it, and mm's (64, 16) 4096; then the buffer
     # goes, and the weight's copy (no backward reads it: x needs no gradient); x's stays for the weight's gradient
-    assert line["mm"] == (1792 + 2 * 2560 + 4096, 1792 + 2048 + 4096 + 4096 + 256)
+    assert line["mm"] == (held + 2 * 2560 + 4096, held + 2048 + 4096 + 4096 + 256)
     # tanh keeps its output; mm goes after it (tanh's backward reads its output). Its backward: tanh's gradient
     # from the caller and mm's; after mm's backward (the weight's gradient made, 256) x's copy goes
-    assert line["tanh"] == (1792 + 2048 + 4096 + 4096, 1792 + 2048 + 4096 + 2 * 4096)
-    assert line["t"] == (1792, 1792 + 4096 + 256)
+    assert line["tanh"] == (held + 2048 + 4096 + 4096, held + 2048 + 4096 + 2 * 4096)
+    assert line["t"] == (held, held + 4096 + 256)
     # level 1 (x needing a gradient now): the weight alone is gathered, again in backward (a flat buffer of its
     # 512 B and the copy) for x's gradient (x's own 1024 made there); mm (32, 16) 2048, the output returned
     # whole 4096, and its gradient arriving so
     again = _gathered_linear_plan(1, True)
     assert again.nodes["t"].inputs == ((Replicate(),),) and again.nodes["mm"].outputs == ((Shard(0),),)
-    assert again.nodes["mm"].live_bytes == 1792 + 2 * 512 + 2048
-    assert again.nodes["mm"].backward_live_bytes == 1792 + 2 * 4096 + 2048 + 256 + 1024 + 2 * 512 == \
+    assert again.nodes["mm"].live_bytes == held + 2 * 512 + 2048
+    assert again.nodes["mm"].backward_live_bytes == held + 2 * 4096 + 2048 + 256 + 1024 + 2 * 512 == \
         again.cost.peak_bytes
 
 
@@ -299,13 +302,14 @@ def test_an_activation_read_in_another_layout_is_its_readers_copy():
     assert plan.nodes["mm"].outputs == ((Shard(0),),) and plan.nodes["cumprod"].inputs == ((Replicate(),),)
     xb, wb, mm, whole = 2048 * 256 * 4, 256 * 4 * 4, 2048 * 4 * 4, 4096 * 4 * 4
     forward = {n.name: n.live_bytes for n in plan.nodes.values()}
+    x_held = xb + 2 * xb  # (x is given whole: the caller holds it beside its piece)
     # cumprod: the copy and its own result; then mm's value goes (its one backward reader keeps the copy)
-    assert forward == {"input 0": xb, "input 1": xb + wb, "mm": xb + wb + mm, "cumprod": xb + wb + mm + 2 * whole,
-                       "detach": xb + wb + 2 * whole}
+    assert forward == {"input 0": x_held, "input 1": x_held + wb, "mm": x_held + wb + mm,
+                       "cumprod": x_held + wb + mm + 2 * whole, "detach": x_held + wb + 2 * whole}
     # the exit returns the output split (mm's worth); cumprod's value goes there (no backward reads it); its
     # gradient arrives whole, mm's is made: the copy is alive as cumprod's backward runs, gone by mm's, which
     # makes w's gradient
-    end = xb + wb + whole + mm
+    end = x_held + wb + whole + mm
     assert plan.nodes["cumprod"].backward_live_bytes == end + whole + mm == plan.cost.peak_bytes
     assert plan.nodes["mm"].backward_live_bytes == end + whole + mm - whole + wb
     # a second reader in that layout reads the same copy (the traced program redistributes once): cumsum adds
@@ -316,7 +320,7 @@ def test_an_activation_read_in_another_layout_is_its_readers_copy():
 
     both = sf.explain(g, x, w, world_size=2, in_strategy=((2, 1), (1, 1)), out_strategy=((2, 1), (2, 1)), level=2)
     assert both.nodes["cumsum"].inputs == ((Replicate(),),) and "mm_1" not in both.nodes
-    assert both.nodes["cumsum"].live_bytes == xb + wb + mm + 3 * whole
+    assert both.nodes["cumsum"].live_bytes == x_held + wb + mm + 3 * whole
 
 
 def test_the_memory_line_runs_through_the_backward_and_its_peak_is_the_plans():
