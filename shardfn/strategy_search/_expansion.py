@@ -34,47 +34,86 @@ def expand_placements(rules: Sequence[Sequence[Placement | None]], mesh_shape: t
         return None
     if not all(isinstance(d, int) for shape in shapes for d in shape):
         return None
-    shardable: dict = {}
-    mixed: dict = {}  # (an operand's placements recur across combinations: each tested once)
+    rows, numbered = _Numbered.of(rules, shapes, mesh_shape, firsts)
     found = []
-    for combo in itertools.product(rules, repeat=len(mesh_shape)):
-        specs = [None if column[0] is None else column for column in zip(*combo)]
-        if any(mixed[s] if s in mixed else mixed.setdefault(s, _mixed_pending(s)) for s in specs if s is not None):
+    for combo in itertools.product(rows, repeat=len(mesh_shape)):
+        specs = [None if column[0] == -1 else column for column in zip(*combo)]
+        if any(numbered.mixed(s) for s in specs if s is not None):
             continue
         ins = tuple(s for s in specs[n_out:] if s is not None)
         if len(ins) != len(shapes) or (n_out == 1 and specs[0] is None):
             return None  # (DTensor's expansion raises on these rules)
-        if not all(_fits(shapes[i], s, mesh_shape, shardable, i) or (uneven and s == tuple(firsts[i]))
-                   for i, s in enumerate(ins)):
+        if not all(numbered.fits(i, s) or (uneven and s == numbered.laid_out[i]) for i, s in enumerate(ins)):
             continue
-        out = None if n_out == 0 else specs[0] if n_out == 1 else tuple(specs[:n_out])
-        found.append((out, ins))
+        outs = [None if s is None else numbered.placements(s) for s in specs[:n_out]]
+        out = None if n_out == 0 else outs[0] if n_out == 1 else tuple(outs)
+        found.append((out, tuple(numbered.placements(s) for s in ins)))
     return found
+
+
+class _Numbered:
+    """The expansion's placements by number: torch's placements hash and answer isinstance in Python (~0.2-0.3 us
+    each), and the combinations over Llama-405B's 4-D mesh hashed them 2 million times. Each operand's tuple of
+    numbers is tested once (they recur across combinations) and becomes one tuple of placements."""
+
+    def __init__(self, table: list[Placement], shapes, mesh_shape, laid_out):
+        self.table, self.shapes, self.mesh_shape, self.laid_out = table, shapes, mesh_shape, laid_out
+        self.pending = [(type(q), q.reduce_op) if isinstance(q, Partial) else None for q in table]
+        self.split = [q.dim if type(q) is Shard else None for q in table]
+        self._mixed, self._fits, self._placements = {}, {}, {}
+
+    @classmethod
+    def of(cls, rules, shapes, mesh_shape, firsts) -> tuple[list[tuple[int, ...]], _Numbered]:
+        """(``rules``' rows by number, -1 where an operand is absent; the numbering)."""
+        numbers: dict[Placement, int] = {}
+        rows = [tuple(-1 if q is None else numbers.setdefault(q, len(numbers)) for q in row) for row in rules]
+        laid_out = [tuple(numbers.get(q, -2) for q in first) for first in firsts]
+        return rows, cls(list(numbers), shapes, mesh_shape, laid_out)
+
+    def mixed(self, numbers: tuple[int, ...]) -> bool:
+        hit = self._mixed.get(numbers)
+        if hit is None:
+            hit = self._mixed[numbers] = _mixed({self.pending[k] for k in numbers if self.pending[k] is not None})
+        return hit
+
+    def fits(self, i: int, numbers: tuple[int, ...]) -> bool:
+        """Is input ``i`` shardable so (:func:`shardable`)?"""
+        key = (i, numbers)
+        hit = self._fits.get(key)
+        if hit is None:
+            hit = self._fits[key] = _split_fits(self.shapes[i], [self.split[k] for k in numbers], self.mesh_shape)
+        return hit
+
+    def placements(self, numbers: tuple[int, ...]) -> Placements:
+        hit = self._placements.get(numbers)
+        if hit is None:
+            hit = self._placements[numbers] = tuple(self.table[k] for k in numbers)
+        return hit
 
 
 def _mixed_pending(placements: Placements) -> bool:
     """Pending reductions of more than one kind on one operand (a sum and an average commute: allowed)."""
-    kinds = {(type(p), p.reduce_op) for p in placements if isinstance(p, Partial)}
+    return _mixed({(type(p), p.reduce_op) for p in placements if isinstance(p, Partial)})
+
+
+def _mixed(kinds: set) -> bool:
     return len(kinds) > 1 and not (len({t for t, _ in kinds}) == 1 and {r for _, r in kinds} == {"sum", "avg"})
 
 
 def shardable(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...]) -> bool:
     """DTensor's is_tensor_shardable for Replicate, Shard and pending placements on sizes known as numbers: no dim
     split into more pieces than it has elements, none past the last."""
+    return _split_fits(shape, [p.dim if type(p) is Shard else None for p in placements], mesh_shape)
+
+
+def _split_fits(shape: tuple[int, ...], dims: Sequence[int | None], mesh_shape: tuple[int, ...]) -> bool:
+    """:func:`shardable` by each mesh dim's split tensor dim (None: not split over it)."""
     pieces = [1] * len(shape)
-    for size, p in zip(mesh_shape, placements):
-        if type(p) is Shard:
-            if p.dim >= len(shape):
+    for size, dim in zip(mesh_shape, dims):
+        if dim is not None:
+            if dim >= len(shape):
                 return False
-            pieces[p.dim] *= size
-            if shape[p.dim] < pieces[p.dim]:
+            pieces[dim] *= size
+            if shape[dim] < pieces[dim]:
                 return False
     return True
-
-
-def _fits(shape: tuple[int, ...], placements: Placements, mesh_shape: tuple[int, ...], memo: dict, i: int) -> bool:
-    key = (i, placements)
-    hit = memo.get(key)
-    if hit is None:
-        hit = memo[key] = shardable(shape, placements, mesh_shape)
-    return hit
