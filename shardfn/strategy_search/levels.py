@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -39,8 +40,9 @@ def solve_level(policy: LevelPolicy, t: Terms, profile: cm.DeviceProfile, time_l
     time_problem = Problem(unary_time, kept_split(t.edges, upper_time))
     if policy.objective == "time":  # (the fastest plan first: it is the answer where it fits)
         try:
-            sol = solve(Problem(time_problem.costs, time_problem.edges, (t.memory, budget), t.edge_memory),
-                        _left(deadline), optional)
+            within = None if math.isinf(budget) else (t.memory, budget)  # (inf: the fastest plan, for its figures)
+            sol = solve(Problem(time_problem.costs, time_problem.edges, within, t.edge_memory), _left(deadline),
+                        optional)
         except Infeasible:
             raise ValueError(
                 f"level={policy.level}: no plan fits the per-rank memory of the {profile.name} profile "

@@ -25,7 +25,7 @@ from ._summary import layer_group, layer_of
 from .buckets import bucket_bytes
 from .candidates import Candidate
 from .expert_rules import dispatch_collectives, dispatches_tokens
-from .gathered import held_copies
+from .gathered import held_copies, returned_copies
 from .problem import Decision, StrategyProblem
 from .registry import REGISTRY
 from .saved import saved_until
@@ -161,7 +161,8 @@ class Pricing:
                       grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
         terms.edge_memory = held_copies(p, self._held, self.reshard, bucket_bytes() if self.every_value else None,
-                                        self._lasting, p.recomputed if self.every_value else frozenset())
+                                        self._lasting, p.recomputed if self.every_value else frozenset()) \
+            + returned_copies(p, self._saved)
         return terms
 
     def _unary(self, d: Decision, held, share: float = 1.0):

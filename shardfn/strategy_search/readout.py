@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import torch
 import torch.fx
@@ -469,17 +469,25 @@ class _NodeBytes:
         pl = self.by_node[node].outputs[0]
         return int(self.local(node) * parameter_copies(pl, self.mesh_shape, self.stage, node.meta["val"].dim()))
 
-    def returned(self, output_nodes, returned) -> int:
-        """What the exit makes: an output returned in another layout than its own."""
-        extra = 0
+    def returned(self, output_nodes, returned, held: Container) -> tuple[int, dict]:
+        """What the caller holds of the outputs once the forward ends: (the bytes of the copies the exit makes,
+        of outputs returned in another layout than their own; the outputs returned as they are made, with their
+        bytes, but those the walk holds anyway: ``held``, a graph input's, or a value kept for backward, or what
+        one views)."""
+        copies, made = 0, {}
         for out, placements in zip(output_nodes, returned or ()):
             if not isinstance(out, torch.fx.Node) or not isinstance(out.meta.get("val"), torch.Tensor):
                 continue
             own = _chosen_output(out, self.by_node)
-            if own is not None and tuple(own) != tuple(placements):
-                v = out.meta["val"]
-                extra += cm.local_numel(v.shape, placements, self.mesh_shape) * v.element_size()
-        return extra
+            if own is None:
+                continue
+            v = out.meta["val"]
+            nbytes = cm.local_numel(v.shape, placements, self.mesh_shape) * v.element_size()
+            if tuple(own) != tuple(placements):
+                copies += nbytes
+            elif cm.view_base(out) not in held:
+                made[out] = nbytes
+        return copies, made
 
 
 def _arrival_bytes(val: torch.Tensor, held, placements, mesh_shape) -> int:
@@ -515,9 +523,14 @@ def _forward_walk(problem: StrategyProblem, sizes: _NodeBytes, saving: dict, ret
             nbytes = sizes.own(node)
             live += nbytes + gathers[0].get(node, 0)
             (saved if node in saving else transient)[node] = nbytes
-        elif node.op == "output":
-            outputs = sizes.returned(problem.captured.output_nodes, returned)
+        elif node.op == "output":  # (the caller holds the outputs as returned: one made so is not freed)
+            outputs, made = sizes.returned(problem.captured.output_nodes, returned,
+                                           {*saved, *problem.captured.placeholders})
             live += outputs
+            for out, nbytes in made.items():
+                outputs += nbytes
+                if not transient.pop(cm.view_base(out), 0):  # (a view of a value gone, an item: its bytes)
+                    live += nbytes
         at[node] = int(live)
         live -= gathers[1].get(node, 0)
         for a in node.all_input_nodes:
@@ -610,7 +623,7 @@ def _chosen_output(node: torch.fx.Node, by_node: dict):
 
 class OverBudget(ValueError):
     """The plan read off a solution (``plan``) holds more than the device's memory; ``outputs``: the bytes of the
-    outputs returned whole, which no plan changes."""
+    outputs the caller holds as they are returned, which no plan lowers."""
 
     def __init__(self, plan: Plan, outputs: int, message: str):
         super().__init__(message)
@@ -637,8 +650,8 @@ def _check_budget(problem: StrategyProblem, request: PlanRequest, plan: Plan, re
                     "parameters split)")
     if outputs > 0.1 * budget:
         ways.append(f"outputs returned split (out_strategy, or dataset_strategy='data_parallel': each rank its "
-                    f"rows) or not at all (a model's logits where only its loss is wanted): returned whole, they "
-                    f"take {outputs / GiB:.1f} GiB on every rank")
+                    f"rows) or not at all (a model's logits where only its loss is wanted): as returned, the "
+                    f"caller holds {outputs / GiB:.1f} GiB of them on every rank")
     what = "a shorter sequence or smaller batch" if problem.regions else \
         "recompute (recompute=True, or torch.utils.checkpoint around layers) or a shorter sequence or smaller batch"
     ways.append(f"{what}: activations and gathered parameters take {(peak - resident - outputs) / GiB:.1f} GiB a "

@@ -270,7 +270,7 @@ def _planned(problem, request, pricing, terms, groups, plan_within, final: bool,
             e.plan = dataclasses.replace(e.plan, recompute=records(problem, e.plan, origin))
             if groups:
                 e.args = (f"{e.args[0]} (with recompute of {_names(groups)})",)
-        elif request.recompute is False and e.args:  # (the level's "no plan fits": what else would)
+        if request.recompute is False and e.args:  # (the level's "no plan fits": what else would)
             e.args = (f"{e.args[0]}, or let the search recompute layers in backward (recompute=None)",)
         raise
     return dataclasses.replace(plan, recompute=records(problem, plan, origin))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 import warnings
 
@@ -103,14 +104,18 @@ def _within_budget(request: PlanRequest, mesh_spec: MeshSpec, pricing: Pricing, 
                 warnings.warn(PlanMemoryWarning(str(e)), stacklevel=2)
                 plan = dataclasses.replace(e.plan, notes=[*e.plan.notes, str(e)])
                 break
-            if not request.policy.solves_again_lower or attempt == _BUDGET_ROUNDS - 1 or e.outputs > request.profile.memory_bytes \
-                    or not request.profile.memory_is_hard:
-                raise  # (outputs returned whole that alone exceed the memory: no plan can fit)
+            if not request.policy.solves_again_lower or attempt == _BUDGET_ROUNDS - 1 or math.isinf(budget) \
+                    or e.outputs > request.profile.memory_bytes or not request.profile.memory_is_hard:
+                raise  # (outputs the caller holds that alone exceed the memory: no plan can fit)
             # (the walk exceeds the estimate by about as much in the next plan: lowered by that excess)
             budget = min(budget - 1.05 * (e.peak - request.profile.memory_bytes),
                          request.profile.memory_bytes - 1.05 * (e.peak - terms.memory_of(solution.choice))) - 2**20
         except ValueError:
-            if over is None:
+            if over is not None:
+                raise over from None  # (nothing fits the lower budget: the figures of the plan that did not fit)
+            if not final or math.isinf(budget):
                 raise
-            raise over from None  # (nothing fits the lower budget: the figures of the plan that did not fit)
+            # nothing fits the pricing's estimate: the level's plan without the memory, read out for its figures
+            # (a CPU's returned with them, said; a device's error gives them and what would fit)
+            budget = math.inf
     return plan

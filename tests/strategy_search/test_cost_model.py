@@ -349,3 +349,41 @@ def test_the_memory_line_runs_through_the_backward_and_its_peak_is_the_plans():
     back = [max(n.backward_live_bytes or 0 for n in p.nodes.values()) for p in (plain, checkpointed)]
     assert back[1] < back[0]
     assert checkpointed.cost.peak_bytes == max(back[1], max(n.live_bytes for n in checkpointed.nodes.values()))
+
+
+def test_the_search_and_the_walk_count_the_outputs_the_caller_holds(monkeypatch):
+    # y = x @ w on 4 ranks, x split by rows, w needing a gradient: y (64, 32) fp32, 8192 B whole, 2048 a piece.
+    # The caller holds y as it is returned through the backward, and y's gradient arrives so: returned whole,
+    # 8192 + 8192 (the exit's copy where y is made split: its own piece then goes); returned split as it is made,
+    # the piece itself and its gradient's, 2048 + 2048 (once left out: the piece went at the exit). tanh's output
+    # is kept for its backward anyway: returned as made, only its gradient adds. The search's estimate counts
+    # them per choice of the output's layout, as the read-out's walk does.
+    import shardfn as sf
+    from shardfn.strategy_search import search
+
+    seen = []
+    real = search.Pricing.terms
+    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
+    x, w = torch.randn(64, 16), torch.randn(16, 32, requires_grad=True)
+    plans = {}
+    for fn, whole, out in ((torch.matmul, 8192, None), (torch.matmul, 2048, ((4, 1),)),
+                           (lambda x, w: torch.tanh(x @ w), 2048, ((4, 1),))):
+        seen.clear()
+        plans[fn, whole] = sf.explain(fn, x, w, world_size=4, in_strategy=((4, 1), None), out_strategy=out, level=2)
+        problem = seen[-1].problem
+        pairs = [(u, m) for u, v, m in real(seen[-1]).edge_memory if problem.decisions[v].name == "output"]
+        assert len(pairs) == 1
+        u, m = pairs[0]
+        returned = problem.decisions[-1].candidates[0].inputs[0]
+        kept = fn is not torch.matmul
+        for k, c in enumerate(problem.decisions[u].candidates):
+            own = cm.local_numel((64, 32), c.outputs[0], (4,)) * 4
+            copy = 0 if kept and tuple(c.outputs[0]) == tuple(returned) else whole
+            assert m[k, 0] == copy + max(own, whole), (c.outputs, returned)
+    # the walk, at mm's backward: x's piece (1024) and the caller's whole x (4096), w (2048), y and its gradient
+    # as returned; then, made whole (x gathered, 4096, kept for w's gradient) and w's gradient (2048); made split,
+    # w's gradient a pending sum (2048) and its all-reduce's result (2048)
+    whole, split = plans[torch.matmul, 8192], plans[torch.matmul, 2048]
+    assert whole.nodes["mm"].outputs == ((Replicate(),),) and split.nodes["mm"].outputs == ((Shard(0),),)
+    assert whole.cost.peak_bytes == whole.nodes["mm"].backward_live_bytes == 7168 + 2 * 8192 + 4096 + 2048
+    assert split.cost.peak_bytes == split.nodes["mm"].backward_live_bytes == 7168 + 2 * 2048 + 2 * 2048

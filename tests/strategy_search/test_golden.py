@@ -134,7 +134,8 @@ def test_level_2_respects_the_memory_limit():
     assert 0 < plan.cost.peak_bytes <= 80e9
     weights = [n.outputs[0] for n in plan.nodes.values() if n.op == "input" and n.name.endswith("weight")]
     assert len(weights) == 100 and all(not w[0].is_replicate() for w in weights)
-    with pytest.raises(ValueError, match="level=2: no plan fits"):
+    # none fits: the error gives the fastest plan's figures and what would (once only "use level=1")
+    with pytest.raises(ValueError, match=r"level=2: no plan found fits.*alone are 400\.0 GiB, at least 6 ranks"):
         sf.explain(_deep_mlp(400), x, in_strategy=(None,), world_size=4, level=2, device="cuda")
 
 
@@ -161,6 +162,25 @@ def test_a_plan_over_a_cpu_ranks_memory_is_returned_with_a_warning():
     with pytest.warns(PlanMemoryWarning, match=r"level=1: no plan found fits the per-rank memory of the cpu"):
         plan = sf.explain(wide, torch.empty(64, 32768, device="meta"), in_strategy=(None,), world_size=4, level=1)
     assert plan.cost.peak_bytes > 16e9 and any("no plan found fits" in n for n in plan.notes)
+
+
+def test_outputs_that_alone_overflow_a_cpu_rank_are_said_without_reading_out_plans_that_cannot_fit(monkeypatch):
+    # the output returned whole, (524288, 4096) fp32, 8 GiB, and its gradient arriving so: 16 GiB on every rank
+    # whatever the layouts, over the CPU profile's nominal 14.9. The search's estimate counts them, so no try
+    # fits it and none is read out but the last: the fastest plan, returned with its figures (once, each try
+    # read out walked 28 GiB against an estimate at the budget: a Llama-3-8B shape took 5.8 s to say so)
+    from shardfn.strategy_search import search
+    from shardfn.strategy_search.search import PlanMemoryWarning
+
+    reads = []
+    real = search.read_plan
+    monkeypatch.setattr(search, "read_plan", lambda *a: reads.append(1) or real(*a))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 4096))
+    with pytest.warns(PlanMemoryWarning, match=r"level=2: no plan found fits.*the caller holds 8\.0 GiB of them"):
+        plan = sf.explain(model, torch.empty(524288, 4096, device="meta"), in_strategy=((4, 1),), world_size=4,
+                          level=2)
+    assert len(reads) == 1 and plan.cost.peak_bytes > 16 * 2**30
 
 
 def test_level_0_keeps_the_memory_limit_where_a_plan_within_it_exists():
