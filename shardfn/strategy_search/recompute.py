@@ -64,8 +64,9 @@ class Region:
 
 
 def _kept_selectively(node: torch.fx.Node) -> bool:
-    """A matmul or an attention, or an item of one's results."""
-    if node.target is operator.getitem:
+    """A matmul or an attention, an item of one's results, or one reshaped by ``_unsafe_view`` (a linear layer's
+    3-D product: no view to autograd, the same storage; what a backward reads of it)."""
+    if node.target in (operator.getitem, torch.ops.aten._unsafe_view.default):
         return isinstance(node.args[0], torch.fx.Node) and _kept_selectively(node.args[0])
     return REGISTRY.kept_selectively(node.target)
 

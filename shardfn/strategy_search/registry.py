@@ -265,11 +265,14 @@ REGISTRY.describe("view_on_pieces", {
 # bias, either side of a sum): its backward does not read them
 REGISTRY.describe("added", {aten.add.Tensor: (0, 1), aten.sub.Tensor: (0, 1), aten.addmm.default: (0,),
                             aten.baddbmm.default: (0,), aten.addbmm.default: (0,)})
-# ops linear in each input, their backward reads none (it moves, sums or converts the output's gradient)
+# ops linear in each input, their backward reads none (it moves, sums or converts the output's gradient; each
+# checked against autograd's saved tensors in tests/strategy_search/test_saved.py). _unsafe_view is no view to
+# autograd (a linear layer reshapes its 3-D product with it), its backward reshapes the gradient alone
 REGISTRY.describe("moves_gradient", {
     aten.cat.default, aten.stack.default, aten.clone.default, aten._to_copy.default, aten.neg.default,
     aten.sum.default, aten.sum.dim_IntList, aten.mean.default, aten.mean.dim, aten.expand.default,
-    aten.repeat.default, aten.add.Tensor, aten.sub.Tensor, aten.constant_pad_nd.default,
+    aten.repeat.default, aten.add.Tensor, aten.sub.Tensor, aten.constant_pad_nd.default, aten._unsafe_view.default,
+    aten.tril.default, aten.triu.default, aten.cumsum.default, aten.flip.default, aten.roll.default,
 })
 # ops linear in each input alone: their backward reads an input only for another input's gradient
 REGISTRY.describe("linear_in_each", {
