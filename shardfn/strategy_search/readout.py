@@ -426,11 +426,24 @@ def _live_bytes(problem: StrategyProblem, chosen, kept, optimizer_stage: int = 0
     for node, nbytes in (made_whole or {}).items():  # (before its op runs, gone after)
         for add in events[:2]:
             add[node] = add.get(node, 0) + nbytes
+    for node, nbytes in _backward_scratch(problem, sizes).items():  # (while its backward runs)
+        for add in events[2:]:
+            add[node] = add.get(node, 0) + nbytes
     at, resident, outputs, live, saved = _forward_walk(problem, sizes, saving, returned, grads_held, events[:2])
     if not problem.needs_grad:
         return at, {}, resident, outputs, live
     back, end = _backward_walk(problem, sizes, live, saved, until, grads_held, events[2:], returned)
     return at, back, resident, outputs, end
+
+
+def _backward_scratch(problem: StrategyProblem, sizes: "_NodeBytes") -> dict[torch.fx.Node, int]:
+    """The scratch each backward allocates beside the gradient it makes (REGISTRY.backward_scratch), by node."""
+    found = {}
+    for node in problem.needs_grad:
+        slot = REGISTRY.backward_scratch(getattr(node, "target", None))
+        if slot is not None and tensor_inputs(node)[slot] in problem.needs_grad:
+            found[node] = sizes.local(tensor_inputs(node)[slot])
+    return found
 
 
 class _NodeBytes:

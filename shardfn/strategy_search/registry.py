@@ -191,6 +191,11 @@ class RuleRegistry:
         """Its backward reads its own output (all of a tuple's)."""
         return self._in("reads_output", op)
 
+    def backward_scratch(self, op) -> int | None:
+        """The tensor input whose size its backward allocates once more than the gradient it makes, for a while
+        (gather's: zeros, then an out-of-place scatter_add into them); None for most ops."""
+        return self._tables["backward_scratch"].get(op) if self._in("backward_scratch", op) else None
+
     def reshapes_gradient(self, op) -> bool:
         """Its gradient is its input's, reshaped: a gradient reduced after it is the input's own."""
         return self._in("reshapes_gradient", op)
@@ -287,6 +292,10 @@ REGISTRY.describe("reads_output", {
     aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention.default,
 })
+# ops whose backward allocates a scratch of an input's size beside the gradient it makes (op -> that input): the
+# read-out's walk holds it while the backward runs (a loss's gather of whole logits: bench/plan_peak's Llama
+# measured the logits' size once more there)
+REGISTRY.describe("backward_scratch", {aten.gather.default: 0})
 # ops whose result carries no gradient from their tensor inputs: a value made by one needs none, and no pending
 # gradient of it is priced or reduced (problem)
 REGISTRY.describe("no_gradient", {

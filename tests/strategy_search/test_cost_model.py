@@ -387,3 +387,40 @@ def test_the_search_and_the_walk_count_the_outputs_the_caller_holds(monkeypatch)
     assert whole.nodes["mm"].outputs == ((Replicate(),),) and split.nodes["mm"].outputs == ((Shard(0),),)
     assert whole.cost.peak_bytes == whole.nodes["mm"].backward_live_bytes == 7168 + 2 * 8192 + 4096 + 2048
     assert split.cost.peak_bytes == split.nodes["mm"].backward_live_bytes == 7168 + 2 * 2048 + 2 * 2048
+
+
+def test_the_walk_holds_the_scratch_a_gathers_backward_makes(monkeypatch):
+    # a loss's gather from log-probabilities: autograd's backward of gather makes zeros of its input's size and
+    # scatter-adds into a new tensor, two of that size where the gradient is one (seen here, eager); the walk
+    # holds the second while that backward runs (a Llama's loss over whole logits: bench/plan_peak's peak)
+    import shardfn as sf
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardfn.strategy_search.registry import REGISTRY
+
+    made = []
+
+    class Made(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            made.append(out.numel())
+            return out
+
+    x, idx = torch.randn(8, 32, requires_grad=True), torch.randint(0, 32, (8, 1))
+    logp = torch.log_softmax(x, -1)
+    picked = torch.gather(logp, 1, idx)
+    with Made():
+        torch.autograd.grad(picked, logp, torch.ones_like(picked))
+    assert made.count(8 * 32) == 2
+
+    def loss(x, idx):
+        return torch.gather(torch.log_softmax(x, -1), 1, idx).sum()
+
+    def at_gather():
+        plan = sf.explain(loss, x, idx, world_size=2, in_strategy=((2, 1), (2, 1)), level=2)
+        assert plan.nodes["gather"].inputs[0] == (Shard(0),)  # (split as given: each rank 4 rows)
+        return plan.nodes["gather"].backward_live_bytes
+
+    with_scratch = at_gather()
+    monkeypatch.setitem(REGISTRY._tables, "backward_scratch", {})
+    assert with_scratch - at_gather() == 4 * 32 * 4
