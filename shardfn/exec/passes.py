@@ -7,6 +7,7 @@ runs, and each fresh all-reduce buffer a copy, so :func:`simplify` removes what 
 - an all-reduce of a buffer nothing else reads (an intermediate, not an input or output, reached through views
   with no other reader) runs in place, as hand-written code does (``dist.all_reduce(y)``), and so does an
   addition into such a buffer (a residual add, gradients accumulated), as autograd's accumulation does;
+- a fill (``new_zeros``) made whole only to be cut to a piece is made as the piece (:mod:`.filled_pieces`);
 - ``view`` to the tensor's own shape and ``t(t(x))`` become their input, a ``view`` of a ``view`` one view,
   and ``detach`` its input (the graphs run without autograd);
 - each collective starts as soon as its input is computed and is waited for just before its result is first
@@ -35,6 +36,7 @@ from .. import _pytree_internals as pytree
 from ..capture.graph import checkpoint_region, is_in_place, is_seeded, is_view, made_from_alone, replayable
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
 from ._graph_internals import MADE_WHOLE, held_elsewhere
+from .filled_pieces import fill_pieces
 
 _log = logging.getLogger("shardfn")
 
@@ -753,6 +755,7 @@ def simplify(gm: torch.fx.GraphModule, in_place: bool = True, one_in_flight: boo
     out = next(n for n in graph.nodes if n.op == "output")
     if n_params:
         _parameters_where_read(graph, n_params)
+    fill_pieces(graph)
     _drop_identities(graph, set(out.all_input_nodes))
     fused = _fuse_reductions(graph, bucket_bytes(), in_place) if bucket_bytes() > 0 else []
     if plan is not None and plan.pending_grads:
