@@ -37,7 +37,7 @@ class TensorPeak(TorchDispatchMode):
     def _total(self):
         # a storage's size now: FSDP2 frees a whole parameter by resizing its storage to nothing, and back
         self.alive = {k: ref for k, ref in self.alive.items() if not ref.expired()}
-        return sum(torch.UntypedStorage._new_with_weak_ptr(ref.cdata).nbytes() for ref in self.alive.values())
+        return sum(_nbytes(ref) for ref in self.alive.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -46,6 +46,13 @@ class TensorPeak(TorchDispatchMode):
                 self._add(t)
         self.peak = max(self.peak, self._total())
         return out
+
+
+def _nbytes(ref) -> int:
+    """A storage's bytes now; none where it went since it was seen alive (a collection freed it meanwhile: one
+    plan_peak run lost a rank, and its mesh's rows, to it)."""
+    storage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)
+    return 0 if storage is None else storage.nbytes()
 
 
 def local(t):
