@@ -23,7 +23,6 @@ aten = torch.ops.aten
 # ops that return a part of their input (or a copy of it): of a fill, a fill of the same value
 _CUTS = (aten.split.Tensor, aten.split_with_sizes.default, operator.getitem, aten.clone.default,
          aten.slice.Tensor, aten.narrow.default)
-_FILLS = (aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default)
 
 
 def _readers(node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -40,13 +39,15 @@ def _piece_of(fill: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def fill_pieces(graph: torch.fx.Graph) -> None:
-    """Each fill (``new_zeros`` and the like) read only through a chain of cuts made at the size the chain ends
-    with; the chain then has no readers and goes."""
-    for fill in [n for n in graph.nodes if n.op == "call_function" and n.target in _FILLS]:
+    """Each fill (``new_zeros`` and the like: the registry's factories sized by an argument, whose piece any rank
+    makes alike) read only through a chain of cuts made at the size the chain ends with; the chain then has no
+    readers and goes."""
+    fills = REGISTRY.sized_factories()
+    for fill in [n for n in graph.nodes if n.op == "call_function" and n.target in fills]:
         piece = _piece_of(fill)
         val = piece.meta.get("val") if piece is not None else None
         if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.shape) \
-                or not val.is_contiguous() or val.dtype != fill.meta["val"].dtype:
+                or not val.is_contiguous():
             continue  # (symbolic sizes, a strided result, a tuple: as it is)
         at = REGISTRY.size_argument(fill.target)
         with graph.inserting_before(piece):

@@ -441,8 +441,9 @@ def _backward_scratch(problem: StrategyProblem, sizes: "_NodeBytes") -> dict[tor
     found = {}
     for node in problem.needs_grad:
         slot = REGISTRY.backward_scratch(getattr(node, "target", None))
-        if slot is not None and tensor_inputs(node)[slot] in problem.needs_grad:
-            found[node] = sizes.local(tensor_inputs(node)[slot])
+        source = tensor_inputs(node)[slot] if slot is not None else None
+        if source in problem.needs_grad:
+            found[node] = sizes.local(source)
     return found
 
 
