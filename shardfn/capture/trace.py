@@ -181,7 +181,7 @@ def capture(
     grad = torch.is_grad_enabled() if grad is None else grad
     what = lambda: getattr(fn, "__qualname__", type(fn).__name__)  # noqa: E731
     params, buffers = params or {}, buffers or {}
-    inputs, arg_structure = _graph_inputs(params, buffers, args, kwargs, what)
+    inputs, arg_structure = _graph_inputs(params, buffers, args, kwargs, what, device)
     traced: dict[str, Any] = {}
     flat_fn = _flat_function(fn, call, list(params) + list(buffers), arg_structure, traced, what)
     symbols = DynamicDims(ShapeEnv()) if dynamic else None
@@ -205,16 +205,20 @@ def capture(
                          dynamic=symbols)
 
 
-def _graph_inputs(params, buffers, args, kwargs, what):
+def _graph_inputs(params, buffers, args, kwargs, what, device):
     """The graph's inputs in placeholder order (parameters, buffers, then the argument tensors) and the arguments'
-    structure."""
+    structure. A 0-dim argument tensor on the CPU of a program on another device stays there (``on_cpu``): eager
+    code that moves it (StaticCache's counter: ``.to(device)`` at its first update) then traces a copy, which the
+    caller's object gets back, as in eager, instead of an update written into the CPU tensor each call (a CPU
+    scalar's value that a CUDA graph could not replay)."""
     inputs: list[GraphInput] = []
     for kind, state in (("param", params), ("buffer", buffers)):
         for i, (name, t) in enumerate(state.items()):
             inputs.append(GraphInput(kind, name, i, tuple(t.shape), t.dtype, bool(t.requires_grad)))
     arg_tensors, names, arg_structure = split_arguments(args, kwargs, names=True, where=what)
     for j, (a, name) in enumerate(zip(arg_tensors, names)):
-        inputs.append(GraphInput("input", name, j, tuple(a.shape), a.dtype, bool(a.requires_grad)))
+        on_cpu = a.dim() == 0 and a.device.type == "cpu" and torch.device(device).type != "cpu"
+        inputs.append(GraphInput("input", name, j, tuple(a.shape), a.dtype, bool(a.requires_grad), on_cpu))
     return inputs, arg_structure
 
 
@@ -256,7 +260,8 @@ def _fake_inputs(inputs, fake_mode, symbols, dynamic, device):
                                         device=device).requires_grad_(grads))
             continue
         with fake_mode:
-            fakes.append(torch.empty(gi.shape, dtype=gi.dtype, device=device).requires_grad_(grads))
+            fakes.append(torch.empty(gi.shape, dtype=gi.dtype, device="cpu" if gi.on_cpu else device)
+                         .requires_grad_(grads))
     return fakes
 
 

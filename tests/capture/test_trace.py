@@ -142,3 +142,32 @@ def test_writes_of_decompositions_land_in_inputs_only():
         assert all(n.args[0].op == "placeholder" for n in writes), captured.gm.code
         assert set(captured.writes) == set(written)
         assert torch.ops.aten.copy.default not in {n.target for n in captured.gm.graph.nodes}
+
+
+def test_a_cpu_scalar_in_an_object_is_traced_on_the_cpu_so_moving_it_to_the_device_is_a_copy():
+    """StaticCache's counter is made on the CPU and moved to the keys' device at the first update; traced as a
+    device tensor its ``.to(device)`` vanished, every call wrote into the CPU tensor, and a CUDA graph could not
+    replay the decoding step (its input a CPU scalar). Traced where it lies, the caller gets the moved copy."""
+
+    class Counter:
+        def __init__(self):
+            self.seen = torch.tensor(0)
+            self.ready = False
+
+    def step(x, counter):
+        if not counter.ready:
+            counter.seen, counter.ready = counter.seen.to(x.device), True
+        counter.seen.add_(1)
+        return x + counter.seen
+
+    captured = capture(step, (torch.empty(4, device="meta"), Counter()), {}, device="cuda")
+    placeholders = [n.meta["val"] for n in captured.gm.graph.nodes if n.op == "placeholder"]
+    assert [v.device.type for v in placeholders] == ["cuda", "cpu"]
+    assert [gi.on_cpu for gi in captured.inputs] == [False, True]
+    moved = [n for n in captured.gm.graph.nodes if n.target == torch.ops.aten._to_copy.default]
+    assert len(moved) == 1 and moved[0].meta["val"].device.type == "cuda"
+    (_, first_new, state), = captured.states  # the new counter is an output, not the CPU input kept
+    outputs = next(n for n in captured.gm.graph.nodes if n.op == "output").args[0]
+    assert outputs[first_new].meta["val"].device.type == "cuda"
+    # a 0-dim input already on the program's device, or a program on the CPU, keeps the device it is traced on
+    assert not any(gi.on_cpu for gi in capture(step, (torch.empty(4), Counter()), {}).inputs)
