@@ -147,11 +147,14 @@ def worker(rank, args, port):
         want = out if want is None else want
         assert torch.equal(out, want), f"{name}: other tokens than the unsharded model's"
         captures = sf.engine_of(model).captures if sharded else 0
-        if sharded:  # whether a world of one's decoding graph replays as a CUDA graph (exec.replay), and why not
-            graph_notes += [f"{name}: {n}" for c in sf.engine_of(model).programs.values()
-                            for n in c.program.notes if "CUDA graph" in n]
+        notes = [f"{name}: {n}" for c in sf.engine_of(model).programs.values() for n in c.program.notes
+                 if "CUDA graph" in n] if sharded else []  # whether a world of one's decoding graph is replayed
+        graph_notes += notes
         rows.append((f"{name}" if sharded else f"unsharded ({cache} cache)", timed.times[0],
                      statistics.median(timed.times[2:]), captures))
+        if rank == 0:  # (as it goes: a lent GPU's run cut short by its time limit still tells what it measured)
+            print(f"  so far: {rows[-1][0]}: first {rows[-1][1]:.2f} s, token {rows[-1][2] * 1e3:.2f} ms", *notes,
+                  sep="\n  ", flush=True)
         if sharded and cache == "static" and args.world > 1:
             floor = _fixed_shape_forward(model, ids, args)
         if sharded and cache == "dynamic":  # the same lengths again: served as before, no trace per length

@@ -91,6 +91,12 @@ def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _precision():
+    """bf16 autocast where ``--autocast`` asks (SHARDFN_BENCH_AUTOCAST, read by every rank), else nothing."""
+    on = os.environ.get("SHARDFN_BENCH_AUTOCAST") == "1"
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+
+
 def _measure(name: str, level: int, mesh: str) -> tuple[int, int, int]:
     """(the plan's peak, the measured peak of forward and backward, of the whole step) on this rank."""
     import shardfn as sf
@@ -99,20 +105,22 @@ def _measure(name: str, level: int, mesh: str) -> tuple[int, int, int]:
     args, kwargs, loss_of, strategy = _call(name, mesh)
     model = sf.shard(MODELS[name][0](), in_strategy=strategy, level=level)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    loss_of(model(*args, **kwargs)).backward()  # plans, compiles; the optimizer makes its states
+    with _precision():
+        loss_of(model(*args, **kwargs)).backward()  # plans, compiles; the optimizer makes its states
     opt.step()
     opt.zero_grad(set_to_none=True)
     gc.collect()
     states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     held = [_local(t) for t in [*model.parameters(), *model.buffers(), *states, *args, *kwargs.values()]]
-    with TensorPeak(held, dtensors=True) as tracker:
+    with TensorPeak(held, dtensors=True) as tracker, _precision():
         out = model(*args, **kwargs)  # held through the backward, as a training loop holds it
         loss_of(out).backward()
         backward = tracker.peak
         del out
         opt.step()
     opt.zero_grad(set_to_none=True)
-    plan = sf.explain(model, *args, kwargs=kwargs)
+    with _precision():
+        plan = sf.explain(model, *args, kwargs=kwargs)
     return plan.cost.peak_bytes, backward, tracker.peak
 
 
@@ -139,7 +147,10 @@ def main() -> None:
     p.add_argument("--models", default="mlp,gpt,gpt2,llama")
     p.add_argument("--levels", default="0,1,2")
     p.add_argument("--meshes", default="2,2x2")
+    p.add_argument("--autocast", action="store_true", help="forward and backward under bf16 autocast")
     args = p.parse_args()
+    if args.autocast:  # (the spawned ranks read it from their environment)
+        os.environ["SHARDFN_BENCH_AUTOCAST"] = "1"
     results = mp.get_context("spawn").Manager().dict()
     ratios = []
     print(f"{'mesh':<5} {'model':<6} {'level':>5} {'plan MiB':>9} {'fwd+bwd MiB':>12} {'step MiB':>9} "
