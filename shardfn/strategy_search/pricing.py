@@ -500,13 +500,20 @@ _ADDS_A_NUMBER = (torch.ops.aten.add.Tensor, torch.ops.aten.sub.Tensor, torch.op
 
 
 def _passes_gradient(node: torch.fx.Node) -> bool:
-    """Is ``node``'s gradient, reduced, its first input's (reshaped, or unchanged)? A reshape's is; so is a
-    number added to its input (Gemma 3's norms scale by ``1 + weight``): its backward is nothing at all, so exec
-    finds the reduction of the result's gradient handed back as the input's."""
-    if REGISTRY.reshapes_gradient(node.target):
+    """Is ``node``'s gradient, reduced, its first input's (reshaped, cast, or unchanged)? A reshape's is; so is
+    a cast's (autocast's bf16 copy of a bias: its backward casts the gradient back, so exec finds the bf16
+    reduction handed back as the parameter's, and buckets it with the other bf16 gradients); so is a number
+    added to its input (Gemma 3's norms scale by ``1 + weight``): its backward is nothing at all."""
+    if REGISTRY.reshapes_gradient(node.target) or _casts(node):
         return True
     return node.target in _ADDS_A_NUMBER and len(node.args) >= 2 and isinstance(node.args[0], torch.fx.Node) \
         and isinstance(node.args[1], (int, float, bool))
+
+
+def _casts(node: torch.fx.Node) -> bool:
+    """A copy of its input in another dtype alone (autocast's casts), whose backward casts the gradient back."""
+    return node.target is torch.ops.prims.convert_element_type.default or \
+        (node.target is torch.ops.aten._to_copy.default and set(node.kwargs) <= {"dtype"})
 
 
 def gradient_handed_back(node: torch.fx.Node) -> torch.fx.Node | None:

@@ -285,6 +285,32 @@ def test_explain_lists_the_buckets_the_program_fuses(gloo4):
     assert traced == planned == [64, 256, 1280, 3264, 4096, 4096] and buckets == 2
 
 
+def _autocast_body(level):
+    torch.manual_seed(0)
+    reference = GPTBlock(dim=64, heads=4)
+    model = sf.shard(copy.deepcopy(reference), in_strategy=((4, 1, 1),), level=level)
+    x = torch.randn(8, 32, 64)  # (large enough that the search keeps the batch split, the weights whole)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plan = sf.explain(model, x)
+        loss, ref_loss = model(x).float().square().mean(), reference(x).float().square().mean()
+    loss.backward()
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=1e-3)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=5e-2, atol=5e-3, msg=lambda m: f"{name}: {m}")
+    return sorted({c.where.split(" -> ")[0].rstrip("_0123456789") for c in plan.collectives
+                   if c.phase == "backward" and c.bucket is not None})
+
+
+def test_gradients_reduced_in_bf16_under_autocast_are_bucketed_as_planned(gloo4):
+    # autocast's bf16 copy of a parameter, read by a data-parallel matmul: its gradient is reduced in bf16 and
+    # cast back; the backward graph fused those reductions into a bucket the plan did not list (it followed
+    # reshapes to the parameter, not casts), and exec refused the plan at level 2
+    for level in (2, 1):
+        bucketed = gloo4.run(_autocast_body, level)[0]
+        assert "_to_copy" in bucketed, bucketed
+
+
 def _batch_norm_body(plan_name):
     from tests.test_modules import NORMED_PLANS, _train, assert_same_buffers
 
