@@ -16,7 +16,9 @@ Parts (``--parts``, in this order; each prints a table, ``--out DIR`` keeps the 
 ``memory``   the plan's ``cost.peak_bytes`` against ``torch.cuda.max_memory_allocated()`` over a forward and
              backward (optimizer states alive, gradients made from none; the loss sharded with the model), at
              levels 1 and 2 with the attention kernel CUDA picks (flash) and at level 2 with the memory-efficient
-             kernel; eager's peak beside it.
+             kernel; eager's peak beside it; and the peak of the tensors ops make over the same (bench/_tensor_peak:
+             what the kernels allocate for themselves left out), which tells the plan's count of tensors from
+             what the GPU adds. On the CPU (``--device cpu``) the tensors' peak is the one measured.
 ``generate`` bench/generate.py on the GPU (Llama 4 layers, dim 2048): per token, StaticCache and DynamicCache,
              against the unsharded model (transformers compiles it for a static cache); with and without the
              decoding step replayed as a CUDA graph (SHARDFN_CUDA_GRAPHS).
@@ -200,22 +202,27 @@ def _empty(device):
         torch.cuda.empty_cache()
 
 
-def _peak_of_step(model, inputs, loss_of, device) -> int:
-    """max_memory_allocated over a forward and backward, optimizer states alive, gradients made from none."""
+def _peak_of_step(model, inputs, loss_of, device) -> tuple[int, int]:
+    """max_memory_allocated over a forward and backward, optimizer states alive, gradients made from none; and
+    the peak of tensor bytes over the same (bench/_tensor_peak.py: the storages ops make, which leaves out what
+    a kernel allocates for itself, cuBLAS's and attention's workspaces, and Inductor's own buffers)."""
+    from bench._tensor_peak import TensorPeak
+
     opt = _optimizer(model)
     for _ in range(2):
         _step(model, inputs, loss_of, opt, True, device)
     _sync(device)
-    base = torch.cuda.memory_allocated() if device == "cuda" else 0
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    with torch.autocast(device, dtype=BF16):
-        loss = loss_of(model(*inputs))
-    loss.backward()
-    _sync(device)
-    peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
+    states = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    with TensorPeak([*model.parameters(), *model.buffers(), *states, *inputs], dtensors=True) as tracker:
+        with torch.autocast(device, dtype=BF16):
+            loss = loss_of(model(*inputs))
+        loss.backward()
+        _sync(device)
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else tracker.peak
     opt.zero_grad(set_to_none=True)
-    return peak, base
+    return peak, tracker.peak
 
 
 class _WithLoss(torch.nn.Module):
@@ -234,11 +241,8 @@ def part_memory(args):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device = args.device
-    if device != "cuda":
-        print("memory: CUDA only (skipped)")
-        return
     print(f"{'model':<16} {'level':>5} {'attention':<10} {'plan peak GiB':>14} {'measured GiB':>13} "
-          f"{'plan/measured':>14} {'eager GiB':>10}")
+          f"{'plan/measured':>14} {'tensors GiB':>12} {'plan/tensors':>13} {'eager GiB':>10}")
     for name, make, inputs, loss_of in _models(args.small, device):
         model, loss_of = _WithLoss(make(), loss_of), lambda loss: loss
         eager_peak, _ = _peak_of_step(copy.deepcopy(model), inputs, loss_of, device)
@@ -250,16 +254,16 @@ def part_memory(args):
                 with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                     sharded = sf.shard(copy.deepcopy(model), in_strategy=(None,) * len(inputs), device=device,
                                        level=level)
-                    peak, _ = _peak_of_step(sharded, inputs, loss_of, device)
+                    peak, tensors = _peak_of_step(sharded, inputs, loss_of, device)
                     with torch.autocast(device, dtype=BF16):
                         plan = sf.explain(sharded, *inputs)
             except RuntimeError as e:  # flash attention takes no explicit mask (transformers' GQA passes one)
                 print(f"{name:<16} {level:>5} {kernel:<10} {str(e).splitlines()[0][:80]}")
                 continue
             est = plan.cost.peak_bytes
-            print(f"{name:<16} {level:>5} {kernel:<10} {est / 2**30:>14.2f} "
-                  f"{peak / 2**30:>13.2f} {est / peak:>14.2f} {eager_peak / 2**30:>10.2f}  (at {_elapsed():.0f} s)",
-                  flush=True)
+            print(f"{name:<16} {level:>5} {kernel:<10} {est / 2**30:>14.2f} {peak / 2**30:>13.2f} "
+                  f"{est / peak:>14.2f} {tensors / 2**30:>12.2f} {est / tensors:>13.2f} {eager_peak / 2**30:>10.2f}"
+                  f"  (at {_elapsed():.0f} s)", flush=True)
             del sharded
             _empty(device)
         del model
