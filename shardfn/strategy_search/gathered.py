@@ -17,7 +17,7 @@ from .buckets import assign_buckets, bucket_bytes, bucket_unit
 from .problem import StrategyProblem
 from .saved import backward_readers, reads_input
 
-__all__ = ["Gathered", "gathered_copies", "gather_events", "held_copies", "read_copies", "returned_copies"]
+__all__ = ["Gathered", "as_returned", "gathered_copies", "gather_events", "held_copies", "read_copies", "returned_copies"]
 
 
 @dataclasses.dataclass
@@ -259,6 +259,17 @@ def _through_views(view: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
+def as_returned(val: torch.Tensor, made_in, returned_in, mesh_shape, held: bool) -> tuple[int, int]:
+    """One output as the caller holds it once the forward ends, per rank: (the copy the exit makes, where it is
+    returned in another layout than ``made_in``; the value itself, where it is returned as made, unless the step
+    holds it anyway: ``held``). The search's terms (:func:`returned_copies`) and the read-out's walk
+    (readout._NodeBytes.returned) both count outputs by this rule."""
+    nbytes = cm.local_numel(val.shape, returned_in, mesh_shape) * val.element_size()
+    if tuple(made_in) != tuple(returned_in):
+        return nbytes, 0
+    return 0, 0 if held else nbytes
+
+
 def returned_copies(problem: StrategyProblem, saved: Container) -> list[tuple[int, int, np.ndarray]]:
     """The bytes the caller holds of the outputs through the backward, per choice of each output's producer (a
     pair with the outputs' sink): each output as it is returned (a copy the exit makes where that is not the
@@ -290,8 +301,9 @@ def returned_copies(problem: StrategyProblem, saved: Container) -> list[tuple[in
         kept = base.op == "placeholder" or base in saved  # (as made, the walk holds it already)
         first = out not in counted
         counted.add(out)
-        copies = np.array([0 if c.outputs[out_idx] is None else whole if tuple(c.outputs[out_idx]) != tuple(placements)
-                           else 0 if kept or not first else whole for c in cands], float)
+        copies = np.array([0 if c.outputs[out_idx] is None else
+                           sum(as_returned(val, c.outputs[out_idx], placements, mesh, kept or not first))
+                           for c in cands], float)
         held = copies + (np.maximum(own, whole) if grad and first else 0.0)
         if held.any():
             found.append((u, sink, held[:, None]))

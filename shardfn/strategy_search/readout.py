@@ -18,7 +18,7 @@ from . import cost_model as cm
 from .as_read import laid_out_as_read
 from .buckets import assign_buckets, bucket_bytes, bucket_unit
 from .candidates import tensor_inputs
-from .gathered import gather_events, gathered_copies, read_copies
+from .gathered import as_returned, gather_events, gathered_copies, read_copies
 from .plan import Collective, Cost, InputPlan, NodePlan, Plan, gap_text
 from .pricing import (
     Pricing,
@@ -495,12 +495,10 @@ class _NodeBytes:
             own = _chosen_output(out, self.by_node)
             if own is None:
                 continue
-            v = out.meta["val"]
-            nbytes = cm.local_numel(v.shape, placements, self.mesh_shape) * v.element_size()
-            if tuple(own) != tuple(placements):
-                copies += nbytes
-            elif cm.view_base(out) not in held:
-                made[out] = nbytes
+            copy, as_made = as_returned(out.meta["val"], own, placements, self.mesh_shape, cm.view_base(out) in held)
+            copies += copy
+            if as_made:
+                made[out] = as_made
         return copies, made
 
 
