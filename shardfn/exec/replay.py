@@ -102,7 +102,10 @@ class _Replayer:
         if self.graph is not None:
             moved = {i for i, (_, where) in self.held.items()
                      if args[i].data_ptr() != where[0] or args[i].stride() != where[2]}
-            if not moved:
+            # a copied input of another shape or dtype than its buffer's (copy_ would broadcast a row into the
+            # captured rows, or refuse): this graph is not for it
+            reshaped = any(args[i].shape != b.shape or args[i].dtype != b.dtype for i, b in self.buffers.items())
+            if not moved and not reshaped:
                 return self._replay(args)
             # a small tensor made anew for each call that came back at the same address: copied from now on
             self.moved |= {i for i in moved if args[i].numel() * args[i].element_size() <= _SMALL}

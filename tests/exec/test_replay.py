@@ -209,3 +209,19 @@ def test_inputs_off_the_device_are_never_captured():
     assert not recorder.graphs
     assert notes == ["the inference graph is not replayed as a CUDA graph: its input 1 is int, not a tensor on cpu"]
     assert replay._where(torch.tensor(1.0), "cuda") is None  # nor a CPU scalar's, in a graph on the GPU
+
+
+def test_an_input_of_another_shape_is_never_copied_into_the_captured_buffer():
+    # a buffer of 2 rows took a 1-row input by broadcasting it (2 rows out, both wrong), and refused 3 rows
+    def code(args):
+        w, x = args
+        args.clear()
+        return [x @ w]
+
+    recorder = _Recorder()
+    run = replayed(code, _graph(), "cpu", recorder)
+    w = torch.randn(4, 4)
+    for rows in (2, 2, 2, 1, 3, 3, 3, 2):
+        x = torch.randn(rows, 4)
+        torch.testing.assert_close(run([w, x])[0], x @ w)
+    assert [g.replays for g in recorder.graphs] == [2, 3]  # (captured for 2 rows, then for 3)
