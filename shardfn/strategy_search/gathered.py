@@ -17,7 +17,8 @@ from .buckets import assign_buckets, bucket_bytes, bucket_unit
 from .problem import StrategyProblem
 from .saved import backward_readers, reads_input
 
-__all__ = ["Gathered", "as_returned", "gathered_copies", "gather_events", "held_copies", "read_copies", "returned_copies"]
+__all__ = ["Gathered", "as_returned", "gathered_copies", "gather_events", "held_copies", "read_copies",
+           "returned_copies"]
 
 
 @dataclasses.dataclass
