@@ -106,8 +106,8 @@ class GraphInput:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool
-    # a 0-dim input on the CPU of a program on another device, traced there: eager mixes CPU scalars with device
-    # tensors (a StaticCache's counter, whose ``.to(device)`` is then a copy)
+    # a 0-dim input on the CPU of a program on another device, needing no gradient, traced there: eager mixes CPU
+    # scalars with device tensors (a StaticCache's counter, whose ``.to(device)`` is then a copy)
     on_cpu: bool = False
 
 

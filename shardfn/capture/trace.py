@@ -217,7 +217,8 @@ def _graph_inputs(params, buffers, args, kwargs, what, device):
             inputs.append(GraphInput(kind, name, i, tuple(t.shape), t.dtype, bool(t.requires_grad)))
     arg_tensors, names, arg_structure = split_arguments(args, kwargs, names=True, where=what)
     for j, (a, name) in enumerate(zip(arg_tensors, names)):
-        on_cpu = a.dim() == 0 and a.device.type == "cpu" and torch.device(device).type != "cpu"
+        # (one that needs a gradient is taken to the device as before: its gradient is made there)
+        on_cpu = a.dim() == 0 and a.device.type == "cpu" and not a.requires_grad and torch.device(device).type != "cpu"
         inputs.append(GraphInput("input", name, j, tuple(a.shape), a.dtype, bool(a.requires_grad), on_cpu))
     return inputs, arg_structure
 

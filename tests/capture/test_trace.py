@@ -169,5 +169,10 @@ def test_a_cpu_scalar_in_an_object_is_traced_on_the_cpu_so_moving_it_to_the_devi
     (_, first_new, state), = captured.states  # the new counter is an output, not the CPU input kept
     outputs = next(n for n in captured.gm.graph.nodes if n.op == "output").args[0]
     assert outputs[first_new].meta["val"].device.type == "cuda"
-    # a 0-dim input already on the program's device, or a program on the CPU, keeps the device it is traced on
+    # a 0-dim input already on the program's device, or a program on the CPU, or one needing a gradient (made on
+    # the device) is traced on the program's device
     assert not any(gi.on_cpu for gi in capture(step, (torch.empty(4), Counter()), {}).inputs)
+    from shardfn.capture.trace import _graph_inputs
+
+    learnt, _ = _graph_inputs({}, {}, (torch.empty(4), torch.tensor(2.0, requires_grad=True)), {}, lambda: "fn", "cuda")
+    assert not any(gi.on_cpu for gi in learnt)
