@@ -128,7 +128,8 @@ def test_a_port_another_program_holds_fails_within_the_timeout(peer):
 
 def test_a_wrong_port_on_one_rank_fails_both_within_the_timeout():
     envs = _world_of_two(free_port())
-    envs[1]["MASTER_PORT"] = str(free_port())
+    # (two draws of a free port can give the same one: then both ranks met, as CI once saw)
+    envs[1]["MASTER_PORT"] = next(p for p in iter(lambda: str(free_port()), None) if p != envs[0]["MASTER_PORT"])
     results = run_ranks("tests/scripts/runtime_faults.py", envs, "init", timeout=60)
     for r, result in enumerate(results):
         _assert_rendezvous_error(result, f"127.0.0.1:{envs[r]['MASTER_PORT']}")
