@@ -216,9 +216,10 @@ def _graph_inputs(params, buffers, args, kwargs, what, device):
         for i, (name, t) in enumerate(state.items()):
             inputs.append(GraphInput(kind, name, i, tuple(t.shape), t.dtype, bool(t.requires_grad)))
     arg_tensors, names, arg_structure = split_arguments(args, kwargs, names=True, where=what)
+    off_cpu = torch.device(device).type != "cpu"
     for j, (a, name) in enumerate(zip(arg_tensors, names)):
         # (one that needs a gradient is taken to the device as before: its gradient is made there)
-        on_cpu = a.dim() == 0 and a.device.type == "cpu" and not a.requires_grad and torch.device(device).type != "cpu"
+        on_cpu = off_cpu and a.dim() == 0 and a.device.type == "cpu" and not a.requires_grad
         inputs.append(GraphInput("input", name, j, tuple(a.shape), a.dtype, bool(a.requires_grad), on_cpu))
     return inputs, arg_structure
 
