@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import runtime
+from .._collector import collector_paused
 from ..capture import capture, split_arguments
 from ..capture.dynamic import planning_graph
 from ..capture.graph import CapturedGraph
@@ -34,7 +35,7 @@ def plan_call(engine, args, kwargs, world: int, device: str, arrived: tuple = ()
     communication). ``dynamic``: {argument tensor number: dims} traced as symbols; the search plans at this
     call's sizes."""
     config, started = engine.config, time.perf_counter()  # (the search's time limit counts the capture)
-    with runtime.outside_simulation():
+    with runtime.outside_simulation(), collector_paused():
         call = call or bind(config, engine.fn, engine.name, args, kwargs, world)
         fixed = param_specs(engine, world)
         profile = profile_for(device)

@@ -22,6 +22,7 @@ import warnings
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from .._collector import collector_paused
 from ..capture.graph import CapturedGraph
 from ..layout import MeshSpec
 from ..progress import Progress
@@ -54,6 +55,12 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
     start on time.perf_counter, where the caller captured it; else now) to the plan: the solve takes what the
     steps before it left, less the read-out's share, and past the limit the best plan found so far is the
     answer, its gap to the best bound in its notes."""
+    with collector_paused():
+        return _make_plan(captured, mesh, mesh_spec, request, progress, started)
+
+
+def _make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, request: PlanRequest,
+               progress: Progress | None, started: float | None) -> Plan:
     time_limit_s = request.time_limit_s if request.time_limit_s is not None else search_time_limit()
     deadline = (time.perf_counter() if started is None else started) + time_limit_s
     step = progress if progress is not None else Progress()
