@@ -198,6 +198,34 @@ class _Shared:
         # seconds a reducer took from its first shortlist to the end of its elimination, and the large decisions
         # it had left then (:meth:`tail_seconds`' forecast)
         self._tail_decisions, self._tail_seconds = 0, 0.0
+        # ids of the arrays of the open Lagrangian round (its multiplier's, and what was computed from them), and
+        # its memo keys: no later round meets them (:meth:`one_round`)
+        self._round: set[int] | None = None
+        self._round_keys: list = []
+
+    @contextlib.contextmanager
+    def one_round(self):
+        """A Lagrangian round: what it computes from its multiplier's arrays is dropped when it ends, and the
+        memory taken again by the next round (each round's had stayed to the end of the solve: Llama-405B's first
+        solve grew the process by 1 GB, memory first touched, 30-60 us a page on this project's machine)."""
+        self._round, self._round_keys = set(), []
+        try:
+            yield
+        finally:
+            gone = self._round
+            for key in self._round_keys:
+                self._memo.pop(key, None)
+            for key in [k for k, v in self._interned.items() if isinstance(k, int) and (k in gone or id(v[1]) in gone)]:
+                del self._interned[key]
+            for key, alike in self._interned.items():
+                if isinstance(alike, list):
+                    alike[:] = [x for x in alike if id(x) not in gone]
+            self._round, self._round_keys = None, []
+
+    def _taint(self, result) -> None:
+        for r in result if isinstance(result, tuple) else (result,):
+            if isinstance(r, np.ndarray):
+                self._round.add(id(r))
 
     def intern(self, a: np.ndarray) -> np.ndarray:
         seen = self._interned.get(id(a))
@@ -215,6 +243,8 @@ class _Shared:
         if found is None:
             alike.append(b)
             found = b
+            if self._round is not None and id(a) in self._round:
+                self._round.add(id(b))
         self._interned[id(a)] = (a, found)  # (keeping ``a``: its id stays its own)
         return found
 
@@ -222,6 +252,8 @@ class _Shared:
         """``a`` (float, computed from interned arrays alone) interned as itself, unhashed: an array of equal
         content made otherwise stays another object (the memo misses between them, nothing more)."""
         self._interned[id(a)] = (a, a)
+        if self._round is not None:
+            self._round.add(id(a))
         return a
 
     def _key(self, fn, operands) -> tuple:
@@ -233,6 +265,10 @@ class _Shared:
         if hit is None:  # the operands are kept with the result: their ids stay theirs
             start = time.perf_counter()
             hit = self._memo[key] = (fn(*operands), operands)
+            if self._round is not None and any(id(o) in self._round for o in operands
+                                               if isinstance(o, np.ndarray)):
+                self._round_keys.append(key)
+                self._taint(hit[0])
             if fn is _link:
                 self._link_elements += operands[0].size * operands[2].shape[1]
                 self._link_seconds += time.perf_counter() - start
@@ -699,9 +735,10 @@ def _with_budget(problem: Problem, time_limit_s: float, optional: bool = False) 
     least = _least_weight(weights, pairs, limit)
 
     def at(mu: float, seconds: float = math.inf) -> Solution:  # (the time left, or ``seconds`` of it)
-        return _unconstrained(_priced(problem.costs, weights, mu, shared),
-                              problem.edges + scaled_edges(pairs, mu, shared),
-                              max(min(seconds, deadline - time.perf_counter()), 0.0), shared)
+        with shared.one_round():
+            return _unconstrained(_priced(problem.costs, weights, mu, shared),
+                                  problem.edges + scaled_edges(pairs, mu, shared),
+                                  max(min(seconds, deadline - time.perf_counter()), 0.0), shared)
 
     def weight(sol: Solution) -> float:
         return _weight(weights, pairs, sol.choice)
