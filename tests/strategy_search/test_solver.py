@@ -267,6 +267,31 @@ def test_a_product_forecast_to_end_past_the_limit_is_shortlisted_before_it_start
     assert shared.link_seconds(m.copy(), c_v, c_vw) > 0.0
 
 
+def test_a_round_drops_what_it_computed_from_its_multiplier_and_keeps_the_rest():
+    # what a Lagrangian round computes from its own arrays no later round meets: dropped at its end, so the
+    # memory is taken again; what it computed from the problem's own arrays stays for the next round
+    from shardfn.strategy_search import solver
+
+    rng = np.random.default_rng(6)
+    shared = solver._Shared()
+    edge, cost = shared.intern(rng.uniform(0, 1, size=(4, 5))), shared.intern(rng.uniform(0, 1, size=5))
+    with shared.one_round():
+        priced = shared.adopt(cost + 0.5)
+        from_round = shared(solver._leaf, edge, priced)
+        restricted = shared.intern(shared(solver._plus, from_round[0], from_round[0]))
+        kept = shared(solver._leaf, edge, cost)
+        assert shared(solver._leaf, edge, priced) is from_round
+    assert shared(solver._leaf, edge, cost) is kept  # (memoised still: made of the problem's arrays alone)
+    keys = set(shared._memo)
+    assert keys == {shared._key(solver._leaf, (edge, cost))}
+    assert id(priced) not in shared._interned and id(restricted) not in shared._interned
+    assert all(x is not restricted for alike in shared._interned.values() if isinstance(alike, list)
+               for x in alike)
+    assert shared._round is None  # (outside a round nothing is marked)
+    shared.adopt(cost * 2)
+    assert shared._round is None
+
+
 def test_a_shortlisted_budget_solve_keeps_the_budget():
     from shardfn.strategy_search import solver
 
