@@ -214,18 +214,13 @@ class _Shared:
         finally:
             gone = self._round
             for key in self._round_keys:
-                self._memo.pop(key, None)
-            for key in [k for k, v in self._interned.items() if isinstance(k, int) and (k in gone or id(v[1]) in gone)]:
-                del self._interned[key]
-            for key, alike in self._interned.items():
-                if isinstance(alike, list):
-                    alike[:] = [x for x in alike if id(x) not in gone]
+                del self._memo[key]
+            for key, value in list(self._interned.items()):
+                if isinstance(value, list):  # (content -> its arrays)
+                    value[:] = [x for x in value if id(x) not in gone]
+                elif key in gone or id(value[1]) in gone:  # (id -> (array, its interned one))
+                    del self._interned[key]
             self._round, self._round_keys = None, []
-
-    def _taint(self, result) -> None:
-        for r in result if isinstance(result, tuple) else (result,):
-            if isinstance(r, np.ndarray):
-                self._round.add(id(r))
 
     def intern(self, a: np.ndarray) -> np.ndarray:
         seen = self._interned.get(id(a))
@@ -268,7 +263,8 @@ class _Shared:
             if self._round is not None and any(id(o) in self._round for o in operands
                                                if isinstance(o, np.ndarray)):
                 self._round_keys.append(key)
-                self._taint(hit[0])
+                self._round.update(id(r) for r in (hit[0] if isinstance(hit[0], tuple) else (hit[0],))
+                                   if isinstance(r, np.ndarray))
             if fn is _link:
                 self._link_elements += operands[0].size * operands[2].shape[1]
                 self._link_seconds += time.perf_counter() - start
