@@ -204,10 +204,12 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     leave as they are (found once for all of them: 0.5 s a try for Llama-405B). ``lasting`` (level 1's values
     counted whole, pricing._lasting): readers whose copies count though no backward reads them (a copy made at
     the head lives at the forward's end, with every value saved: Gemma-2-9B's logits read gathered by a detach,
-    8.4e9 bytes a rank walked and not counted). ``recomputed`` (level 1's recomputed values, counted at a share of
-    their bytes): a copy of one in any other layout counts, as large as the value or not, where its reader is not
-    recomputed and so keeps it from forward (attention, never recomputed for its dropout: Llama-405B's level 1
-    reads each layer's keys and values through all-to-alls, 4.2e9 bytes a rank kept, which had gone uncounted)."""
+    8.4e9 bytes a rank walked and not counted). ``recomputed`` (the values recomputed, which level 2 counts none of
+    and level 1 at a share): a copy of one in any other layout counts, as large as the value or not, where its
+    reader (through a view, a reader of the view) is not recomputed and so keeps it from forward (attention,
+    never recomputed for its dropout: Llama-405B's level 1 reads each layer's keys and values through
+    all-to-alls, 4.2e9 bytes a rank kept, which had gone uncounted; DeepSeek-V3's level 2, its layers recomputed
+    selectively, the products kept, read its scores' softmax so, 44e9 bytes a rank walked against 5e9 priced)."""
     if not problem.needs_grad:
         return []
     whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond, id(lasting),
@@ -226,12 +228,13 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
             over = (beyond if reshard and value in from_params else 0.0)  # (None: not counted)
             if over is None or not isinstance(val, torch.Tensor):
                 continue
-            if d.node not in lasting and not (backward_readers(d.node, problem.needs_grad) if view else
-                                              d.node in problem.needs_grad and reads_input(d.node, slot,
-                                                                                           problem.needs_grad)):
+            keepers = backward_readers(d.node, problem.needs_grad) if view else \
+                [d.node] if d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad) else []
+            if d.node not in lasting and not keepers:
                 continue
             src_cands = problem.decisions[u].candidates
-            alike = value in recomputed and d.node not in recomputed  # (any other layout's copy counts)
+            # (any other layout's copy counts where a backward not recomputed keeps it: through a view, its readers')
+            alike = value in recomputed and any(b not in recomputed for b in keepers or [d.node])
             key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.element_size(), over, alike)
             hit = memo.get(key)
             if hit is None or hit[0] is not src_cands or hit[1] is not d.candidates:

@@ -370,6 +370,58 @@ def test_level_1_counts_a_recomputed_values_copy_that_attention_keeps(monkeypatc
     assert checked  # (copies as large as the value among them)
 
 
+
+class _EagerAttention(torch.nn.Module):
+    """Attention written out (transformers' eager kernel): its scores' softmax read by the second product through
+    the views matmul makes of it."""
+
+    def __init__(self, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in self.qkv(x).chunk(3, dim=-1))
+        p = torch.softmax(q @ k.transpose(-2, -1) / 2.0, dim=-1)
+        return x + self.proj((p @ v).transpose(1, 2).reshape(b, t, c))
+
+
+def test_level_2_counts_a_recomputed_values_copy_a_kept_product_reads_through_a_view(monkeypatch):
+    # a layer recomputed selectively keeps its products: the softmax (recomputed) is read by the second product
+    # through matmul's expand and view (recomputed too), and where it is read in another layout the product's
+    # backward keeps that copy, an all-to-all's as large as the value too. Level 2 counts it: DeepSeek-V3's
+    # selectively recomputed layers kept such copies of their scores, 44e9 bytes a rank walked against 5e9
+    # priced, and each of its recompute tries solved three times within lower budgets before one fit
+    from shardfn.strategy_search import cost_model as cm
+    from shardfn.strategy_search import search
+    from shardfn.strategy_search.saved import backward_readers
+
+    seen = []
+    real = search.Pricing.terms
+    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
+    model = torch.nn.Sequential(*(_EagerAttention() for _ in range(2)))
+    sf.explain(model, torch.randn(4, 8, 16), world_size=4, in_strategy=(None,), level=2, recompute="selective")
+    problem, terms = seen[-1].problem, seen[-1].terms()
+    held = {(u, v): m for u, v, m in terms.edge_memory}
+    checked, products = 0, set()
+    for v, d in enumerate(problem.decisions):
+        if d.node is None or not cm.is_view_op(d.node) or d.node not in problem.recomputed:
+            continue
+        keepers = backward_readers(d.node, problem.needs_grad)
+        for slot, (u, out_idx, value) in enumerate(d.sources):
+            if value not in problem.recomputed or all(k in problem.recomputed for k in keepers):
+                continue
+            products |= {str(k.target) for k in keepers}
+            val, m = value.meta["val"], held[(u, v)]
+            for a, src in enumerate(problem.decisions[u].candidates):
+                for b, dst in enumerate(d.candidates):
+                    copy = tuple(src.outputs[out_idx]) != tuple(dst.inputs[slot])
+                    read = cm.local_numel(val.shape, dst.inputs[slot], problem.mesh_shape) * val.element_size()
+                    assert m[a, b] == (read if copy else 0), (value.name, src.outputs, dst.inputs[slot])
+                    checked += copy and read == cm.local_numel(val.shape, src.outputs[out_idx], problem.mesh_shape) \
+                        * val.element_size()
+    assert checked  # (copies as large as the value among them)
+
 class _Scan(torch.nn.Module):
     def __init__(self):
         super().__init__()
