@@ -106,7 +106,7 @@ class Pricing:
         # values some backward reads, needing a gradient or not (a mask read by attention's backward): kept
         self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
             if problem.needs_grad else set()
-        self._lasting = _lasting(problem) if every_value else frozenset()
+        self._lasting = _lasting(problem) if every_value or problem.needs_grad else frozenset()
         self._parameter_values = parameter_values(problem.captured)
         self.share = _BucketShare(bucket_bytes(), sum(d.node is not None and d.node.op == "placeholder"
                                                       and d.node in problem.needs_grad for d in problem.decisions))

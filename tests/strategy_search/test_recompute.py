@@ -301,6 +301,45 @@ def test_level_1_counts_the_head_and_values_living_across_layers_whole(monkeypat
     assert kinds == {"recomputed in a block", "recomputed at the head", "kept", "read by every block"}
 
 
+
+def test_level_2_counts_the_head_whole_and_a_blocks_transient_not(monkeypatch):
+    # level 2 counts what backward keeps; a value made at the head lives at the forward's end beside all of it
+    # (the logits' product, read by the log-softmax and then gone), and one every block reads lives through the
+    # forward: both count whole, a block's transient nothing (Llama-405B's plan keeping every value had its
+    # logits' product split two ways, 67e9 bytes a rank walked and none of them priced)
+    from shardfn.capture.graph import module_path
+    from shardfn.strategy_search import cost_model as cm
+    from shardfn.strategy_search import search
+    from shardfn.strategy_search._summary import layer_of
+
+    seen = []
+    real = search.Pricing.terms
+    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
+    sf.explain(_Headed(), torch.randn(8, 8, 16), world_size=2, in_strategy=(None,), level=2, recompute=False)
+    pricing = seen[-1]
+    problem, terms = pricing.problem, pricing.terms()
+    kinds = set()
+    for d, memory in zip(problem.decisions, terms.memory):
+        val = d.node.meta.get("val") if d.node is not None else None
+        if d.node is None or d.node.op != "call_function" or not isinstance(val, torch.Tensor) \
+                or cm.is_view_op(d.node) or d.node in pricing._saved:
+            continue
+        full = [cm.local_numel(val.shape, c.outputs[0], problem.mesh_shape) * val.element_size() for c in d.candidates]
+        layer = layer_of(module_path(d.node))
+        if layer == "head":
+            kinds.add("at the head")
+        elif len(d.node.users) == 4:
+            kinds.add("read by every block")
+        elif layer.startswith("stack.blocks.") and d.node in problem.needs_grad \
+                and all(layer_of(module_path(u)) == layer for u in d.node.users):
+            kinds.add("a block's transient")
+            assert not memory.any(), d.name
+            continue
+        else:
+            continue
+        assert list(memory) == pytest.approx(full), d.name
+    assert kinds == {"at the head", "read by every block", "a block's transient"}
+
 def test_level_1_reads_no_value_at_the_head_in_a_larger_copy():
     # the loss's mean had read its log-probabilities gathered whole, a copy no backward keeps and so none the
     # memory counted: it lived at the forward's end, where the step peaks (491,780 bytes a rank walked; now read
