@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -106,7 +107,7 @@ class Pricing:
         # values some backward reads, needing a gradient or not (a mask read by attention's backward): kept
         self._saved = set(saved_until(list(problem.captured.gm.graph.nodes), problem.needs_grad)) \
             if problem.needs_grad else set()
-        self._lasting = _lasting(problem) if every_value or problem.needs_grad else frozenset()
+        self._lasting = _lasting(problem, every_value) if every_value or problem.needs_grad else frozenset()
         self._parameter_values = parameter_values(problem.captured)
         self.share = _BucketShare(bucket_bytes(), sum(d.node is not None and d.node.op == "placeholder"
                                                       and d.node in problem.needs_grad for d in problem.decisions))
@@ -369,16 +370,28 @@ def _kept_share(node: torch.fx.Node, grad: bool, pricing: Pricing, share: float)
     return share if recomputed else 1
 
 
-def _lasting(problem: StrategyProblem) -> frozenset[torch.fx.Node]:
-    """The values level 1 counts whole, whatever backward does with them: alive in forward from one layer into
-    another (a mask every layer reads), or made in a layer with no identical sibling (the head's logits, made at
-    the forward's end where every value saved for backward is alive). Counted at a share where recomputed (or
-    not at all where no backward reads them), Llama-405B's level 1 had left its logits a pending sum split 16 ways
-    (8.4e9 bytes a rank walked)."""
+def _lasting(problem: StrategyProblem, every_value: bool) -> frozenset[torch.fx.Node]:
+    """The values counted whole, whatever backward does with them: read in another layer than their own (a mask
+    every layer reads), or of a layer with no identical sibling and alive while a repeated layer runs or after the
+    last (the head's logits, made at the forward's end where every value saved for backward is alive); at level 1
+    (``every_value``) any value of a layer with no sibling. Counted at a share where recomputed (or not at all
+    where no backward reads them), Llama-405B's level 1 had left its logits a pending sum split 16 ways (8.4e9
+    bytes a rank walked); level 2, counting what backward keeps, had left its logits' product split two ways
+    (67e9). Level 2 leaves out what is made and gone before the layers (a mask's making: Llama-3-70B's four of a
+    GB each, alive one or two at a time, with nothing yet saved)."""
     layers = {n: layer_of(module_path(n)) for n in problem.captured.gm.graph.nodes if n.op == "call_function"}
     alike = collections.Counter(layer_group(name) for name in set(layers.values()))
-    return frozenset(n for n, name in layers.items()
-                     if alike[layer_group(name)] < 2 or any(layers.get(u, name) != name for u in n.users))
+    single = {n: alike[layer_group(name)] < 2 for n, name in layers.items()}
+    crossing = {n for n, name in layers.items() if any(layers.get(u, name) != name for u in n.users)}
+    if every_value:
+        return frozenset(n for n, one in single.items() if one) | crossing
+    # (a repeated layer's values by place, views left out: the saved values' detaches come at the graph's end)
+    ran = list(itertools.accumulate(not one and not cm.is_view_op(n) for n, one in single.items()))
+    place = {n: i for i, n in enumerate(single)}
+    last = ran.index(ran[-1]) if ran and ran[-1] else len(ran)  # (the last value a repeated layer makes)
+    return crossing | frozenset(
+        n for n, one in single.items()
+        if one and (place[n] > last or ran[max((place.get(u, 0) for u in n.users), default=0)] > ran[place[n]]))
 
 
 def _per_candidate_lists(memo: dict, key: tuple, src_cands: list, dst_cands: list, build: Callable[[], Any]):
