@@ -186,3 +186,42 @@ def test_a_plan_of_shortlists_past_the_time_limit_runs_as_the_unsharded_call(mon
     assert any("no bound known" in n for n in plan.notes), plan.notes
     whole = (Replicate(),) * 3
     assert any(o not in (None, whole) for n in plan.nodes.values() for o in n.outputs)  # (it splits values)
+
+
+@pytest.mark.parametrize("past", [False, True])
+def test_a_try_over_the_memory_is_solved_again_within_less_unless_past_the_limit_with_another_to_come(monkeypatch,
+                                                                                                   past):
+    # the read-out's walk finding the plan keeping every value over the memory: before the limit it is solved
+    # again within a budget lowered by the excess; past it the try of recompute comes at once (Llama-405B's plan
+    # keeping every value, solved again with no time left: 4 s for a plan 20 times slower, over by twice as much)
+    import dataclasses
+
+    from shardfn.strategy_search import readout
+    from tests.models import GPTStack
+
+    budgets = []
+    real_solve, real_read = search.solve_level, search.read_plan
+
+    def solve(policy, terms, profile, left, budget, optional=False):
+        budgets.append(budget)
+        return real_solve(policy, terms, profile, left, budget, optional)
+
+    def read(problem, request, *args):
+        plan = real_read(problem, request, *args)
+        if not problem.recomputed:  # (the walk of the plan keeping every value, said to be over the memory)
+            over = dataclasses.replace(plan, cost=dataclasses.replace(plan.cost, peak_bytes=int(90e9)))
+            raise readout.OverBudget(over, 0, "over the memory")
+        return plan
+
+    monkeypatch.setattr(search, "solve_level", solve)
+    monkeypatch.setattr(search, "read_plan", read)
+    if past:
+        monkeypatch.setattr(search, "_READ_OUT_SHARE", 10**6)  # (every solve starts past the limit)
+    with torch.device("meta"):
+        model, x = GPTStack(4, 1024, 16), torch.empty(64, 2048, 1024)
+    plan = sf.explain(model, x, world_size=2, in_strategy=(None,), device="cuda", level=2)
+    assert plan.recompute and plan.cost.peak_bytes <= 80e9
+    # (the first: the plan keeping every value, within the memory; the last: a try of recompute, within it)
+    assert budgets[0] == budgets[-1] == 80e9
+    lower = [b for b in budgets if b < 80e9]
+    assert (lower == []) if past else (lower and all(b < 80e9 - 10e9 for b in lower)), budgets
