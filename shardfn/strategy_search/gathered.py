@@ -209,7 +209,10 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     reader (through a view, a reader of the view) is not recomputed and so keeps it from forward (attention,
     never recomputed for its dropout: Llama-405B's level 1 reads each layer's keys and values through
     all-to-alls, 4.2e9 bytes a rank kept, which had gone uncounted; DeepSeek-V3's level 2, its layers recomputed
-    selectively, the products kept, read its scores' softmax so, 44e9 bytes a rank walked against 5e9 priced)."""
+    selectively, the products kept, read its scores' softmax so, 44e9 bytes a rank walked against 5e9 priced); a
+    reader's copy of an activation that only recomputed backwards read is made again for them (read_copies'
+    ``again``), none of it kept from forward, and is not counted (Llama-405B's layers recomputed whole: 16.9e9
+    bytes a rank counted for their MLPs' input read gathered, none walked)."""
     if not problem.needs_grad:
         return []
     whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond, id(lasting),
@@ -217,7 +220,7 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     hit = memo.get(whole)
     if hit is not None and hit[0] is problem.decisions and hit[1] is problem.needs_grad and hit[3] is recomputed:
         return hit[2]
-    from_params, _ = _from_inputs(problem)
+    from_params, from_inputs = _from_inputs(problem)
     mesh, found = problem.mesh_shape, []
     for v, d in enumerate(problem.decisions):
         if d.node is None or d.node.op != "call_function":
@@ -230,8 +233,9 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
                 continue
             keepers = backward_readers(d.node, problem.needs_grad) if view else \
                 [d.node] if d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad) else []
-            if d.node not in lasting and not keepers:
-                continue
+            if d.node not in lasting and (not keepers or value not in from_inputs
+                                          and all(k in recomputed for k in keepers)):
+                continue  # (no backward reads it, or every one that does is recomputed and makes it again)
             src_cands = problem.decisions[u].candidates
             # (any other layout's copy counts where a backward not recomputed keeps it: through a view, its readers')
             alike = value in recomputed and any(b not in recomputed for b in keepers or [d.node])
