@@ -16,7 +16,9 @@ Identical layers (one name but for the index, the same ops on the same shapes) d
 The policy (``PlanRequest.recompute``): None lets the search decide: at levels 0 and 2, only where the plan does
 not fit the memory without it, groups added in order of bytes saved per second of forward computed again until
 the plan fits (level 2 keeps the fastest plan where memory allows), and of the last group added only as many of
-its layers (its first ones) as the memory needs (:func:`_fewest`); at level 1, every group that lowers the peak.
+its layers (its first ones) as the memory needs (:func:`_fewest`), the plan without it not tried where even with
+every value split as far as it goes it would hold most of the memory (``_KEPT_SHARE``); at level 1, every group
+that lowers the peak.
 True recomputes every region; "selective" every region selectively; False none. Regions the user checkpointed
 stay checkpointed in every case.
 """
@@ -129,7 +131,8 @@ def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: s
     if not request.grad or request.recompute is False:
         return _planned(problem, request, pricing, terms, [], plan_within, True)
     kept = None  # the plan keeping every value, where the memory bound it (recompute may then be faster)
-    if request.recompute is None and not request.policy.recomputes_to_lower_peak:
+    if request.recompute is None and not request.policy.recomputes_to_lower_peak \
+            and sum(float(m.min()) for m in terms.memory if len(m)) <= _KEPT_SHARE * request.profile.memory_bytes:
         try:  # the level's plan without recompute, where it fits (nothing more to price)
             start = time.perf_counter()
             kept = _planned(problem, request, pricing, terms, [], plan_within, False)
@@ -180,6 +183,10 @@ def _chosen(problem, request, pricing, terms, plan_within, deadline, left_out: s
 
 
 _PROBES = 3  # solves to find how few of a group's layers need recomputing
+# Where a plan keeping every value would hold more than this share of the memory with each value split as far as
+# it goes, it is not tried: none fits or all pay in collectives what recompute pays in forward (Llama-405B's
+# least is 0.76 of 80e9 bytes; its try took the time left, 5-9 s, and walked 89-134e9; Llama-3-70B's is 0.51)
+_KEPT_SHARE = 0.75
 
 
 def _peak_of(e: ValueError) -> float | None:
