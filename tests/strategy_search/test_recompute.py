@@ -24,6 +24,18 @@ def _explain(model, x, **kwargs):
     return sf.explain(model, x, world_size=2, in_strategy=(None,), device="cuda", **kwargs)
 
 
+def _last_pricing(monkeypatch, model, x, **kwargs):
+    """(the search's last Pricing of ``sf.explain(model, x, in_strategy=(None,), **kwargs)``, its problem, its
+    terms)."""
+    from shardfn.strategy_search import search
+
+    seen = []
+    real = search.Pricing.terms
+    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
+    sf.explain(model, x, in_strategy=(None,), **kwargs)
+    return seen[-1], seen[-1].problem, seen[-1].terms()
+
+
 def test_level_2_recomputes_only_where_memory_binds_and_then_fits():
     model, x = _big_stack()
     with pytest.raises(ValueError, match=r"level=2: no plan.*or let the search recompute layers in backward "
@@ -222,17 +234,10 @@ def test_level_1_counts_a_recomputed_value_as_a_share_of_one_region(monkeypatch)
     # bytes a rank walked, to split the values of 126 layers never alive together; now 15.6e9)
     from shardfn.strategy_search import cost_model as cm
     from shardfn.strategy_search import pricing as pricing_terms
-    from shardfn.strategy_search import search
 
-    seen = []
-    real = search.Pricing.terms
-    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
-    model, x = GPTStack(4, 16, 4), torch.randn(8, 8, 16)
-    sf.explain(model, x, world_size=2, in_strategy=(None,), level=1, recompute=True)
-    pricing = seen[-1]
-    problem = pricing.problem
+    _, problem, terms = _last_pricing(monkeypatch, GPTStack(4, 16, 4), torch.randn(8, 8, 16), world_size=2, level=1,
+                                      recompute=True)
     assert pricing_terms._recomputed_share(problem) == 0.25 and len(set(problem.regions.values())) == 4
-    terms = pricing.terms()
     checked = 0
     for d, memory in zip(problem.decisions, terms.memory):
         val = d.node.meta.get("val") if d.node is not None else None
@@ -268,14 +273,9 @@ def test_level_1_counts_the_head_and_values_living_across_layers_whole(monkeypat
     # kept for backward (not at all) (Llama-405B's level 1 had left its logits a pending sum split 16 ways, 8.4e9
     # bytes a rank walked; now 19.8e9 in all against 22.4e9)
     from shardfn.strategy_search import cost_model as cm
-    from shardfn.strategy_search import search
 
-    seen = []
-    real = search.Pricing.terms
-    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
-    sf.explain(_Headed(), torch.randn(8, 8, 16), world_size=2, in_strategy=(None,), level=1, recompute=True)
-    pricing = seen[-1]
-    problem, terms = pricing.problem, pricing.terms()
+    pricing, problem, terms = _last_pricing(monkeypatch, _Headed(), torch.randn(8, 8, 16), world_size=2, level=1,
+                                            recompute=True)
     regions = set(problem.regions.values())
     assert {f"stack.blocks.{i}" for i in range(4)} < regions and "head" in regions
     kinds = set()
@@ -309,15 +309,10 @@ def test_level_2_counts_the_head_whole_and_a_blocks_transient_not(monkeypatch):
     # logits' product split two ways, 67e9 bytes a rank walked and none of them priced)
     from shardfn.capture.graph import module_path
     from shardfn.strategy_search import cost_model as cm
-    from shardfn.strategy_search import search
     from shardfn.strategy_search._summary import layer_of
 
-    seen = []
-    real = search.Pricing.terms
-    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
-    sf.explain(_Headed(), torch.randn(8, 8, 16), world_size=2, in_strategy=(None,), level=2, recompute=False)
-    pricing = seen[-1]
-    problem, terms = pricing.problem, pricing.terms()
+    pricing, problem, terms = _last_pricing(monkeypatch, _Headed(), torch.randn(8, 8, 16), world_size=2, level=2,
+                                            recompute=False)
     kinds = set()
     for d, memory in zip(problem.decisions, terms.memory):
         val = d.node.meta.get("val") if d.node is not None else None
@@ -372,24 +367,33 @@ def test_attention_without_dropout_is_recomputed_and_a_random_draw_is_not():
     assert draws_random(torch.fx.Graph().call_function(torch.ops.aten.bernoulli.p, (None, 0.9)))
 
 
+def _counts_any_other_layout(problem, held, u, d, slot: int, out_idx: int, value) -> int:
+    """Asserts that ``held`` (an edge's bytes kept, the value's choices by its reader's) counts a read of ``value``
+    in any other layout than its own, whole; returns how many of those reads are as large as the value."""
+    from shardfn.strategy_search import cost_model as cm
+
+    val, same_size = value.meta["val"], 0
+    for a, src in enumerate(problem.decisions[u].candidates):
+        for b, dst in enumerate(d.candidates):
+            copy = tuple(src.outputs[out_idx]) != tuple(dst.inputs[slot])
+            read = cm.local_numel(val.shape, dst.inputs[slot], problem.mesh_shape) * val.element_size()
+            assert held[a, b] == (read if copy else 0), (value.name, src.outputs, dst.inputs[slot])
+            same_size += copy and read == cm.local_numel(val.shape, src.outputs[out_idx], problem.mesh_shape) \
+                * val.element_size()
+    return same_size
+
 def test_level_1_counts_a_recomputed_values_copy_that_attention_keeps(monkeypatch):
     # attention with dropout (a CUDA kernel draws inside it: taken so here) is not recomputed, so its backward
     # keeps the copies it reads of recomputed values whole, an all-to-all's as large as the value too: level 1
     # counts each such copy (Llama-405B's level 1 had read each layer's keys and values through all-to-alls, 4.2e9
     # bytes a rank kept and uncounted, while its attention, of dropout 0, was taken for random)
-    from shardfn.strategy_search import cost_model as cm
-    from shardfn.strategy_search import search
 
-    seen = []
-    real = search.Pricing.terms
-    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
     from shardfn.strategy_search import recompute
 
     replayable = recompute.replayable
     monkeypatch.setattr(recompute, "replayable", lambda n: "scaled_dot_product" not in str(n.target) and replayable(n))
-    sf.explain(GPTStack(2, 16, 4), torch.randn(4, 8, 16), world_size=4, in_strategy=(None,), level=1,
-               recompute=True)
-    problem, terms = seen[-1].problem, seen[-1].terms()
+    _, problem, terms = _last_pricing(monkeypatch, GPTStack(2, 16, 4), torch.randn(4, 8, 16), world_size=4, level=1,
+                                      recompute=True)
     held = {(u, v): m for u, v, m in terms.edge_memory}
     checked = 0
     for v, d in enumerate(problem.decisions):
@@ -398,14 +402,7 @@ def test_level_1_counts_a_recomputed_values_copy_that_attention_keeps(monkeypatc
         assert d.node not in problem.recomputed
         for slot, (u, out_idx, value) in enumerate(d.sources):
             assert value in problem.recomputed
-            val, m = value.meta["val"], held[(u, v)]
-            for a, src in enumerate(problem.decisions[u].candidates):
-                for b, dst in enumerate(d.candidates):
-                    copy = tuple(src.outputs[out_idx]) != tuple(dst.inputs[slot])
-                    read = cm.local_numel(val.shape, dst.inputs[slot], problem.mesh_shape) * val.element_size()
-                    assert m[a, b] == (read if copy else 0), (value.name, src.outputs, dst.inputs[slot])
-                    checked += copy and read == cm.local_numel(val.shape, src.outputs[out_idx], problem.mesh_shape) \
-                        * val.element_size()
+            checked += _counts_any_other_layout(problem, held[(u, v)], u, d, slot, out_idx, value)
     assert checked  # (copies as large as the value among them)
 
 
@@ -432,15 +429,11 @@ def test_level_2_counts_a_recomputed_values_copy_a_kept_product_reads_through_a_
     # selectively recomputed layers kept such copies of their scores, 44e9 bytes a rank walked against 5e9
     # priced, and each of its recompute tries solved three times within lower budgets before one fit
     from shardfn.strategy_search import cost_model as cm
-    from shardfn.strategy_search import search
     from shardfn.strategy_search.saved import backward_readers
 
-    seen = []
-    real = search.Pricing.terms
-    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
     model = torch.nn.Sequential(*(_EagerAttention() for _ in range(2)))
-    sf.explain(model, torch.randn(4, 8, 16), world_size=4, in_strategy=(None,), level=2, recompute="selective")
-    problem, terms = seen[-1].problem, seen[-1].terms()
+    _, problem, terms = _last_pricing(monkeypatch, model, torch.randn(4, 8, 16), world_size=4, level=2,
+                                      recompute="selective")
     held = {(u, v): m for u, v, m in terms.edge_memory}
     checked, products = 0, set()
     for v, d in enumerate(problem.decisions):
@@ -451,14 +444,7 @@ def test_level_2_counts_a_recomputed_values_copy_a_kept_product_reads_through_a_
             if value not in problem.recomputed or all(k in problem.recomputed for k in keepers):
                 continue
             products |= {str(k.target) for k in keepers}
-            val, m = value.meta["val"], held[(u, v)]
-            for a, src in enumerate(problem.decisions[u].candidates):
-                for b, dst in enumerate(d.candidates):
-                    copy = tuple(src.outputs[out_idx]) != tuple(dst.inputs[slot])
-                    read = cm.local_numel(val.shape, dst.inputs[slot], problem.mesh_shape) * val.element_size()
-                    assert m[a, b] == (read if copy else 0), (value.name, src.outputs, dst.inputs[slot])
-                    checked += copy and read == cm.local_numel(val.shape, src.outputs[out_idx], problem.mesh_shape) \
-                        * val.element_size()
+            checked += _counts_any_other_layout(problem, held[(u, v)], u, d, slot, out_idx, value)
     assert checked  # (copies as large as the value among them)
 
 
@@ -468,15 +454,11 @@ def test_a_copy_only_recomputed_backwards_read_is_not_counted_as_kept(monkeypatc
     # memory counts none of it (Llama-405B's layers recomputed whole had 16.9e9 bytes a rank counted for the
     # MLP's input read gathered, against none walked: 68.7e9 estimated, 43.5e9 walked)
     from shardfn.strategy_search import cost_model as cm
-    from shardfn.strategy_search import search
     from shardfn.strategy_search.gathered import _from_inputs
     from shardfn.strategy_search.saved import backward_readers
 
-    seen = []
-    real = search.Pricing.terms
-    monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(): seen.append(self) or real(self, k))
-    sf.explain(GPTStack(2, 16, 4), torch.randn(4, 8, 16), world_size=4, in_strategy=(None,), level=2, recompute=True)
-    problem, terms = seen[-1].problem, seen[-1].terms()
+    _, problem, terms = _last_pricing(monkeypatch, GPTStack(2, 16, 4), torch.randn(4, 8, 16), world_size=4, level=2,
+                                      recompute=True)
     _, from_inputs = _from_inputs(problem)
     held = {(u, v) for u, v, _ in terms.edge_memory}
     checked = 0
