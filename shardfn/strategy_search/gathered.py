@@ -187,7 +187,7 @@ def gather_events(copies: list[Gathered], flat: dict[int, int], order: dict, res
 
 
 def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: float | None = None,
-                lasting: frozenset = frozenset(), recomputed: frozenset = frozenset()
+                lasting: frozenset = frozenset(), recomputed: frozenset = frozenset(), every_value: bool = False
                 ) -> list[tuple[int, int, np.ndarray]]:
     """The bytes of copies each pair of choices keeps from forward to backward: for each edge to a reader whose
     backward reads the value (directly or through a view), a rank holds the copy in the reader's layout wherever
@@ -211,12 +211,14 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     all-to-alls, 4.2e9 bytes a rank kept, which had gone uncounted; DeepSeek-V3's level 2, its layers recomputed
     selectively, the products kept, read its scores' softmax so, 44e9 bytes a rank walked against 5e9 priced); a
     reader's copy of an activation that only recomputed backwards read is made again for them (read_copies'
-    ``again``), none of it kept from forward, and is not counted (Llama-405B's layers recomputed whole: 16.9e9
-    bytes a rank counted for their MLPs' input read gathered, none walked)."""
+    ``again``), none of it kept from forward, and level 2 does not count it (Llama-405B's layers recomputed whole:
+    16.9e9 bytes a rank counted for their MLPs' input read gathered, none walked); level 1 (``every_value``),
+    which counts transients too, does (without it, the 405B's level 1 read its layers' inputs gathered in
+    recomputed regions: 37.9e9 bytes a rank walked against 14.8e9)."""
     if not problem.needs_grad:
         return []
     whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond, id(lasting),
-             id(recomputed))
+             id(recomputed), every_value)
     hit = memo.get(whole)
     if hit is not None and hit[0] is problem.decisions and hit[1] is problem.needs_grad and hit[3] is recomputed:
         return hit[2]
@@ -233,7 +235,7 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
                 continue
             keepers = backward_readers(d.node, problem.needs_grad) if view else \
                 [d.node] if d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad) else []
-            if d.node not in lasting and (not keepers or value not in from_inputs
+            if d.node not in lasting and (not keepers or not every_value and value not in from_inputs
                                           and all(k in recomputed for k in keepers)):
                 continue  # (no backward reads it, or every one that does is recomputed and makes it again)
             src_cands = problem.decisions[u].candidates

@@ -162,7 +162,7 @@ class Pricing:
                       grad_dtypes=self.grad_dtypes)
         terms.violations = self.violations(keep_split, p.split_values)
         terms.edge_memory = held_copies(p, self._held, self.reshard, bucket_bytes() if self.every_value else None,
-                                        self._lasting, p.recomputed) \
+                                        self._lasting, p.recomputed, self.every_value) \
             + returned_copies(p, self._saved)
         return terms
 
