@@ -1,5 +1,5 @@
-"""Small models for the tests: a GPT-style block (and a checkpointed stack of them), MindSpore's BasicBlock net, a
-batch-normed MLP, tied weights."""
+"""Small models for the tests: a GPT-style block (and a checkpointed stack of them), residual MLP blocks normed
+after their sums, MindSpore's BasicBlock net, a batch-normed MLP, tied weights."""
 
 import torch
 import torch.nn as nn
@@ -46,6 +46,37 @@ class GPTStack(nn.Module):
         for b in self.blocks:
             x = b(x)
         return x
+
+
+class ResidualNormedMLP(nn.Module):
+    """A residual MLP block normed after its sum: a Megatron plan reduces its row-parallel product before the
+    sum, and the norm reads that sum in backward."""
+
+    def __init__(self, dim: int = 256):
+        super().__init__()
+        self.fc, self.out, self.norm = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, x):
+        return self.norm(x + self.out(F.gelu(self.fc(x))))
+
+
+class ResidualMLPStack(nn.Module):
+    """Three :class:`ResidualNormedMLP` blocks in a row."""
+
+    def __init__(self, dim: int = 256):
+        super().__init__()
+        self.layers = nn.ModuleList(ResidualNormedMLP(dim) for _ in range(3))
+
+    def forward(self, x):
+        for b in self.layers:
+            x = b(x)
+        return x
+
+
+def megatron_mlp_plan(n: int) -> dict:
+    """ResidualMLPStack's parameter_plan for ``n`` ranks: each fc column-parallel, each out row-parallel."""
+    return {f"layers.{i}.{k}": v for i in range(3)
+            for k, v in {"fc.weight": (n, 1), "fc.bias": (n,), "out.weight": (1, n)}.items()}
 
 
 class CheckpointedStack(nn.Module):

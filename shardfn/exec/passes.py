@@ -886,14 +886,17 @@ def keep_pieces(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return joint
 
 
-def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0) -> torch.fx.GraphModule:
+def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0, keeping_moved: frozenset = frozenset()
+                           ) -> torch.fx.GraphModule:
     """Tag the joint forward/backward graph so that AOTAutograd's partitioner computes the forward ops of each
     activation-checkpoint region again in backward instead of saving their results (what torch.utils.checkpoint
     does in eager, and Megatron's full recompute): it then keeps only the regions' inputs and outputs. The
     collectives on activations run again too (a region's all-to-alls and gathers would otherwise keep their
     results: Llama-405B's level 1 held its layers' gathered activations, tens of GB a rank); random draws are kept
     (drawn again they would differ), and so are parameters gathered whole (the first ``n_params`` primals: level
-    2 keeps them for backward, level 1 gathers them again anyway: :func:`regather_in_backward`)."""
+    2 keeps them for backward, level 1 gathers them again anyway: :func:`regather_in_backward`). The regions of
+    ``keeping_moved`` (recomputed selectively) keep their collectives' results too, as Megatron's selective
+    recompute does: only their local ops run again."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     backward = {n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
@@ -909,7 +912,7 @@ def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0) -> to
             policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_RECOMPUTE)
         elif node.target is _c10d.wait_tensor.default:  # (as its collective)
             policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_SAVE)
-        elif not replayable(node) or (_is_collective(node) and node in from_params):
+        elif not replayable(node) or (_is_collective(node) and (node in from_params or region in keeping_moved)):
             policy = CheckpointPolicy.MUST_SAVE
         else:
             policy = CheckpointPolicy.MUST_RECOMPUTE

@@ -187,7 +187,7 @@ class Pricing:
             keep = 0 if view else _kept_share(d.node, grad, self, share)
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
-        again = d.node in p.recomputed  # (its forward collectives run again in backward: exec's recompute)
+        again = p.moves_again(d.node)  # (its forward collectives run again in backward: exec's recompute)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
                view, shapes, grad_dtype, again)
         hit = self._unaries.get(key)
@@ -238,7 +238,7 @@ class Pricing:
                             _left_to_view(src_cands, pend, self.mesh_shape) if from_view else None)
 
                 priced = _per_candidate_lists(self._edges, key, src_cands, d.candidates, build)
-                if d.node in p.recomputed and value_node not in self._parameter_values:
+                if p.moves_again(d.node) and value_node not in self._parameter_values:
                     # a recomputed reader's redistribution of an activation runs again before its backward
                     # (exec's recompute; parameters gathered whole are kept)
                     again = functools.partial(_moved_again, self, priced, val, src_cands, out_idx, d.candidates,

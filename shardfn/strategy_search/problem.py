@@ -60,8 +60,20 @@ class StrategyProblem:
     # the region of each op of a region the search recomputes (the layer's path; :mod:`.recompute`): the
     # read-out's walk brings its values back where the backward enters it, as for a checkpointed one
     regions: dict[torch.fx.Node, str] = field(default_factory=dict)
-    # of those regions, the ones recomputed selectively (their matmuls' and attention's results kept)
+    # of those regions, the ones recomputed selectively (their matmuls' and attention's results kept, and what
+    # their collectives moved)
     selective: frozenset[str] = frozenset()
+
+    def keeps_moved(self, node: torch.fx.Node) -> bool:
+        """Is ``node`` recomputed in a region recomputed selectively, which keeps what its collectives moved
+        (exec.passes.recompute_checkpointed): its operands' copies in another layout are kept from forward for
+        its backward's recompute?"""
+        return node in self.recomputed and self.regions.get(node) in self.selective
+
+    def moves_again(self, node: torch.fx.Node) -> bool:
+        """Does the backward move ``node``'s operands again, its forward's collectives run once more? Where it is
+        recomputed, unless selectively (:meth:`keeps_moved`)."""
+        return node in self.recomputed and not self.keeps_moved(node)
 
 
 class CandidateLists:

@@ -227,7 +227,7 @@ class _Collectives:
         handed_back = gradient_handed_back(value_node)
         gathers = [self._priced(o, "forward", where) for o in fwd]
         self.fwd += gathers
-        if d.node in self.problem.recomputed and value_node not in self.from_params:
+        if self.problem.moves_again(d.node) and value_node not in self.from_params:
             # (a recomputed reader's activation moved again before its backward: exec computes the region again)
             self.bwd += [self._priced(o, "backward", where + " (recomputed)") for o in fwd]
         if handed_back is not None:  # a split parameter's all-gathers: exec fuses them into buckets too
@@ -273,7 +273,7 @@ class _Collectives:
                                 self.position[d.node]) for k in _last_reduction(bwd)]
         self.fwd = [self._priced(o, "forward", what) for o in fwd] + self.fwd
         self.bwd += [self._priced(o, "backward", what, placeholder) for o in bwd]
-        if d.node in self.problem.recomputed:  # (its forward's collectives again, as its region is computed again)
+        if self.problem.moves_again(d.node):  # (its forward's collectives again, as its region is computed again)
             self.bwd += [self._priced(o, "backward", what + " (recomputed)") for o in fwd]
 
 

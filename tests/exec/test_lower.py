@@ -181,6 +181,45 @@ def test_the_search_recomputes_to_fit_and_real_ranks_give_eagers_numbers(gloo2):
     assert again < 0.6 * kept, (again, kept)
 
 
+def _collectives_recomputed(recompute):
+    """On real ranks, the Megatron plan of tests.models.ResidualMLPStack under ``recompute``, its output and every
+    gradient against eager's: (collectives in the traced forward, in the traced backward; the plan's count, and of them
+    those it prices as run again for a recomputed reader)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from shardfn.exec.passes import _is_collective
+    from tests.models import ResidualMLPStack, megatron_mlp_plan
+
+    torch.manual_seed(0)
+    reference, x, n = ResidualMLPStack(), torch.randn(1, 2, 256), dist.get_world_size()
+    model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=megatron_mlp_plan(n), level=2,
+                     recompute=recompute)
+    y, ref = model(x), reference(x)
+    torch.testing.assert_close(y, ref)
+    y.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    (compiled,) = sf.engine_of(model).programs.values()
+    graphs, plan = compiled.program.graphs, compiled.plan
+    fwd, bwd = (sum(map(_is_collective, graphs[k].graph.nodes)) for k in ("forward", "backward"))
+    return fwd, bwd, len(plan.collectives), sum(c.where.endswith("(recomputed)") for c in plan.collectives)
+
+
+def test_layers_recomputed_selectively_keep_what_collectives_moved_on_real_ranks(gloo2):
+    # Megatron's selective recompute: a layer recomputed selectively computes its local ops again and none of its
+    # collectives (the all-reduce each norm reads), recomputed whole it runs them again; the plan prices each
+    # as exec runs it, and every number is eager's
+    (fwd, kept, planned, again), (_, whole, planned_whole, again_whole), (_, part, planned_part, again_part) = (
+        gloo2.run(_collectives_recomputed, r)[0] for r in (False, True, "selective"))
+    assert fwd == 3 and part == kept < whole, (kept, whole, part)
+    assert again == again_part == 0 and again_whole == whole - kept
+    assert (planned, planned_whole, planned_part) == (fwd + kept, fwd + whole, fwd + part)
+
+
 class _OneByHand(_DroppedStack):
     """The middle block checkpointed by hand, the others left to recompute=."""
 

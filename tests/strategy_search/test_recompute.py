@@ -517,6 +517,35 @@ def test_a_recomputed_layers_collectives_run_again_and_are_priced_so():
     assert again.nodes["detach"].live_bytes < plain.nodes["detach"].live_bytes  # (the forward's end)
 
 
+def test_a_layer_recomputed_selectively_keeps_what_its_collectives_moved_and_is_priced_so(monkeypatch):
+    # Megatron's selective recompute runs no collective again (exec keeps their results): the plan lists none
+    # again in backward, and the walk keeps each recomputed reader's copy (the all-reduced sum the norm reads) from
+    # forward to its backward, where recomputed whole it is made again; the layouts the same (Megatron's)
+    from shardfn.strategy_search import readout
+    from tests.models import ResidualMLPStack, megatron_mlp_plan
+
+    copies = {}  # each plan's last walk's copies
+    real = readout.read_copies
+
+    def planned(recompute):
+        monkeypatch.setattr(readout, "read_copies", lambda p, c: copies.update({recompute: (p, real(p, c)[0])})
+                            or real(p, c))
+        return sf.explain(ResidualMLPStack(), torch.randn(1, 2, 256), world_size=2, in_strategy=(None,),
+                          parameter_plan=megatron_mlp_plan(2), level=2, recompute=recompute)
+
+    plain, whole, part = (planned(r) for r in (False, True, "selective"))
+    assert [r.selective for r in part.recompute] == [True] * 3 and not any(r.selective for r in whole.recompute)
+    layouts = {n.name: (n.inputs, n.outputs) for n in plain.nodes.values()}
+    assert {n.name: (n.inputs, n.outputs) for n in part.nodes.values()} == layouts
+    again = [c for c in whole.collectives if c.where.endswith("(recomputed)")]
+    assert len(again) == 3 and not any(c.where.endswith("(recomputed)") for c in part.collectives)
+    assert part.cost.comm_s == pytest.approx(plain.cost.comm_s, rel=1e-9) and plain.cost.comm_s < whole.cost.comm_s
+    for recompute, kept in ((True, False), ("selective", True)):
+        problem, found = copies[recompute]
+        read = [g for g in found if all(r in problem.recomputed for r in g.readers)]
+        assert len(read) == 3 and all((bool(g.backward) and not g.again) == kept for g in read), recompute
+
+
 @pytest.mark.parametrize("share", [0.1, 10.0])
 def test_a_plan_keeping_every_value_is_not_tried_where_its_least_memory_is_most_of_the_device(monkeypatch, share):
     # with every value split as far as it goes, the plan keeping them all would hold over _KEPT_SHARE of the
