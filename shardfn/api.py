@@ -43,9 +43,9 @@ def shard(fn, in_strategy, out_strategy=None, parameter_plan=None, level=0, devi
     keyword name: dims} makes them dynamic from the first call (every tensor of that argument).
     ``recompute``: None (default) lets the search choose layers whose activations backward computes again
     instead of keeping them (where the plan would not fit the memory; at level 1 where it lowers the peak);
-    False never; True every layer; "selective" every layer but its matmuls and attention (their results kept,
-    the ops between them computed again: Megatron's selective recompute, as the search may also choose it for a
-    layer); or per module a dict {layer: True or False}, a layer named as str(plan) shows
+    False never; True every layer; "selective" every layer but its matmuls and attention (their results kept, and
+    what collectives reduced; the ops between them computed again: Megatron's selective recompute, as the search
+    may also choose it for a layer); or per module a dict {layer: True or False}, a layer named as str(plan) shows
     it ("model.layers.3"), by a glob ("model.layers.*") or by a module above it ("model.layers"): True always,
     False never, the last entry naming a layer decides it, and the layers no entry names are the search's.
     Regions checkpointed by hand (torch.utils.checkpoint) stay checkpointed.

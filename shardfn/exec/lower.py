@@ -83,7 +83,7 @@ class ParallelProgram:
         # those the plan recomputes, each op's region numbered in program order
         self._regions = _regions(captured, plan)
         self._checkpointed = bool(self._regions)
-        # the regions recomputed selectively keep what their collectives moved (Megatron's: no collective again)
+        # the regions recomputed selectively keep what their collectives reduced (no reduction again)
         selective = {name for r in plan.recompute if r.selective for name in r.nodes}
         self._keeping_moved = frozenset(k for node, k in self._regions.items() if node.name in selective)
         self.interpreter = Interpreter(captured, plan, mesh, self.casts, self._regions, self._at_sizes)

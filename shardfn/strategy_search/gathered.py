@@ -18,7 +18,7 @@ from .problem import StrategyProblem
 from .saved import backward_readers, reads_input
 
 __all__ = ["Gathered", "as_returned", "gathered_copies", "gather_events", "held_copies", "read_copies",
-           "returned_copies"]
+           "reduced_copies", "returned_copies"]
 
 
 @dataclasses.dataclass
@@ -98,12 +98,12 @@ def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], froze
     what autograd keeps (collectives' results are saved, never recomputed), until the last of those backwards
     (and the value itself only where another backward reads it as made: saved.saved_until's ``copied``). Read
     through a view (a transpose), it lives as the view does: until the view's last reader, or the backward
-    reads through it. Where every backward that reads it is recomputed, it is made again for them (not in a region
-    recomputed selectively, which keeps what collectives moved: StrategyProblem.moves_again; a slice of a whole
-    value, made again there too, is counted as kept)."""
+    reads through it. Where every backward that reads it is recomputed, it is made again for them; a reader
+    recomputed selectively keeps, until its backward, a copy a collective made no larger than the value (a
+    reduction's, an all-to-all's: StrategyProblem.keeps_moved)."""
     _, from_inputs = _from_inputs(problem)
     mesh, copies, copied = problem.mesh_shape, {}, set()
-    kept: dict[tuple, bool] = {}  # (a copy some backward that does not make it again reads)
+    kept: dict[tuple, bool] = {}  # (a copy some backward that is not recomputed reads)
     for d, c in zip(problem.decisions, chosen):
         if d.node is None or d.node.op != "call_function":
             continue
@@ -122,10 +122,11 @@ def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], froze
                 copy.readers.append(d.node)
                 backward = [d.node] if d.node in problem.needs_grad and \
                     reads_input(d.node, slot, problem.needs_grad) else []
-            if problem.keeps_moved(d.node):  # (kept for its recompute, whether or not its backward reads it)
-                backward = [*backward, d.node]
+            reduced = problem.keeps_moved(d.node) and bool(reduced_copies([made], [c.inputs[slot]], val.shape,
+                                                                          mesh)[0, 0])
+            backward = [*backward, d.node] if reduced else backward  # (kept for its recompute)
             copy.backward += backward
-            kept[key] = kept.get(key, False) or any(not problem.moves_again(b) for b in backward)
+            kept[key] = kept.get(key, False) or reduced or any(b not in problem.recomputed for b in backward)
             copied.add((d.node, slot))
     for key, copy in copies.items():
         copy.again = bool(copy.backward) and not kept[key]
@@ -210,8 +211,7 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     the head lives at the forward's end, with every value saved: Gemma-2-9B's logits read gathered by a detach,
     8.4e9 bytes a rank walked and not counted). ``recomputed`` (the values recomputed, which level 2 counts none of
     and level 1 at a share): a copy of one in any other layout counts, as large as the value or not, where its
-    reader (through a view, a reader of the view) does not make it again (not recomputed, or recomputed
-    selectively: StrategyProblem.moves_again) and so keeps it from forward (attention,
+    reader (through a view, a reader of the view) is not recomputed and so keeps it from forward (attention,
     never recomputed for its dropout: Llama-405B's level 1 reads each layer's keys and values through
     all-to-alls, 4.2e9 bytes a rank kept, which had gone uncounted; DeepSeek-V3's level 2, its layers recomputed
     selectively, the products kept, read its scores' softmax so, 44e9 bytes a rank walked against 5e9 priced); a
@@ -219,7 +219,10 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     ``again``), none of it kept from forward, and level 2 does not count it (Llama-405B's layers recomputed whole:
     16.9e9 bytes a rank counted for their MLPs' input read gathered, none walked); level 1 (``every_value``),
     which counts transients too, does (without it, the 405B's level 1 read its layers' inputs gathered in
-    recomputed regions: 37.9e9 bytes a rank walked against 14.8e9)."""
+    recomputed regions: 37.9e9 bytes a rank walked against 14.8e9). What a reader recomputed selectively keeps of
+    a reduction's (:func:`reduced_copies`) is no larger than the value: not counted, as an all-to-all's (the walk
+    counts it; counted here, Llama-405B's 126 layers doubled these pairs, 6,079 to 11,119, and its time-bound
+    solve found a plan of a 58 s step where it had found one of 20 s)."""
     if not problem.needs_grad:
         return []
     whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond, id(lasting),
@@ -240,15 +243,12 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
                 continue
             keepers = backward_readers(d.node, problem.needs_grad) if view else \
                 [d.node] if d.node in problem.needs_grad and reads_input(d.node, slot, problem.needs_grad) else []
-            moved_kept = problem.keeps_moved(d.node)  # (a collective's result kept for its recompute)
-            keepers = [*keepers, d.node] if moved_kept else keepers
             if d.node not in lasting and (not keepers or not every_value and value not in from_inputs
-                                          and all(problem.moves_again(k) for k in keepers)):
+                                          and all(k in recomputed for k in keepers)):
                 continue  # (no backward reads it, or every one that does is recomputed and makes it again)
             src_cands = problem.decisions[u].candidates
-            # (any other layout's copy counts where a backward that does not make it again keeps it: through a
-            # view, its readers')
-            alike = moved_kept or value in recomputed and any(not problem.moves_again(b) for b in keepers or [d.node])
+            # (any other layout's copy counts where a backward not recomputed keeps it: through a view, its readers')
+            alike = value in recomputed and any(b not in recomputed for b in keepers or [d.node])
             key = (id(src_cands), out_idx, id(d.candidates), slot, tuple(val.shape), val.element_size(), over, alike)
             hit = memo.get(key)
             if hit is None or hit[0] is not src_cands or hit[1] is not d.candidates:
@@ -267,6 +267,27 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
                 found.append((u, v, hit[2]))
     memo[whole] = (problem.decisions, problem.needs_grad, found, recomputed)
     return found
+
+
+def reduced_copies(made: list, read: list, shape, mesh) -> np.ndarray:
+    """For each layout of ``made`` (rows) and of ``read`` (columns): does reading a value made in the one in the
+    other take a collective whose result is no larger than the value (a reduction, an all-to-all), the kind a
+    region recomputed selectively keeps (exec.passes.recompute_checkpointed)? A collective: some mesh dim differs
+    where the value is not whole (from a whole value a rank slices its piece, or fills a pending sum with zeros,
+    alone)."""
+    codes: dict = {}  # (0: Replicate; one code per distinct placement)
+
+    def coded(layouts):
+        return np.array([[0 if p.is_replicate() else codes.setdefault(p, len(codes) + 1) for p in pl]
+                         if pl is not None else [0] * len(mesh) for pl in layouts],
+                        dtype=np.int64).reshape(-1, len(mesh))
+
+    def numel(layouts):
+        return np.array([cm.local_numel(shape, pl, mesh) if pl is not None else 0 for pl in layouts], dtype=float)
+
+    m, r = coded(made), coded(read)
+    moving = ((m[:, None, :] != r[None, :, :]) & (m[:, None, :] != 0)).any(-1)
+    return moving & (numel(read)[None, :] <= numel(made)[:, None])
 
 
 def _through_views(view: torch.fx.Node) -> list[torch.fx.Node]:

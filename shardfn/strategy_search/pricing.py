@@ -26,7 +26,7 @@ from ._summary import layer_group, layer_of
 from .buckets import bucket_bytes
 from .candidates import Candidate
 from .expert_rules import dispatch_collectives, dispatches_tokens
-from .gathered import held_copies, returned_copies
+from .gathered import held_copies, reduced_copies, returned_copies
 from .problem import Decision, StrategyProblem
 from .registry import REGISTRY
 from .saved import saved_until
@@ -238,12 +238,14 @@ class Pricing:
                             _left_to_view(src_cands, pend, self.mesh_shape) if from_view else None)
 
                 priced = _per_candidate_lists(self._edges, key, src_cands, d.candidates, build)
-                if p.moves_again(d.node) and value_node not in self._parameter_values:
+                if d.node in p.recomputed and value_node not in self._parameter_values:
                     # a recomputed reader's redistribution of an activation runs again before its backward
-                    # (exec's recompute; parameters gathered whole are kept)
+                    # (exec's recompute; parameters gathered whole are kept), but a reduction's in a region
+                    # recomputed selectively (its result kept)
+                    kept = p.keeps_moved(d.node)
                     again = functools.partial(_moved_again, self, priced, val, src_cands, out_idx, d.candidates,
-                                              slot, grad_dtype)
-                    priced = _per_candidate_lists(self._edges, ("again", *key), src_cands, d.candidates, again)
+                                              slot, grad_dtype, kept)
+                    priced = _per_candidate_lists(self._edges, ("again", kept, *key), src_cands, d.candidates, again)
                 matrix, forbidden = priced
                 edges.append((u, v, matrix))
                 if forbidden is not None:
@@ -297,12 +299,17 @@ def _pairs_gathering(pricing: Pricing, val, srcs, dsts, keep_split) -> np.ndarra
     return bad[np.ix_(src_idx, dst_idx)]
 
 
-def _moved_again(pricing: Pricing, priced, val, src_cands, out_idx, dst_cands, slot, grad_dtype):
-    """An edge's (matrix, forbidden) with its forward redistribution's seconds once more."""
+def _moved_again(pricing: Pricing, priced, val, src_cands, out_idx, dst_cands, slot, grad_dtype, reduced_kept):
+    """An edge's (matrix, forbidden) with its forward redistribution's seconds once more; ``reduced_kept``: but
+    where it is a reduction's (or an all-to-all's), whose result the reader keeps (gathered.reduced_copies; a
+    redistribution that also gathers is priced again whole, where exec gathers again and keeps the reduction)."""
     matrix, forbidden = priced
     src_keys, src_idx = _distinct([(sc.outputs[out_idx], False) for sc in src_cands])
     dst_keys, dst_idx = _distinct([(c.inputs[slot], ()) for c in dst_cands])
     moved = pricing._edge_seconds(val, src_keys, dst_keys, False, False, grad_dtype)[np.ix_(src_idx, dst_idx)]
+    if reduced_kept:
+        moved[reduced_copies([sc.outputs[out_idx] for sc in src_cands], [c.inputs[slot] for c in dst_cands],
+                             val.shape, pricing.mesh_shape)] = 0.0
     moved += matrix  # (in place: Llama-405B's edges hold 41 M pairs)
     return moved, forbidden
 

@@ -61,18 +61,18 @@ class StrategyProblem:
     # read-out's walk brings its values back where the backward enters it, as for a checkpointed one
     regions: dict[torch.fx.Node, str] = field(default_factory=dict)
     # of those regions, the ones recomputed selectively (their matmuls' and attention's results kept, and what
-    # their collectives moved)
+    # their collectives reduced)
     selective: frozenset[str] = frozenset()
 
     def keeps_moved(self, node: torch.fx.Node) -> bool:
-        """Is ``node`` recomputed in a region recomputed selectively, which keeps what its collectives moved
-        (exec.passes.recompute_checkpointed): its operands' copies in another layout are kept from forward for
-        its backward's recompute?"""
+        """Is ``node`` recomputed in a region recomputed selectively, which keeps what collectives reduced for it
+        (a result no larger than its input: an all-reduce's, a reduce-scatter's, an all-to-all's) and gathers
+        again (exec.passes.recompute_checkpointed; gathered.reduced_copies)?"""
         return node in self.recomputed and self.regions.get(node) in self.selective
 
     def moves_again(self, node: torch.fx.Node) -> bool:
-        """Does the backward move ``node``'s operands again, its forward's collectives run once more? Where it is
-        recomputed, unless selectively (:meth:`keeps_moved`)."""
+        """Does the backward run ``node``'s own forward collectives again? Where it is recomputed, unless
+        selectively (:meth:`keeps_moved`)."""
         return node in self.recomputed and not self.keeps_moved(node)
 
 

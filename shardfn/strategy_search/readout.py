@@ -227,9 +227,11 @@ class _Collectives:
         handed_back = gradient_handed_back(value_node)
         gathers = [self._priced(o, "forward", where) for o in fwd]
         self.fwd += gathers
-        if self.problem.moves_again(d.node) and value_node not in self.from_params:
-            # (a recomputed reader's activation moved again before its backward: exec computes the region again)
-            self.bwd += [self._priced(o, "backward", where + " (recomputed)") for o in fwd]
+        if d.node in self.problem.recomputed and value_node not in self.from_params:
+            # (a recomputed reader's activation moved again before its backward: exec computes the region again;
+            # selectively, it keeps what reductions made and gathers again)
+            again = [o for o in fwd if o.kind == "all_gather"] if self.problem.keeps_moved(d.node) else fwd
+            self.bwd += [self._priced(o, "backward", where + " (recomputed)") for o in again]
         if handed_back is not None:  # a split parameter's all-gathers: exec fuses them into buckets too
             unit = self.units.get(handed_back, "")
             self.gathered += [(g, ("all_gather", o.mesh_dim, val.dtype, unit)) for g, o in zip(gathers, fwd)

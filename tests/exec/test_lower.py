@@ -209,10 +209,10 @@ def _collectives_recomputed(recompute):
     return fwd, bwd, len(plan.collectives), sum(c.where.endswith("(recomputed)") for c in plan.collectives)
 
 
-def test_layers_recomputed_selectively_keep_what_collectives_moved_on_real_ranks(gloo2):
+def test_layers_recomputed_selectively_keep_what_collectives_reduced_on_real_ranks(gloo2):
     # Megatron's selective recompute: a layer recomputed selectively computes its local ops again and none of its
-    # collectives (the all-reduce each norm reads), recomputed whole it runs them again; the plan prices each
-    # as exec runs it, and every number is eager's
+    # reductions (the all-reduce each norm reads: its result kept); recomputed whole it runs them again; the plan
+    # prices each as exec runs it, and every number is eager's
     (fwd, kept, planned, again), (_, whole, planned_whole, again_whole), (_, part, planned_part, again_part) = (
         gloo2.run(_collectives_recomputed, r)[0] for r in (False, True, "selective"))
     assert fwd == 3 and part == kept < whole, (kept, whole, part)

@@ -517,8 +517,8 @@ def test_a_recomputed_layers_collectives_run_again_and_are_priced_so():
     assert again.nodes["detach"].live_bytes < plain.nodes["detach"].live_bytes  # (the forward's end)
 
 
-def test_a_layer_recomputed_selectively_keeps_what_its_collectives_moved_and_is_priced_so(monkeypatch):
-    # Megatron's selective recompute runs no collective again (exec keeps their results): the plan lists none
+def test_a_layer_recomputed_selectively_keeps_what_its_collectives_reduced_and_is_priced_so(monkeypatch):
+    # Megatron's selective recompute runs no reduction again (exec keeps their results): the plan lists none
     # again in backward, and the walk keeps each recomputed reader's copy (the all-reduced sum the norm reads) from
     # forward to its backward, where recomputed whole it is made again; the layouts the same (Megatron's)
     from shardfn.strategy_search import readout
