@@ -84,7 +84,7 @@ class ParallelProgram:
         self._regions = _regions(captured, plan)
         self._checkpointed = bool(self._regions)
         # the regions recomputed selectively keep what their collectives reduced (no reduction again)
-        selective = {name for r in plan.recompute if r.selective for name in r.nodes}
+        selective = {name for r in plan.recompute if r.keeps_reduced for name in r.nodes}
         self._keeping_moved = frozenset(k for node, k in self._regions.items() if node.name in selective)
         self.interpreter = Interpreter(captured, plan, mesh, self.casts, self._regions, self._at_sizes)
         self.node_plans = self.interpreter.node_plans  # each op's decisions

@@ -173,7 +173,8 @@ def recompute_lines(plan) -> list[str]:
                "recompute=selective": "recompute='selective'",
                "recompute=": "asked for in recompute=", "checkpoint": "checkpointed by hand"}.get(run[0].origin,
                                                                                          run[0].origin)
-        how = ", selectively: matmuls and attention kept" if run[0].selective and "selective" not in why else ""
+        kept = "matmuls, attention and reductions" if run[0].keeps_reduced else "matmuls and attention"
+        how = f", selectively: {kept} kept" if run[0].selective and "selective" not in why else ""
         lines.append(f"recompute {label}  ({why}{how}): {_mib(run[0].saved_bytes)} a rank not kept, "
                      f"{run[0].extra_s * 1e3:.3f} ms of forward again" + (" each" if len(run) > 1 else ""))
     return lines

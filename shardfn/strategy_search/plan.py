@@ -128,6 +128,9 @@ class Recompute:
     saved_bytes: int  # per-rank bytes not kept from forward to backward
     extra_s: float  # the cost model's seconds of forward computed again
     selective: bool = False  # its matmuls' and attention's results kept, the ops between them computed again
+    # what its collectives reduced or exchanged kept too, gathers run again (selectively, at levels 0 and 2; level
+    # 1, the least memory, runs every collective again)
+    keeps_reduced: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "nodes", tuple(self.nodes))
@@ -406,7 +409,8 @@ def _decode(data: dict) -> Plan:
         pending_grads=frozenset(str(n) for n in data.get("pending_grads", ())),
         precision=_precision(data.get("precision")),
         recompute=[Recompute(str(r["region"]), str(r["origin"]), tuple(str(n) for n in r["nodes"]),
-                             int(r["saved_bytes"]), float(r["extra_s"]), bool(r.get("selective", False)))
+                             int(r["saved_bytes"]), float(r["extra_s"]), bool(r.get("selective", False)),
+                             bool(r.get("keeps_reduced", False)))
                    for r in data.get("recompute", ())],
     )
 

@@ -60,15 +60,18 @@ class StrategyProblem:
     # the region of each op of a region the search recomputes (the layer's path; :mod:`.recompute`): the
     # read-out's walk brings its values back where the backward enters it, as for a checkpointed one
     regions: dict[torch.fx.Node, str] = field(default_factory=dict)
-    # of those regions, the ones recomputed selectively (their matmuls' and attention's results kept, and what
-    # their collectives reduced)
+    # of those regions, the ones recomputed selectively (their matmuls' and attention's results kept)
     selective: frozenset[str] = frozenset()
+    # whether those keep what their collectives reduced too (levels 0 and 2; level 1 runs every one again)
+    selective_keeps_reduced: bool = True
 
     def keeps_moved(self, node: torch.fx.Node) -> bool:
         """Is ``node`` recomputed in a region recomputed selectively, which keeps what collectives reduced for it
         (a result no larger than its input: an all-reduce's, a reduce-scatter's, an all-to-all's) and gathers
-        again (exec.passes.recompute_checkpointed; gathered.reduced_copies)?"""
-        return node in self.recomputed and self.regions.get(node) in self.selective
+        again (exec.passes.recompute_checkpointed; gathered.reduced_copies)? Not at level 1: the least memory
+        (Gemma-2-9B's level 1 on 8 x 8, its layers tried selectively first, walked 59.9 GiB a rank so, against
+        10.3 running them again, and its search then kept no more of the regions it adds: 7.1 GiB, not 6.6)."""
+        return self.selective_keeps_reduced and node in self.recomputed and self.regions.get(node) in self.selective
 
     def moves_again(self, node: torch.fx.Node) -> bool:
         """Does the backward run ``node``'s own forward collectives again? Where it is recomputed, unless

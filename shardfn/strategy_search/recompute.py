@@ -84,7 +84,7 @@ def plan_with_recompute(problem: StrategyProblem, request: PlanRequest, pricing:
         return _chosen(problem, request, pricing, terms, plan_within, deadline, try_s=try_s)
     required, forbidden = _steered(request.recompute, region_groups(problem, request.profile))
     if required:
-        problem = with_recompute(problem, required)
+        problem = with_recompute(problem, required, _keeps_reduced(request))
         pricing.problem = problem
         terms = pricing.terms(request.keep_split)
     steered = dataclasses.replace(request, recompute=None)
@@ -267,7 +267,7 @@ def _planned(problem, request, pricing, terms, groups, plan_within, final: bool,
     """The plan with ``groups`` recomputed (priced again for them), carrying its recompute records; ``optional``:
     a try to improve on a plan found (given up where it has none within the memory by the deadline)."""
     if groups:
-        problem = with_recompute(problem, [r for g in groups for r in g])
+        problem = with_recompute(problem, [r for g in groups for r in g], _keeps_reduced(request))
     pricing.problem = problem  # (its memos hold for every such problem: recompute changes no candidate list)
     if groups:
         terms = pricing.terms(request.keep_split)
@@ -288,13 +288,21 @@ def _names(groups) -> str:
     return ", ".join(f"{g[0].name}" + (f" and {len(g) - 1} more like it" if len(g) > 1 else "") for g in groups)
 
 
-def with_recompute(problem: StrategyProblem, regions: list[Region]) -> StrategyProblem:
-    """``problem`` with ``regions`` recomputed: their values are not kept (pricing, the read-out's walk)."""
+def _keeps_reduced(request: PlanRequest) -> bool:
+    """Do the regions recomputed selectively keep what their collectives reduced (not at level 1, the least
+    memory: StrategyProblem.keeps_moved)?"""
+    return not request.policy.recomputes_to_lower_peak
+
+
+def with_recompute(problem: StrategyProblem, regions: list[Region], keeps_reduced: bool = True) -> StrategyProblem:
+    """``problem`` with ``regions`` recomputed: their values are not kept (pricing, the read-out's walk); those
+    recomputed selectively keep what their collectives reduced where ``keeps_reduced``."""
     where = {n: r.name for r in regions for n in r.nodes}
     whole = {r.name for r in regions if not r.selective}  # (a layer recomputed whole and selectively: whole)
     selective = (problem.selective - whole) | {r.name for r in regions if r.selective and r.name not in whole}
     return dataclasses.replace(problem, recomputed=problem.recomputed | {n for r in regions for n in r.recomputed},
-                               regions={**problem.regions, **where}, selective=frozenset(selective))
+                               regions={**problem.regions, **where}, selective=frozenset(selective),
+                               selective_keeps_reduced=keeps_reduced)
 
 
 def region_groups(problem: StrategyProblem, profile: cm.DeviceProfile) -> list[list[Region]]:
@@ -382,8 +390,9 @@ def records(problem: StrategyProblem, plan: Plan, origin: str) -> tuple[Recomput
                 saved += sum(cm.local_numel(v.shape, pl, problem.mesh_shape) * v.element_size()
                              for v, pl in zip(vals, np_.outputs) if pl is not None)
         if isinstance(key, str):
-            out.append(Recompute(key, origin, tuple(n.name for n in nodes), int(saved), extra,
-                                 key in problem.selective))
+            selective = key in problem.selective
+            out.append(Recompute(key, origin, tuple(n.name for n in nodes), int(saved), extra, selective,
+                                 selective and problem.selective_keeps_reduced))
         else:  # a region the user checkpointed: named by the layer of its first op
             where = layer_of(module_path(nodes[0])) if module_path(nodes[0]) else "fn"
             out.append(Recompute(f"checkpoint {key} ({where})", "checkpoint", (), int(saved), extra))

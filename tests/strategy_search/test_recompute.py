@@ -53,7 +53,7 @@ def test_level_2_recomputes_only_where_memory_binds_and_then_fits():
     assert {r.origin for r in plan.recompute} == {"search"}
     assert all(r.saved_bytes > 0 and r.extra_s > 0 for r in plan.recompute)
     shown = r"blocks\.0" + (rf"-{k - 1} \(x{k}\)" if k > 1 else "")
-    assert re.search(rf"recompute {shown}  \(chosen by the search(, selectively: matmuls and attention kept)?\): "
+    assert re.search(rf"recompute {shown}  \(chosen by the search(, selectively: matmuls,? (attention and reductions|and attention) kept)?\): "
                      r"[\d.]+ MiB a rank not kept, [\d.]+ ms of forward again( each)?", str(plan)), str(plan)
     # a plan that fits without recompute keeps everything (the fastest)
     with torch.device("meta"):
@@ -83,8 +83,8 @@ def test_a_layer_recomputed_selectively_keeps_its_matmuls_and_attention():
         assert any(n.startswith("_scaled_dot_product") for n in kept) and any("mm" in n for n in kept)
     assert plan.cost.compute_s < 2.3 < every.cost.compute_s and plan.cost.peak_bytes <= 80e9
     assert "recompute blocks.0-23 (x24)  (recompute='selective')" in str(selective)
-    assert re.search(r"recompute blocks\.0-\d+ \(x\d+\)  \(chosen by the search, selectively: matmuls and "
-                     r"attention kept\)", str(plan)), str(plan)
+    assert re.search(r"recompute blocks\.0-\d+ \(x\d+\)  \(chosen by the search, selectively: matmuls, "
+                     r"attention and reductions kept\)", str(plan)), str(plan)
     # a layer asked for whole is recomputed whole (not selectively)
     asked = _explain(model, x, level=2, recompute={"blocks.0": True})
     assert [(r.region, r.selective, r.origin) for r in asked.recompute][0] == ("blocks.0", False, "recompute=")
@@ -527,21 +527,28 @@ def test_a_layer_recomputed_selectively_keeps_what_its_collectives_reduced_and_i
     copies = {}  # each plan's last walk's copies
     real = readout.read_copies
 
-    def planned(recompute):
+    def planned(recompute, level=2):
         monkeypatch.setattr(readout, "read_copies", lambda p, c: copies.update({recompute: (p, real(p, c)[0])})
                             or real(p, c))
         return sf.explain(ResidualMLPStack(), torch.randn(1, 2, 256), world_size=2, in_strategy=(None,),
-                          parameter_plan=megatron_mlp_plan(2), level=2, recompute=recompute)
+                          parameter_plan=megatron_mlp_plan(2), level=level, recompute=recompute)
 
     plain, whole, part = (planned(r) for r in (False, True, "selective"))
-    assert [r.selective for r in part.recompute] == [True] * 3 and not any(r.selective for r in whole.recompute)
+    walked = dict(copies)
+    assert [(r.selective, r.keeps_reduced) for r in part.recompute] == [(True, True)] * 3
+    assert not any(r.selective or r.keeps_reduced for r in whole.recompute)
+    # (level 1, the least memory, runs them again: its selective layers keep no reduction)
+    least = planned("selective", level=1)
+    assert [(r.selective, r.keeps_reduced) for r in least.recompute] == [(True, False)] * 3
+    problem, _ = copies["selective"]
+    assert problem.recomputed and not any(map(problem.keeps_moved, problem.recomputed))
     layouts = {n.name: (n.inputs, n.outputs) for n in plain.nodes.values()}
     assert {n.name: (n.inputs, n.outputs) for n in part.nodes.values()} == layouts
     again = [c for c in whole.collectives if c.where.endswith("(recomputed)")]
     assert len(again) == 3 and not any(c.where.endswith("(recomputed)") for c in part.collectives)
     assert part.cost.comm_s == pytest.approx(plain.cost.comm_s, rel=1e-9) and plain.cost.comm_s < whole.cost.comm_s
     for recompute, kept in ((True, False), ("selective", True)):
-        problem, found = copies[recompute]
+        problem, found = walked[recompute]
         read = [g for g in found if all(r in problem.recomputed for r in g.readers)]
         assert len(read) == 3 and all((bool(g.backward) and not g.again) == kept for g in read), recompute
 
