@@ -72,6 +72,16 @@ class _DroppedStack(torch.nn.Module):
         return x
 
 
+def _assert_eagers_numbers(model, reference, y, ref) -> None:
+    """The sharded output ``y`` and, after the backward of its squares' sum, every gradient, are eager's."""
+    torch.testing.assert_close(y, ref)
+    y.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
 def _recompute_body(recompute, budget: bool = False):
     """shard(recompute=...) against eager under one seed (dropout's draws included): the output, every gradient;
     the bytes the traced forward saves for backward and the plan's recompute regions. ``budget``: a hard
@@ -105,12 +115,7 @@ def _recompute_body(recompute, budget: bool = False):
         ref = reference(x)
     finally:
         os.environ.pop("SHARDFN_PROFILE", None)
-    torch.testing.assert_close(y, ref)
-    y.square().sum().backward()
-    ref.square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    _assert_eagers_numbers(model, reference, y, ref)
     (compiled,) = sf.engine_of(model).programs.values()
     fw = compiled.program.graphs.get("forward")
     saved = 0 if fw is None else sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in next(
@@ -183,8 +188,8 @@ def test_the_search_recomputes_to_fit_and_real_ranks_give_eagers_numbers(gloo2):
 
 def _collectives_recomputed(recompute):
     """On real ranks, the Megatron plan of tests.models.ResidualMLPStack under ``recompute``, its output and every
-    gradient against eager's: (collectives in the traced forward, in the traced backward; the plan's count, and of them
-    those it prices as run again for a recomputed reader)."""
+    gradient against eager's: (collectives in the traced forward, in the traced backward; the plan's count, and of
+    them those it prices as run again for a recomputed reader)."""
     import copy
 
     import torch.distributed as dist
@@ -197,12 +202,7 @@ def _collectives_recomputed(recompute):
     model = sf.shard(copy.deepcopy(reference), in_strategy=(None,), parameter_plan=megatron_mlp_plan(n), level=2,
                      recompute=recompute)
     y, ref = model(x), reference(x)
-    torch.testing.assert_close(y, ref)
-    y.square().sum().backward()
-    ref.square().sum().backward()
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        torch.testing.assert_close(g, q.grad, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    _assert_eagers_numbers(model, reference, y, ref)
     (compiled,) = sf.engine_of(model).programs.values()
     graphs, plan = compiled.program.graphs, compiled.plan
     fwd, bwd = (sum(map(_is_collective, graphs[k].graph.nodes)) for k in ("forward", "backward"))
