@@ -187,7 +187,8 @@ class Pricing:
             keep = 0 if view else _kept_share(d.node, grad, self, share)
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
-        again = p.moves_again(d.node)  # (its forward collectives run again in backward: exec's recompute)
+        # (its forward collectives run again in backward: exec's recompute; selectively, only gathers)
+        again = 2 if p.keeps_moved(d.node) else int(d.node in p.recomputed)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
                view, shapes, grad_dtype, again)
         hit = self._unaries.get(key)
@@ -210,7 +211,7 @@ class Pricing:
         for k, c in enumerate(d.candidates):
             fwd, bwd = node_collectives(d, c, held, grad, mesh_shape, grad_dtype)
             # a graph input's own reductions (its readers' gradients summed) hand its gradient back
-            reductions[k] = self.seconds(fwd * (1 + again), bwd, placeholder) if fwd or bwd else 0.0
+            reductions[k] = self.seconds(fwd + p.run_again(d.node, fwd), bwd, placeholder) if fwd or bwd else 0.0
         self._unaries[key] = (d.candidates, (compute, savings, memory, reductions))
         return compute, savings, memory, reductions
 

@@ -73,10 +73,13 @@ class StrategyProblem:
         10.3 running them again, and its search then kept no more of the regions it adds: 7.1 GiB, not 6.6)."""
         return self.selective_keeps_reduced and node in self.recomputed and self.regions.get(node) in self.selective
 
-    def moves_again(self, node: torch.fx.Node) -> bool:
-        """Does the backward run ``node``'s own forward collectives again? Where it is recomputed, unless
-        selectively (:meth:`keeps_moved`)."""
-        return node in self.recomputed and not self.keeps_moved(node)
+    def run_again(self, node: torch.fx.Node, ops: list) -> list:
+        """Of the forward collectives ``ops`` (each with its ``kind``) that move ``node``'s operands, or are its
+        own, those the backward runs again: every one where it is recomputed, only its gathers where selectively
+        (:meth:`keeps_moved`), none where it is not."""
+        if node not in self.recomputed:
+            return []
+        return [o for o in ops if o.kind == "all_gather"] if self.keeps_moved(node) else list(ops)
 
 
 class CandidateLists:

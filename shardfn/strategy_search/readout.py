@@ -230,7 +230,7 @@ class _Collectives:
         if d.node in self.problem.recomputed and value_node not in self.from_params:
             # (a recomputed reader's activation moved again before its backward: exec computes the region again;
             # selectively, it keeps what reductions made and gathers again)
-            again = [o for o in fwd if o.kind == "all_gather"] if self.problem.keeps_moved(d.node) else fwd
+            again = self.problem.run_again(d.node, fwd)
             self.bwd += [self._priced(o, "backward", where + " (recomputed)") for o in again]
         if handed_back is not None:  # a split parameter's all-gathers: exec fuses them into buckets too
             unit = self.units.get(handed_back, "")
@@ -275,8 +275,8 @@ class _Collectives:
                                 self.position[d.node]) for k in _last_reduction(bwd)]
         self.fwd = [self._priced(o, "forward", what) for o in fwd] + self.fwd
         self.bwd += [self._priced(o, "backward", what, placeholder) for o in bwd]
-        if self.problem.moves_again(d.node):  # (its forward's collectives again, as its region is computed again)
-            self.bwd += [self._priced(o, "backward", what + " (recomputed)") for o in fwd]
+        # (its forward's collectives again, as its region is computed again)
+        self.bwd += [self._priced(o, "backward", what + " (recomputed)") for o in self.problem.run_again(d.node, fwd)]
 
 
 def _through_views(node: torch.fx.Node) -> bool:
