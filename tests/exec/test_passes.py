@@ -726,3 +726,34 @@ def test_a_stage_2_plan_names_the_reductions_exec_runs_and_those_it_leaves(monke
     scattered = {c.where.split(" ")[0] for c in compiled.plan.collectives
                  if c.kind == "reduce_scatter" and c.phase == "backward"}
     assert left and scattered == left
+
+
+@pytest.mark.parametrize("keeping", [False, True])
+def test_a_region_recomputed_selectively_keeps_its_reductions_and_gathers_again(keeping):
+    # recompute_checkpointed tags one region's ops: recomputed whole, every collective on an activation runs
+    # again; in a region keeping what was reduced (recomputed selectively), an all-reduce's result is saved and
+    # an all-gather's made again (the gathered copy is the memory recompute saves), their waits as they are
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from shardfn.capture.graph import CHECKPOINT_REGION
+    from shardfn.exec.passes import recompute_checkpointed
+
+    g = torch.fx.Graph()
+    x = g.placeholder("primals_1")
+    x.meta["val"] = torch.empty(2, 4)
+    g.placeholder("tangents_1").meta["val"] = torch.empty(4, 4)
+    a = _node(g, aten.relu.default, (x,), torch.empty(2, 4))
+    gathered = _node(g, c10d.all_gather_into_tensor.default, (a, 2, "0"), torch.empty(4, 4))
+    gathered_wait = _node(g, c10d.wait_tensor.default, (gathered,), torch.empty(4, 4))
+    reduced, reduced_wait = _all_reduce(g, a)
+    out = _node(g, aten.add.default, (_node(g, aten.gelu.default, (gathered_wait,), torch.empty(4, 4)),
+                                      _node(g, aten.sum.default, (reduced_wait,), torch.empty(()))), torch.empty(4, 4))
+    g.output((out,))
+    for node in g.nodes:
+        if node.op == "call_function":
+            node.meta["custom"] = {CHECKPOINT_REGION: 1}
+    recompute_checkpointed(torch.fx.GraphModule(torch.nn.Module(), g), 0, frozenset({1}) if keeping else frozenset())
+    policy = {n: n.meta["recompute"] for n in g.nodes if n.op == "call_function"}
+    kept = CheckpointPolicy.MUST_SAVE if keeping else CheckpointPolicy.MUST_RECOMPUTE
+    assert policy[reduced] == policy[reduced_wait] == kept
+    assert policy[gathered] == policy[gathered_wait] == policy[a] == policy[out] == CheckpointPolicy.MUST_RECOMPUTE
