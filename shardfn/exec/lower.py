@@ -85,7 +85,7 @@ class ParallelProgram:
         self._checkpointed = bool(self._regions)
         # the regions recomputed selectively keep what their collectives reduced (no reduction again)
         selective = {name for r in plan.recompute if r.keeps_reduced for name in r.nodes}
-        self._keeping_moved = frozenset(k for node, k in self._regions.items() if node.name in selective)
+        self._keeping_reduced = frozenset(k for node, k in self._regions.items() if node.name in selective)
         self.interpreter = Interpreter(captured, plan, mesh, self.casts, self._regions, self._at_sizes)
         self.node_plans = self.interpreter.node_plans  # each op's decisions
         step = self.whole_step if mesh.size() == 1 else self.local_step  # (one rank: nothing to lay out)

@@ -886,7 +886,7 @@ def keep_pieces(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return joint
 
 
-def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0, keeping_moved: frozenset = frozenset()
+def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0, keeping_reduced: frozenset = frozenset()
                            ) -> torch.fx.GraphModule:
     """Tag the joint forward/backward graph so that AOTAutograd's partitioner computes the forward ops of each
     activation-checkpoint region again in backward instead of saving their results (what torch.utils.checkpoint
@@ -895,7 +895,7 @@ def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0, keepi
     results: Llama-405B's level 1 held its layers' gathered activations, tens of GB a rank); random draws are kept
     (drawn again they would differ), and so are parameters gathered whole (the first ``n_params`` primals: level
     2 keeps them for backward, level 1 gathers them again anyway: :func:`regather_in_backward`). The regions of
-    ``keeping_moved`` (recomputed selectively) keep what their collectives reduced or exchanged too (a result no
+    ``keeping_reduced`` (recomputed selectively) keep what their collectives reduced or exchanged too (a result no
     larger than its input: all-reduces, reduce-scatters, all-to-alls, as torchtitan's selective policy keeps
     reduce-scatters'), and gather again (a gathered copy is the memory recompute saves)."""
     from torch.utils.checkpoint import CheckpointPolicy
@@ -913,7 +913,7 @@ def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0, keepi
             policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_RECOMPUTE)
         elif node.target is _c10d.wait_tensor.default:  # (as its collective)
             policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_SAVE)
-        elif not replayable(node) or (_is_collective(node) and (node in from_params or region in keeping_moved
+        elif not replayable(node) or (_is_collective(node) and (node in from_params or region in keeping_reduced
                                                                  and "all_gather" not in str(node.target))):
             policy = CheckpointPolicy.MUST_SAVE
         else:

@@ -125,7 +125,7 @@ def traced_program(program, step: Callable) -> Callable:
         if program.plan.reshard_after_forward:
             joint = regather_in_backward(joint, program.n_params)
         if program._checkpointed:
-            joint = recompute_checkpointed(joint, program.n_params, program._keeping_moved)
+            joint = recompute_checkpointed(joint, program.n_params, program._keeping_reduced)
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     def traced(*args):  # the nodes traced keep their checkpoint regions

@@ -100,7 +100,7 @@ def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], froze
     through a view (a transpose), it lives as the view does: until the view's last reader, or the backward
     reads through it. Where every backward that reads it is recomputed, it is made again for them; a reader
     recomputed selectively keeps, until its backward, a copy a collective made no larger than the value (a
-    reduction's, an all-to-all's: StrategyProblem.keeps_moved)."""
+    reduction's, an all-to-all's: StrategyProblem.keeps_reduced_for)."""
     _, from_inputs = _from_inputs(problem)
     mesh, copies, copied = problem.mesh_shape, {}, set()
     kept: dict[tuple, bool] = {}  # (a copy some backward that is not recomputed reads)
@@ -122,7 +122,7 @@ def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], froze
                 copy.readers.append(d.node)
                 backward = [d.node] if d.node in problem.needs_grad and \
                     reads_input(d.node, slot, problem.needs_grad) else []
-            reduced = problem.keeps_moved(d.node) and bool(reduced_copies([made], [c.inputs[slot]], val.shape,
+            reduced = problem.keeps_reduced_for(d.node) and bool(reduced_copies([made], [c.inputs[slot]], val.shape,
                                                                           mesh)[0, 0])
             backward = [*backward, d.node] if reduced else backward  # (kept for its recompute)
             copy.backward += backward

@@ -188,7 +188,7 @@ class Pricing:
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
         # (its forward collectives run again in backward: exec's recompute; selectively, only gathers)
-        again = 2 if p.keeps_moved(d.node) else int(d.node in p.recomputed)
+        again = (d.node in p.recomputed, p.keeps_reduced_for(d.node))
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
                view, shapes, grad_dtype, again)
         hit = self._unaries.get(key)
@@ -243,7 +243,7 @@ class Pricing:
                     # a recomputed reader's redistribution of an activation runs again before its backward
                     # (exec's recompute; parameters gathered whole are kept), but a reduction's in a region
                     # recomputed selectively (its result kept)
-                    kept = p.keeps_moved(d.node)
+                    kept = p.keeps_reduced_for(d.node)
                     again = functools.partial(_moved_again, self, priced, val, src_cands, out_idx, d.candidates,
                                               slot, grad_dtype, kept)
                     priced = _per_candidate_lists(self._edges, ("again", kept, *key), src_cands, d.candidates, again)

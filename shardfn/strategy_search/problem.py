@@ -65,7 +65,7 @@ class StrategyProblem:
     # whether those keep what their collectives reduced too (levels 0 and 2; level 1 runs every one again)
     selective_keeps_reduced: bool = True
 
-    def keeps_moved(self, node: torch.fx.Node) -> bool:
+    def keeps_reduced_for(self, node: torch.fx.Node) -> bool:
         """Is ``node`` recomputed in a region recomputed selectively, which keeps what collectives reduced for it
         (a result no larger than its input: an all-reduce's, a reduce-scatter's, an all-to-all's) and gathers
         again (exec.passes.recompute_checkpointed; gathered.reduced_copies)? Not at level 1: the least memory
@@ -76,10 +76,10 @@ class StrategyProblem:
     def run_again(self, node: torch.fx.Node, ops: list) -> list:
         """Of the forward collectives ``ops`` (each with its ``kind``) that move ``node``'s operands, or are its
         own, those the backward runs again: every one where it is recomputed, only its gathers where selectively
-        (:meth:`keeps_moved`), none where it is not."""
+        (:meth:`keeps_reduced_for`), none where it is not."""
         if node not in self.recomputed:
             return []
-        return [o for o in ops if o.kind == "all_gather"] if self.keeps_moved(node) else list(ops)
+        return [o for o in ops if o.kind == "all_gather"] if self.keeps_reduced_for(node) else list(ops)
 
 
 class CandidateLists:

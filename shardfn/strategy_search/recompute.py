@@ -290,7 +290,7 @@ def _names(groups) -> str:
 
 def _keeps_reduced(request: PlanRequest) -> bool:
     """Do the regions recomputed selectively keep what their collectives reduced (not at level 1, the least
-    memory: StrategyProblem.keeps_moved)?"""
+    memory: StrategyProblem.keeps_reduced_for)?"""
     return not request.policy.recomputes_to_lower_peak
 
 

@@ -542,7 +542,7 @@ def test_a_layer_recomputed_selectively_keeps_what_its_collectives_reduced_and_i
     least = planned("selective", level=1)
     assert [(r.selective, r.keeps_reduced) for r in least.recompute] == [(True, False)] * 3
     problem, _ = copies["selective"]
-    assert problem.recomputed and not any(map(problem.keeps_moved, problem.recomputed))
+    assert problem.recomputed and not any(map(problem.keeps_reduced_for, problem.recomputed))
     layouts = {n.name: (n.inputs, n.outputs) for n in plain.nodes.values()}
     assert {n.name: (n.inputs, n.outputs) for n in part.nodes.values()} == layouts
     again = [c for c in whole.collectives if c.where.endswith("(recomputed)")]
