@@ -8,7 +8,8 @@
 Each step says on the ``shardfn`` logger what it starts on and, when it ends, its size and time (:mod:`..progress`:
 INFO for a large call or a plan that takes over a second, else DEBUG), so a user waiting on a large plan sees it
 move. ``SHARDFN_SEARCH_TIME_LIMIT`` bounds the four steps together, and the capture before them where the caller
-says when it started. Nothing a search builds outlives it.
+says when it started. Nothing a search builds outlives it; it runs with Python's collector paused and numpy's
+huge pages off (their modules say what each costs).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import warnings
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._collector import collector_paused
+from .._huge_pages import huge_pages_off
 from ..capture.graph import CapturedGraph
 from ..layout import MeshSpec
 from ..progress import Progress
@@ -39,9 +41,10 @@ __all__ = ["PlanMemoryWarning", "make_plan"]
 
 log = logging.getLogger("shardfn")
 _BUDGET_ROUNDS = 3  # solves a plan over the memory gets before the error
-# The read-out's seconds as a share of pricing's, reserved after the last solve (it walks what pricing priced:
-# Llama-405B's 1.0 s after pricing's 4.5 at level 2, 1.2-1.3 s after 3.7 at level 1)
-_READ_OUT_SHARE = 0.35
+# The seconds after the last solve as a share of pricing's, reserved: the read-out walks what pricing priced
+# (Llama-405B's 1.0 s after pricing's 4.5 at level 2, 1.1-1.4 s after 3.9-4.2 at level 1), and Python's collector,
+# paused while planning, then passes once over what planning allocated (0.3-0.5 s for the 405B's)
+_READ_OUT_SHARE = 0.5
 
 
 class PlanMemoryWarning(UserWarning):
@@ -55,7 +58,7 @@ def make_plan(captured: CapturedGraph, mesh: DeviceMesh, mesh_spec: MeshSpec, re
     start on time.perf_counter, where the caller captured it; else now) to the plan: the solve takes what the
     steps before it left, less the read-out's share, and past the limit the best plan found so far is the
     answer, its gap to the best bound in its notes."""
-    with collector_paused():
+    with collector_paused(), huge_pages_off():
         return _make_plan(captured, mesh, mesh_spec, request, progress, started)
 
 
