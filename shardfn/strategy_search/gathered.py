@@ -220,9 +220,10 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     16.9e9 bytes a rank counted for their MLPs' input read gathered, none walked); level 1 (``every_value``),
     which counts transients too, does (without it, the 405B's level 1 read its layers' inputs gathered in
     recomputed regions: 37.9e9 bytes a rank walked against 14.8e9). What a reader recomputed selectively keeps of
-    a reduction's (:func:`reduced_copies`) is no larger than the value: not counted, as an all-to-all's (the walk
-    counts it; counted here, Llama-405B's 126 layers doubled these pairs, 6,079 to 11,119, and its time-bound
-    solve found a plan of a 58 s step where it had found one of 20 s)."""
+    a reduction's (:func:`reduced_copies`) is counted on the value reduced instead, at its pending sum's bytes
+    (pricing._pending_bytes: counted here, Llama-405B's 126 layers doubled these pairs, 6,079 to 11,119, and its
+    time-bound solve found a plan of a 58 s step where it had found one of 20 s); an all-to-all's is not counted
+    (the walk counts it)."""
     if not problem.needs_grad:
         return []
     whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond, id(lasting),

@@ -189,8 +189,9 @@ class Pricing:
         grad_dtype = self.grad_dtypes.get(d.node)
         # (its forward collectives run again in backward: exec's recompute; selectively, only gathers)
         again = (d.node in p.recomputed, p.keeps_reduced_for(d.node))
+        reduced = not view and not placeholder and any(p.keeps_reduced_for(u) for u in d.node.users)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
-               view, shapes, grad_dtype, again)
+               view, shapes, grad_dtype, again, reduced)
         hit = self._unaries.get(key)
         if hit is not None and hit[0] is d.candidates:
             return hit[1]
@@ -207,6 +208,8 @@ class Pricing:
             * sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
                   for v, pl in zip(vals, c.outputs) if pl is not None)
             for c in d.candidates], dtype=float) if keep else np.zeros(n)
+        if reduced:
+            memory = memory + _pending_bytes(d.candidates, vals, mesh_shape)
         reductions = np.zeros(n)
         for k, c in enumerate(d.candidates):
             fwd, bwd = node_collectives(d, c, held, grad, mesh_shape, grad_dtype)
@@ -364,6 +367,17 @@ def _recomputed_share(problem: StrategyProblem) -> float:
     each layer's input whole over "tp", 43.7e9 bytes a rank walked, to split 126 layers' values never alive
     together)."""
     return 1.0 / max(len({problem.regions.get(n, checkpoint_region(n)) for n in problem.recomputed}), 1)
+
+
+def _pending_bytes(candidates: list[Candidate], vals: list, mesh_shape) -> np.ndarray:
+    """Per candidate, the bytes of its outputs left pending sums: what a reader recomputed selectively keeps of
+    their reduction until its backward (StrategyProblem.keeps_reduced_for) is no larger. Counted on the maker, as
+    the walk counts the reader's copy (gathered.read_copies): on the edge, these pairs had doubled Llama-405B's
+    (gathered.held_copies); uncounted, its level-2 plans walked 81-94e9 bytes a rank against 62-80e9 priced, over
+    its 80e9, and the search fell back to recomputing every layer whole (a step of 23.9 s against 19.2-20.3)."""
+    return np.array([sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
+                         for v, pl in zip(vals, c.outputs) if pl is not None and any(q.is_partial() for q in pl))
+                     for c in candidates], dtype=float)
 
 
 def _kept_share(node: torch.fx.Node, grad: bool, pricing: Pricing, share: float) -> float:

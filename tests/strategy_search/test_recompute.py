@@ -3,6 +3,7 @@ chosen under the memory, priced as forward computed again, shown on the plan and
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -552,6 +553,48 @@ def test_a_layer_recomputed_selectively_keeps_what_its_collectives_reduced_and_i
         problem, found = walked[recompute]
         read = [g for g in found if all(r in problem.recomputed for r in g.readers)]
         assert len(read) == 3 and all((bool(g.backward) and not g.again) == kept for g in read), recompute
+
+
+def test_what_a_reader_recomputed_selectively_keeps_of_a_reduction_is_counted_on_the_value_reduced(monkeypatch):
+    # the walk keeps the reduced copy until the reader's backward; pricing counts, on each candidate of the value
+    # reduced that leaves a pending sum, the bytes of that sum (no fewer than the copy's); as many as the run
+    # that runs the reduction again would count, plus those, and no other term changed
+    from shardfn.strategy_search import cost_model as cm
+    from shardfn.strategy_search import readout, recompute, search
+    from tests.models import ResidualMLPStack, megatron_mlp_plan
+
+    seen, walked = {}, {}
+    terms_of, read_copies = search.Pricing.terms, readout.read_copies
+    for keeps in (False, True):
+        monkeypatch.setattr(recompute, "_keeps_reduced", lambda request, keeps=keeps: keeps)
+        monkeypatch.setattr(search.Pricing, "terms", lambda self, k=(), keeps=keeps: seen.update(
+            {keeps: (self.problem, terms_of(self, k))}) or seen[keeps][1])
+        monkeypatch.setattr(readout, "read_copies", lambda p, c, keeps=keeps: walked.update(
+            {keeps: read_copies(p, c)[0]}) or read_copies(p, c))
+        sf.explain(ResidualMLPStack(), torch.randn(1, 2, 256), world_size=2, in_strategy=(None,),
+                   parameter_plan=megatron_mlp_plan(2), level=2, recompute="selective")
+    (rerun, rerun_terms), (problem, terms) = seen[False], seen[True]
+    # (two captures of one model: their decisions in one order)
+    assert {n.name for n in problem.recomputed} == {n.name for n in rerun.recomputed}
+    assert [d.node.name for d in problem.decisions if d.node] == [d.node.name for d in rerun.decisions if d.node]
+    assert not any(map(rerun.keeps_reduced_for, rerun.recomputed))
+    pending_makers = 0
+    for v, d in enumerate(problem.decisions):
+        extra = terms.memory[v] - rerun_terms.memory[v]
+        assert np.array_equal(terms.compute[v], rerun_terms.compute[v])
+        kept = d.node is not None and d.node.op == "call_function" and not cm.is_view_op(d.node) \
+            and any(problem.keeps_reduced_for(u) for u in d.node.users)
+        val = d.node.meta["val"] if kept else None
+        want = [cm.local_numel(val.shape, c.outputs[0], problem.mesh_shape) * val.element_size()
+                if kept and any(q.is_partial() for q in c.outputs[0]) else 0.0 for c in d.candidates]
+        assert extra.tolist() == want, d.node
+        pending_makers += any(want)
+    assert pending_makers >= 3  # (each layer's row-parallel product, all-reduced for its residual sum)
+    # the walk keeps those copies (one a layer) from forward to the reader's backward where the reduction is kept
+    kept_copies = [g for g in walked[True] if g.backward and not g.again
+                   and all(r in problem.recomputed for r in g.readers)]
+    assert len(kept_copies) == 3 and not [g for g in walked[False] if g.backward and not g.again
+                                          and all(r in problem.recomputed for r in g.readers)]
 
 
 @pytest.mark.parametrize("share", [0.1, 10.0])
