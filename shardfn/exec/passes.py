@@ -886,6 +886,12 @@ def keep_pieces(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return joint
 
 
+def _reduces(node: torch.fx.Node) -> bool:
+    """Is ``node`` a collective that sums (an all-reduce, a reduce-scatter)?"""
+    name = str(node.target)
+    return "all_reduce" in name or "reduce_scatter" in name
+
+
 def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0, keeping_reduced: frozenset = frozenset()
                            ) -> torch.fx.GraphModule:
     """Tag the joint forward/backward graph so that AOTAutograd's partitioner computes the forward ops of each
@@ -895,9 +901,10 @@ def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0, keepi
     results: Llama-405B's level 1 held its layers' gathered activations, tens of GB a rank); random draws are kept
     (drawn again they would differ), and so are parameters gathered whole (the first ``n_params`` primals: level
     2 keeps them for backward, level 1 gathers them again anyway: :func:`regather_in_backward`). The regions of
-    ``keeping_reduced`` (recomputed selectively) keep what their collectives reduced or exchanged too (a result no
-    larger than its input: all-reduces, reduce-scatters, all-to-alls, as torchtitan's selective policy keeps
-    reduce-scatters'), and gather again (a gathered copy is the memory recompute saves)."""
+    ``keeping_reduced`` (recomputed selectively) keep what their collectives reduced too (all-reduces and
+    reduce-scatters: a sum's result, as torchtitan's selective policy keeps reduce-scatters'), and gather and
+    exchange again (a gathered copy is the memory recompute saves; an all-to-all's is as large as the value it
+    moves, which the region does not keep either)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     backward = {n for n in joint.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")}
@@ -914,7 +921,7 @@ def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0, keepi
         elif node.target is _c10d.wait_tensor.default:  # (as its collective)
             policy = node.args[0].meta.get("recompute", CheckpointPolicy.MUST_SAVE)
         elif not replayable(node) or (_is_collective(node) and (node in from_params or region in keeping_reduced
-                                                                 and "all_gather" not in str(node.target))):
+                                                                 and _reduces(node))):
             policy = CheckpointPolicy.MUST_SAVE
         else:
             policy = CheckpointPolicy.MUST_RECOMPUTE

@@ -99,8 +99,8 @@ def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], froze
     (and the value itself only where another backward reads it as made: saved.saved_until's ``copied``). Read
     through a view (a transpose), it lives as the view does: until the view's last reader, or the backward
     reads through it. Where every backward that reads it is recomputed, it is made again for them; a reader
-    recomputed selectively keeps, until its backward, a copy a collective made no larger than the value (a
-    reduction's, an all-to-all's: StrategyProblem.keeps_reduced_for)."""
+    recomputed selectively keeps, until its backward, a copy reductions alone made (:func:`reduced_copies`,
+    StrategyProblem.keeps_reduced_for)."""
     _, from_inputs = _from_inputs(problem)
     mesh, copies, copied = problem.mesh_shape, {}, set()
     kept: dict[tuple, bool] = {}  # (a copy some backward that is not recomputed reads)
@@ -122,8 +122,7 @@ def read_copies(problem: StrategyProblem, chosen) -> tuple[list[Gathered], froze
                 copy.readers.append(d.node)
                 backward = [d.node] if d.node in problem.needs_grad and \
                     reads_input(d.node, slot, problem.needs_grad) else []
-            reduced = problem.keeps_reduced_for(d.node) and bool(reduced_copies([made], [c.inputs[slot]], val.shape,
-                                                                          mesh)[0, 0])
+            reduced = problem.keeps_reduced_for(d.node) and bool(reduced_copies([made], [c.inputs[slot]], mesh)[0, 0])
             backward = [*backward, d.node] if reduced else backward  # (kept for its recompute)
             copy.backward += backward
             kept[key] = kept.get(key, False) or reduced or any(b not in problem.recomputed for b in backward)
@@ -222,8 +221,7 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     recomputed regions: 37.9e9 bytes a rank walked against 14.8e9). What a reader recomputed selectively keeps of
     a reduction's (:func:`reduced_copies`) is counted on the value reduced instead, at its pending sum's bytes
     (pricing._pending_bytes: counted here, Llama-405B's 126 layers doubled these pairs, 6,079 to 11,119, and its
-    time-bound solve found a plan of a 58 s step where it had found one of 20 s); an all-to-all's is not counted
-    (the walk counts it)."""
+    time-bound solve found a plan of a 58 s step where it had found one of 20 s)."""
     if not problem.needs_grad:
         return []
     whole = ("every edge", id(problem.decisions), id(problem.needs_grad), reshard, beyond, id(lasting),
@@ -270,12 +268,12 @@ def held_copies(problem: StrategyProblem, memo: dict, reshard: bool, beyond: flo
     return found
 
 
-def reduced_copies(made: list, read: list, shape, mesh) -> np.ndarray:
+def reduced_copies(made: list, read: list, mesh) -> np.ndarray:
     """For each layout of ``made`` (rows) and of ``read`` (columns): does reading a value made in the one in the
-    other take a collective whose result is no larger than the value (a reduction, an all-to-all), the kind a
-    region recomputed selectively keeps (exec.passes.recompute_checkpointed)? A collective: some mesh dim differs
-    where the value is not whole (from a whole value a rank slices its piece, or fills a pending sum with zeros,
-    alone)."""
+    other take reductions alone (all-reduces, reduce-scatters: each mesh dim that differs is a pending sum where it
+    is made), the collectives whose results a region recomputed selectively keeps
+    (exec.passes.recompute_checkpointed)? From a whole value a rank slices its piece alone; a gather or an
+    all-to-all on any dim is run again there, and its reader's copy not kept."""
     codes: dict = {}  # (0: Replicate; one code per distinct placement)
 
     def coded(layouts):
@@ -283,12 +281,11 @@ def reduced_copies(made: list, read: list, shape, mesh) -> np.ndarray:
                          if pl is not None else [0] * len(mesh) for pl in layouts],
                         dtype=np.int64).reshape(-1, len(mesh))
 
-    def numel(layouts):
-        return np.array([cm.local_numel(shape, pl, mesh) if pl is not None else 0 for pl in layouts], dtype=float)
-
     m, r = coded(made), coded(read)
-    moving = ((m[:, None, :] != r[None, :, :]) & (m[:, None, :] != 0)).any(-1)
-    return moving & (numel(read)[None, :] <= numel(made)[:, None])
+    pending = np.array([[p.is_partial() for p in pl] if pl is not None else [False] * len(mesh) for pl in made],
+                       dtype=bool).reshape(-1, len(mesh))
+    differs = (m[:, None, :] != r[None, :, :]) & (m[:, None, :] != 0)
+    return differs.any(-1) & ~(differs & ~pending[:, None, :]).any(-1)
 
 
 def _through_views(view: torch.fx.Node) -> list[torch.fx.Node]:

@@ -128,8 +128,8 @@ class Recompute:
     saved_bytes: int  # per-rank bytes not kept from forward to backward
     extra_s: float  # the cost model's seconds of forward computed again
     selective: bool = False  # its matmuls' and attention's results kept, the ops between them computed again
-    # what its collectives reduced or exchanged kept too, gathers run again (selectively, at levels 0 and 2; level
-    # 1, the least memory, runs every collective again)
+    # what its collectives reduced kept too, gathers and all-to-alls run again (selectively, at levels 0 and 2;
+    # level 1, the least memory, runs every collective again)
     keeps_reduced: bool = False
 
     def __post_init__(self):

@@ -305,15 +305,16 @@ def _pairs_gathering(pricing: Pricing, val, srcs, dsts, keep_split) -> np.ndarra
 
 def _moved_again(pricing: Pricing, priced, val, src_cands, out_idx, dst_cands, slot, grad_dtype, reduced_kept):
     """An edge's (matrix, forbidden) with its forward redistribution's seconds once more; ``reduced_kept``: but
-    where it is a reduction's (or an all-to-all's), whose result the reader keeps (gathered.reduced_copies; a
-    redistribution that also gathers is priced again whole, where exec gathers again and keeps the reduction)."""
+    where it is reductions alone, whose result the reader keeps (gathered.reduced_copies; a redistribution that
+    also gathers or exchanges is priced again whole, where exec runs those again and keeps the reduction)."""
     matrix, forbidden = priced
     src_keys, src_idx = _distinct([(sc.outputs[out_idx], False) for sc in src_cands])
     dst_keys, dst_idx = _distinct([(c.inputs[slot], ()) for c in dst_cands])
-    moved = pricing._edge_seconds(val, src_keys, dst_keys, False, False, grad_dtype)[np.ix_(src_idx, dst_idx)]
-    if reduced_kept:
-        moved[reduced_copies([sc.outputs[out_idx] for sc in src_cands], [c.inputs[slot] for c in dst_cands],
-                             val.shape, pricing.mesh_shape)] = 0.0
+    moved = pricing._edge_seconds(val, src_keys, dst_keys, False, False, grad_dtype)
+    if reduced_kept:  # (on the distinct layouts, as the seconds)
+        moved = np.where(reduced_copies([k for k, _ in src_keys], [k for k, _ in dst_keys], pricing.mesh_shape),
+                         0.0, moved)
+    moved = moved[np.ix_(src_idx, dst_idx)]
     moved += matrix  # (in place: Llama-405B's edges hold 41 M pairs)
     return moved, forbidden
 

@@ -67,19 +67,21 @@ class StrategyProblem:
 
     def keeps_reduced_for(self, node: torch.fx.Node) -> bool:
         """Is ``node`` recomputed in a region recomputed selectively, which keeps what collectives reduced for it
-        (a result no larger than its input: an all-reduce's, a reduce-scatter's, an all-to-all's) and gathers
-        again (exec.passes.recompute_checkpointed; gathered.reduced_copies)? Not at level 1: the least memory
+        (an all-reduce's, a reduce-scatter's) and gathers and exchanges (all-to-all) again
+        (exec.passes.recompute_checkpointed; gathered.reduced_copies)? Not at level 1: the least memory
         (Gemma-2-9B's level 1 on 8 x 8, its layers tried selectively first, walked 59.9 GiB a rank so, against
         10.3 running them again, and its search then kept no more of the regions it adds: 7.1 GiB, not 6.6)."""
         return self.selective_keeps_reduced and node in self.recomputed and self.regions.get(node) in self.selective
 
     def run_again(self, node: torch.fx.Node, ops: list) -> list:
         """Of the forward collectives ``ops`` (each with its ``kind``) that move ``node``'s operands, or are its
-        own, those the backward runs again: every one where it is recomputed, only its gathers where selectively
-        (:meth:`keeps_reduced_for`), none where it is not."""
+        own, those the backward runs again: every one where it is recomputed, all but its reductions where
+        selectively (:meth:`keeps_reduced_for`), none where it is not."""
         if node not in self.recomputed:
             return []
-        return [o for o in ops if o.kind == "all_gather"] if self.keeps_reduced_for(node) else list(ops)
+        if not self.keeps_reduced_for(node):
+            return list(ops)
+        return [o for o in ops if o.kind not in ("all_reduce", "reduce_scatter")]
 
 
 class CandidateLists:

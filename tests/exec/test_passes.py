@@ -731,8 +731,9 @@ def test_a_stage_2_plan_names_the_reductions_exec_runs_and_those_it_leaves(monke
 @pytest.mark.parametrize("keeping", [False, True])
 def test_a_region_recomputed_selectively_keeps_its_reductions_and_gathers_again(keeping):
     # recompute_checkpointed tags one region's ops: recomputed whole, every collective on an activation runs
-    # again; in a region keeping what was reduced (recomputed selectively), an all-reduce's result is saved and
-    # an all-gather's made again (the gathered copy is the memory recompute saves), their waits as they are
+    # again; in a region keeping what was reduced (recomputed selectively), an all-reduce's and a reduce-scatter's
+    # results are saved, an all-gather's and an all-to-all's made again (the copies recompute is there to save),
+    # their waits as they are
     from torch.utils.checkpoint import CheckpointPolicy
 
     from shardfn.capture.graph import CHECKPOINT_REGION
@@ -746,8 +747,15 @@ def test_a_region_recomputed_selectively_keeps_its_reductions_and_gathers_again(
     gathered = _node(g, c10d.all_gather_into_tensor.default, (a, 2, "0"), torch.empty(4, 4))
     gathered_wait = _node(g, c10d.wait_tensor.default, (gathered,), torch.empty(4, 4))
     reduced, reduced_wait = _all_reduce(g, a)
+    scattered = _node(g, c10d.reduce_scatter_tensor.default, (a, "sum", 2, "0"), torch.empty(1, 4))
+    scattered_wait = _node(g, c10d.wait_tensor.default, (scattered,), torch.empty(1, 4))
+    exchanged = _node(g, c10d.all_to_all_single.default, (a, [1, 1], [1, 1], "0"), torch.empty(2, 4))
+    exchanged_wait = _node(g, c10d.wait_tensor.default, (exchanged,), torch.empty(2, 4))
+    sums = [_node(g, aten.sum.default, (w,), torch.empty(())) for w in (reduced_wait, scattered_wait, exchanged_wait)]
     out = _node(g, aten.add.default, (_node(g, aten.gelu.default, (gathered_wait,), torch.empty(4, 4)),
-                                      _node(g, aten.sum.default, (reduced_wait,), torch.empty(()))), torch.empty(4, 4))
+                                      _node(g, aten.add.default, (sums[0], sums[1]), torch.empty(()))),
+                torch.empty(4, 4))
+    out = _node(g, aten.add.default, (out, sums[2]), torch.empty(4, 4))
     g.output((out,))
     for node in g.nodes:
         if node.op == "call_function":
@@ -755,5 +763,7 @@ def test_a_region_recomputed_selectively_keeps_its_reductions_and_gathers_again(
     recompute_checkpointed(torch.fx.GraphModule(torch.nn.Module(), g), 0, frozenset({1}) if keeping else frozenset())
     policy = {n: n.meta["recompute"] for n in g.nodes if n.op == "call_function"}
     kept = CheckpointPolicy.MUST_SAVE if keeping else CheckpointPolicy.MUST_RECOMPUTE
-    assert policy[reduced] == policy[reduced_wait] == kept
-    assert policy[gathered] == policy[gathered_wait] == policy[a] == policy[out] == CheckpointPolicy.MUST_RECOMPUTE
+    assert policy[reduced] == policy[reduced_wait] == policy[scattered] == policy[scattered_wait] == kept
+    # (an all-to-all's result is as large as what it moves: exchanged again, as gathers are)
+    assert policy[gathered] == policy[gathered_wait] == policy[exchanged] == policy[exchanged_wait] == policy[a] \
+        == policy[out] == CheckpointPolicy.MUST_RECOMPUTE

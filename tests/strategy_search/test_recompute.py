@@ -625,3 +625,20 @@ def test_a_plan_keeping_every_value_is_not_tried_where_its_least_memory_is_most_
         assert solves and all(solves) and plan.recompute
     else:
         assert solves[0] is False and plan.recompute == ()
+
+
+def test_the_copies_a_layer_recomputed_selectively_keeps_are_those_reductions_alone_make():
+    # (exec keeps all-reduces' and reduce-scatters' results there, and runs gathers and all-to-alls again)
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    from shardfn.strategy_search.gathered import reduced_copies
+
+    made = [(Partial(), Replicate()), (Partial(), Shard(0)), (Shard(0), Replicate()), (Replicate(), Replicate())]
+    read = [(Replicate(), Replicate()), (Shard(1), Replicate()), (Replicate(), Shard(0)), (Shard(1), Shard(0))]
+    kept = reduced_copies(made, read, (2, 2))
+    assert kept.tolist() == [
+        [True, True, True, True],  # (a sum reduced, or reduced and scattered; a whole dim sliced locally)
+        [False, False, True, True],  # (the pending dim alone reduced; with dim 1 gathered too: again)
+        [False, False, False, False],  # (a gather or an all-to-all: again)
+        [False, False, False, False],  # (a whole value: each rank slices its piece)
+    ]
