@@ -25,9 +25,10 @@ hand-written Llama-3-8B
 (whose 16 GB makes the memory limit bind: the budgeted search). Targets on this 2-core machine: 8B, 32 layers:
 10 s cold for transformers' model, 5 s for the hand-written one; every row within SHARDFN_SEARCH_TIME_LIMIT's
 20 s (planning from the capture's start), but DeepSeek-V3's, whose target is 60 s from the call with a gap of 1%
-at most (its row runs with the limit at 60 s unless the variable is set). The 405B's row ends within about two
-seconds of its 20 (capture 3, candidates 4.6-5, pricing 4.9-5.4, the solves 5-6, the read-out 1.1), and its solve,
-left little time, keeps a shortlist of each large decision (its plan then has no bound: "gap" prints inf).
+at most (its row runs with the limit at 60 s unless the variable is set). The 405B's row ends at about its 20 s
+(capture 2.4-2.7, candidates 2.7 cold and 0.5 warm, pricing 4.0, the recompute try's pricing 2, the solve what is
+left, the read-out 1.1-1.4), and its solve, left little time, keeps a shortlist of each large decision (its plan
+then has no bound: "gap" prints inf).
 """
 
 import argparse
