@@ -187,7 +187,7 @@ class Pricing:
             keep = 0 if view else _kept_share(d.node, grad, self, share)
         dtype = vals[0].dtype if vals else torch.float32
         grad_dtype = self.grad_dtypes.get(d.node)
-        # (its forward collectives run again in backward: exec's recompute; selectively, only gathers)
+        # (its forward collectives run again in backward: exec's recompute; selectively, all but reductions)
         again = (d.node in p.recomputed, p.keeps_reduced_for(d.node))
         reduced = not view and not placeholder and any(p.keeps_reduced_for(u) for u in d.node.users)
         key = (id(d.candidates), placeholder, flops, nbytes, factor, keep, dtype, held, grad, self.optimizer_stage,
@@ -372,10 +372,9 @@ def _recomputed_share(problem: StrategyProblem) -> float:
 
 def _pending_bytes(candidates: list[Candidate], vals: list, mesh_shape) -> np.ndarray:
     """Per candidate, the bytes of its outputs left pending sums: what a reader recomputed selectively keeps of
-    their reduction until its backward (StrategyProblem.keeps_reduced_for) is no larger. Counted on the maker, as
-    the walk counts the reader's copy (gathered.read_copies): on the edge, these pairs had doubled Llama-405B's
-    (gathered.held_copies); uncounted, its level-2 plans walked 81-94e9 bytes a rank against 62-80e9 priced, over
-    its 80e9, and the search fell back to recomputing every layer whole (a step of 23.9 s against 19.2-20.3)."""
+    their reduction until its backward (StrategyProblem.keeps_reduced_for; the walk counts the reader's copy,
+    gathered.read_copies) is no larger, an all-reduce's as large, a reduce-scatter's smaller. Counted on the maker:
+    on the edge, these pairs doubled Llama-405B's (gathered.held_copies) and slowed its time-bound solve."""
     return np.array([sum(cm.local_numel(v.shape, pl, mesh_shape) * v.element_size()
                          for v, pl in zip(vals, c.outputs) if pl is not None and any(q.is_partial() for q in pl))
                      for c in candidates], dtype=float)
