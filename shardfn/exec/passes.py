@@ -35,6 +35,7 @@ import torch.fx
 from .. import _pytree_internals as pytree
 from ..capture.graph import checkpoint_region, is_in_place, is_seeded, is_view, made_from_alone, replayable
 from ..strategy_search.buckets import assign_buckets, bucket_bytes
+from ..strategy_search.problem import REDUCTIONS
 from ._graph_internals import MADE_WHOLE, held_elsewhere
 from .filled_pieces import fill_pieces
 
@@ -889,7 +890,7 @@ def keep_pieces(joint: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def _reduces(node: torch.fx.Node) -> bool:
     """Is ``node`` a collective that sums (an all-reduce, a reduce-scatter)?"""
     name = str(node.target)
-    return "all_reduce" in name or "reduce_scatter" in name
+    return any(kind in name for kind in REDUCTIONS)
 
 
 def recompute_checkpointed(joint: torch.fx.GraphModule, n_params: int = 0, keeping_reduced: frozenset = frozenset()

@@ -31,7 +31,11 @@ from .candidates import (
 from .registry import REGISTRY
 from .request import PlanRequest
 
-__all__ = ["Decision", "StrategyProblem", "build_problem", "computed_from", "splits"]
+__all__ = ["REDUCTIONS", "Decision", "StrategyProblem", "build_problem", "computed_from", "splits"]
+
+# the collectives whose results a region recomputed selectively keeps (StrategyProblem.keeps_reduced_for; exec
+# reads the same kinds in its collectives' names)
+REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 Placements = tuple[Placement, ...]
 
@@ -81,7 +85,7 @@ class StrategyProblem:
             return []
         if not self.keeps_reduced_for(node):
             return list(ops)
-        return [o for o in ops if o.kind not in ("all_reduce", "reduce_scatter")]
+        return [o for o in ops if o.kind not in REDUCTIONS]
 
 
 class CandidateLists:
